@@ -1,0 +1,44 @@
+//! `kvbridge`: the command-line tool over the kvbridge crates.
+//!
+//! Each subcommand lives in its own module; `main` only parses arguments,
+//! sets up logging (to stderr; stdout is reserved for machine-readable
+//! output) and dispatches.
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+mod wire_cmd;
+
+/// Moves the KV cache of LLM requests from prefill GPUs to decode GPUs.
+#[derive(Debug, Parser)]
+#[command(name = "kvbridge", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Decode or encode wire messages as JSON (contracts/wire-cli.md).
+    #[command(subcommand)]
+    Wire(wire_cmd::WireCommand),
+    // Further subcommands are added here, one line each.
+}
+
+fn init_logging() {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("KVBRIDGE_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
+}
+
+fn main() -> ExitCode {
+    init_logging();
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Wire(cmd) => wire_cmd::run(cmd),
+    }
+}

@@ -1,0 +1,87 @@
+//! `cargo xtask`: the project's own automation.
+//!
+//! - `cargo xtask ci`: installs the system packages the build needs (when
+//!   missing and running as root), then runs what CI runs: formatting check,
+//!   clippy with warnings denied, and the whole test suite.
+
+use std::process::{Command, ExitCode};
+
+use anyhow::{Context, Result, bail};
+
+/// Debian packages the workspace needs to build and test.
+const SYSTEM_PACKAGES: &[&str] = &["build-essential", "pkg-config"];
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let result = match args.first().map(String::as_str) {
+        Some("ci") => ci(),
+        Some("install-deps") => install_system_packages(),
+        _ => {
+            eprintln!("usage: cargo xtask <ci|install-deps>");
+            return ExitCode::from(2);
+        }
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("xtask: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(program: &str, args: &[&str]) -> Result<()> {
+    eprintln!("xtask: running {program} {}", args.join(" "));
+    let status = Command::new(program)
+        .args(args)
+        .status()
+        .with_context(|| format!("cannot start {program}"))?;
+    if !status.success() {
+        bail!("{program} {} failed with {status}", args.join(" "));
+    }
+    Ok(())
+}
+
+fn package_installed(name: &str) -> bool {
+    Command::new("dpkg-query")
+        .args(["-W", "-f=${Status}", name])
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).contains("install ok installed"))
+        .unwrap_or(false)
+}
+
+fn install_system_packages() -> Result<()> {
+    let missing: Vec<&str> = SYSTEM_PACKAGES
+        .iter()
+        .copied()
+        .filter(|p| !package_installed(p))
+        .collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    let is_root = Command::new("id")
+        .arg("-u")
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
+        .unwrap_or(false);
+    if !is_root {
+        bail!(
+            "missing system packages {missing:?}: run `sudo apt-get install -y {}`",
+            missing.join(" ")
+        );
+    }
+    run("apt-get", &["update", "-qq"])?;
+    let mut args = vec!["install", "-y", "-qq"];
+    args.extend(&missing);
+    run("apt-get", &args)
+}
+
+fn ci() -> Result<()> {
+    install_system_packages()?;
+    run("cargo", &["fmt", "--all", "--", "--check"])?;
+    run(
+        "cargo",
+        &["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"],
+    )?;
+    run("cargo", &["test", "--workspace"])
+}
