@@ -4,3 +4,4 @@
 //! on one crate; each layer is also usable on its own.
 
 pub use kvbridge_wire as wire;
+pub use kvbridge_plan as plan;

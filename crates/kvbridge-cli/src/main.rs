@@ -8,6 +8,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+mod plan_cmd;
 mod wire_cmd;
 
 /// Moves the KV cache of LLM requests from prefill GPUs to decode GPUs.
@@ -23,6 +24,8 @@ enum Command {
     /// Decode or encode wire messages as JSON (contracts/wire-cli.md).
     #[command(subcommand)]
     Wire(wire_cmd::WireCommand),
+    /// Plan one chunk of a scenario and print its blocks (contracts/plan-scenario.md).
+    Plan(plan_cmd::PlanArgs),
     // Further subcommands are added here, one line each.
 }
 
@@ -40,5 +43,6 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
         Command::Wire(cmd) => wire_cmd::run(cmd),
+        Command::Plan(args) => plan_cmd::run(args),
     }
 }

@@ -1,0 +1,58 @@
+//! The four large benchmark scenarios (`synthetic::LargeCase`) plan to the
+//! results sglang's code path produces for them: block count, bytes and a
+//! digest of the canonical block list, recorded from the seed + sglang 0.5.23
+//! helpers when the cases were written (their full results are megabytes).
+
+#![allow(clippy::unwrap_used)] // tests unwrap what they construct
+
+use kvbridge_plan::synthetic::LargeCase;
+use kvbridge_plan::{canonicalize, plan_scenario};
+
+fn digest(blocks: &[kvbridge_plan::Block]) -> (usize, u64, u64) {
+    let mut h: u64 = 0;
+    let mut bytes = 0;
+    for b in blocks {
+        for x in [b.src, b.dst, b.len] {
+            h = h.wrapping_mul(1_099_511_628_211) ^ x;
+        }
+        bytes += b.len;
+    }
+    (blocks.len(), bytes, h)
+}
+
+fn check(case: LargeCase, expected: (usize, u64, u64)) {
+    let blocks = plan_scenario(&case.scenario()).unwrap();
+    assert_eq!(digest(&canonicalize(&blocks)), expected, "{}", case.name());
+}
+
+#[test]
+fn mha_equal_tp_128k() {
+    check(
+        LargeCase::MhaEqualTp128k,
+        (1_757_921, 5_368_713_216, 0xf162_d1f2_4719_7000),
+    );
+}
+
+#[test]
+fn head_slice_tp8_to_2() {
+    check(
+        LargeCase::HeadSliceTp8To2,
+        (3_145_729, 805_310_464, 0x4d33_6e82_3a01_1000),
+    );
+}
+
+#[test]
+fn mla_dcp4_draft() {
+    check(
+        LargeCase::MlaDcp4Draft,
+        (499_762, 613_421_056, 0xb7d0_a9b4_bdc7_a900),
+    );
+}
+
+#[test]
+fn mla_dsa_128k() {
+    check(
+        LargeCase::MlaDsa128k,
+        (32_819, 6_300_372_992, 0xc11c_8094_ca85_ec00),
+    );
+}
