@@ -5,7 +5,9 @@
 use std::borrow::Cow;
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
-use kvbridge::wire::{Limits, PackedArray, PackedLists, Register, ToPrefill, Transfer, TransferPages};
+use kvbridge::wire::{
+    Limits, PackedArray, PackedLists, Register, ToPrefill, Transfer, TransferPages,
+};
 
 fn registration() -> Register<'static> {
     let kv: Vec<u64> = (0..160).map(|i| 0x7f00_0000_0000 + i * (1 << 30)).collect();
@@ -66,13 +68,19 @@ fn bench(c: &mut Criterion) {
             b.iter(|| std::hint::black_box(ToPrefill::decode(f, &Limits::DEFAULT)))
         });
         // Decoding plus reading every index out of the zero-copy view.
-        group.bench_with_input(BenchmarkId::new("decode_and_read", name), &frames, |b, f| {
-            b.iter(|| match ToPrefill::decode(f, &Limits::DEFAULT) {
-                Ok(ToPrefill::Transfer(t)) => t.pages.map_or(0, |p| p.dst_kv_indices.iter().map(i64::from).sum::<i64>()),
-                Ok(ToPrefill::Register(r)) => r.dst_kv_ptrs.iter().map(|p| p as i64).sum(),
-                _ => 0,
-            })
-        });
+        group.bench_with_input(
+            BenchmarkId::new("decode_and_read", name),
+            &frames,
+            |b, f| {
+                b.iter(|| match ToPrefill::decode(f, &Limits::DEFAULT) {
+                    Ok(ToPrefill::Transfer(t)) => t
+                        .pages
+                        .map_or(0, |p| p.dst_kv_indices.iter().map(i64::from).sum::<i64>()),
+                    Ok(ToPrefill::Register(r)) => r.dst_kv_ptrs.iter().map(|p| p as i64).sum(),
+                    _ => 0,
+                })
+            },
+        );
     }
     group.finish();
 }

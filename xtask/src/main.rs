@@ -81,7 +81,14 @@ fn ci() -> Result<()> {
     run("cargo", &["fmt", "--all", "--", "--check"])?;
     run(
         "cargo",
-        &["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"],
+        &[
+            "clippy",
+            "--workspace",
+            "--all-targets",
+            "--",
+            "-D",
+            "warnings",
+        ],
     )?;
     run("cargo", &["test", "--workspace"])
 }
