@@ -8,6 +8,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+mod bench_cmd;
 mod plan_cmd;
 mod wire_cmd;
 
@@ -24,6 +25,9 @@ enum Command {
     /// Decode or encode wire messages as JSON (contracts/wire-cli.md).
     #[command(subcommand)]
     Wire(wire_cmd::WireCommand),
+    /// Measure transfer engines.
+    #[command(subcommand)]
+    Bench(bench_cmd::BenchCommand),
     /// Plan one chunk of a scenario and print its blocks (contracts/plan-scenario.md).
     Plan(plan_cmd::PlanArgs),
     // Further subcommands are added here, one line each.
@@ -43,6 +47,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
         Command::Wire(cmd) => wire_cmd::run(cmd),
+        Command::Bench(cmd) => bench_cmd::run(cmd),
         Command::Plan(args) => plan_cmd::run(args),
     }
 }

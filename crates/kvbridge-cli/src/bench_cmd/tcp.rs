@@ -1,0 +1,349 @@
+//! `kvbridge bench tcp`: two processes on 127.0.0.1.
+//!
+//! The initiator (this process) spawns the target (`current_exe() bench tcp
+//! --serve`), which registers one host buffer, prints `READY <session>` and
+//! then answers `VERIFY <seed> <bytes>` lines on stdin with `OK` or
+//! `BAD <offset>`. Per block size the initiator fills its source with a
+//! pattern, moves about `--bytes` bytes `--runs` times (batches of
+//! `--batch-blocks` blocks, `--inflight` batches in flight), has the target
+//! verify the first run, and reports the best run.
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::time::Instant;
+
+use anyhow::{Context, Result, bail};
+use clap::Args;
+use kvbridge_engine::{Block, EngineConfig, TcpEngine, TransferEngine};
+use kvbridge_mem::HostBuffer;
+
+/// Options of `kvbridge bench tcp`.
+#[derive(Debug, Clone, Args)]
+pub struct TcpArgs {
+    /// Print one JSON object per block size on stdout.
+    #[arg(long)]
+    json: bool,
+    /// Timed runs per block size (the best is reported).
+    #[arg(long, default_value_t = 3)]
+    runs: u32,
+    /// Bytes moved per run (and size of both buffers).
+    #[arg(long, default_value_t = 1 << 30)]
+    bytes: u64,
+    /// Block sizes in bytes, comma-separated.
+    #[arg(long, value_delimiter = ',', default_values_t = [4096u64, 65536, 1 << 20, 16 << 20])]
+    sizes: Vec<u64>,
+    /// Blocks per submitted batch.
+    #[arg(long, default_value_t = 1024)]
+    batch_blocks: usize,
+    /// Batches in flight at once.
+    #[arg(long, default_value_t = 4)]
+    inflight: usize,
+    /// Connections per peer (default: the engine's).
+    #[arg(long)]
+    connections: Option<usize>,
+    /// Coalescing threshold in bytes (default: the engine's).
+    #[arg(long)]
+    coalesce_threshold: Option<usize>,
+    /// Target payload bytes per request (default: the engine's).
+    #[arg(long)]
+    request_bytes: Option<usize>,
+    /// Requests in flight per connection (default: the engine's).
+    #[arg(long)]
+    pipeline_depth: Option<usize>,
+    /// Cluster secret for both processes (exercises authentication).
+    #[arg(long)]
+    secret: Option<String>,
+    /// Skip the byte verification.
+    #[arg(long)]
+    no_verify: bool,
+    /// Run as the target process (spawned by the initiator).
+    #[arg(long, hide = true)]
+    serve: bool,
+}
+
+impl TcpArgs {
+    fn engine_config(&self) -> EngineConfig {
+        let d = EngineConfig::default();
+        EngineConfig {
+            listen_host: "127.0.0.1".into(),
+            connections_per_peer: self.connections.unwrap_or(d.connections_per_peer),
+            coalesce_threshold: self.coalesce_threshold.unwrap_or(d.coalesce_threshold),
+            request_bytes: self.request_bytes.unwrap_or(d.request_bytes),
+            pipeline_depth: self.pipeline_depth.unwrap_or(d.pipeline_depth),
+            secret: self.secret.clone(),
+            ..d
+        }
+    }
+}
+
+/// Fill `buf` with the pattern of `seed` (a SplitMix64 stream per 8-byte word).
+fn fill(buf: &mut [u8], seed: u64) {
+    for (w, chunk) in buf.chunks_mut(8).enumerate() {
+        let v = splitmix(seed ^ (w as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)).to_le_bytes();
+        chunk.copy_from_slice(&v[..chunk.len()]);
+    }
+}
+
+/// First offset in `buf` that differs from the pattern of `seed`.
+fn first_mismatch(buf: &[u8], seed: u64) -> Option<usize> {
+    for (w, chunk) in buf.chunks(8).enumerate() {
+        let v = splitmix(seed ^ (w as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)).to_le_bytes();
+        if chunk != &v[..chunk.len()] {
+            let i = chunk.iter().zip(v).position(|(a, b)| *a != b).unwrap_or(0);
+            return Some(w * 8 + i);
+        }
+    }
+    None
+}
+
+fn splitmix(x: u64) -> u64 {
+    let mut z = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// Entry point: initiator, or target with `--serve`.
+pub fn run(args: TcpArgs) -> Result<()> {
+    if args.serve {
+        return serve(&args);
+    }
+    initiate(&args)
+}
+
+fn buffer(bytes: u64) -> Result<HostBuffer> {
+    let len = usize::try_from(bytes).context("--bytes too large")?;
+    let mut b = HostBuffer::new(len).context("allocating the buffer")?;
+    // Fault the pages in now, not during the first timed run.
+    b.as_mut_slice().fill(0);
+    Ok(b)
+}
+
+fn serve(args: &TcpArgs) -> Result<()> {
+    let engine = TcpEngine::new(args.engine_config()).context("starting the tcp engine")?;
+    let buf = buffer(args.bytes)?;
+    // SAFETY: `buf` lives until the end of this function and is deregistered
+    // before it is dropped; it is only read (VERIFY) between transfers, when
+    // the initiator has waited for every batch.
+    unsafe { engine.batch_register(&[buf.region()]) }.context("registering the buffer")?;
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "READY {} {}", engine.session_id(), buf.addr())?;
+    out.flush()?;
+    for line in std::io::stdin().lock().lines() {
+        let line = line?;
+        let parts: Vec<&str> = line.split_whitespace().collect();
+        match parts.as_slice() {
+            ["VERIFY", seed, bytes] => {
+                let seed: u64 = seed.parse()?;
+                let n = usize::try_from(bytes.parse::<u64>()?)?.min(buf.len());
+                match first_mismatch(&buf.as_slice()[..n], seed) {
+                    None => writeln!(out, "OK")?,
+                    Some(off) => writeln!(out, "BAD {off}")?,
+                }
+                out.flush()?;
+            }
+            ["QUIT"] => break,
+            _ => bail!("target: unknown command {line:?}"),
+        }
+    }
+    engine.batch_deregister(&[buf.addr()])?;
+    let s = engine.stats();
+    tracing::info!(bytes_received = s.bytes_received, "bench target done");
+    Ok(())
+}
+
+struct Target {
+    child: Child,
+    stdin: ChildStdin,
+    stdout: BufReader<ChildStdout>,
+    session: String,
+    /// Address of the target's registered buffer.
+    addr: u64,
+}
+
+impl Target {
+    fn spawn(args: &TcpArgs) -> Result<Self> {
+        let exe = std::env::current_exe().context("locating the kvbridge binary")?;
+        let mut cmd = Command::new(exe);
+        cmd.args([
+            "bench",
+            "tcp",
+            "--serve",
+            "--bytes",
+            &args.bytes.to_string(),
+        ]);
+        let cfg = args.engine_config();
+        cmd.args(["--coalesce-threshold", &cfg.coalesce_threshold.to_string()]);
+        if let Some(s) = &args.secret {
+            cmd.args(["--secret", s]);
+        }
+        let mut child = cmd
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .context("spawning the target process")?;
+        let stdin = child.stdin.take().context("target stdin")?;
+        let mut stdout = BufReader::new(child.stdout.take().context("target stdout")?);
+        let mut line = String::new();
+        stdout.read_line(&mut line)?;
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        let (session, addr) = match fields.as_slice() {
+            ["READY", session, addr] => ((*session).to_owned(), addr.parse::<u64>()?),
+            _ => bail!("target did not start: {line:?}"),
+        };
+        Ok(Self {
+            child,
+            stdin,
+            stdout,
+            session,
+            addr,
+        })
+    }
+
+    fn verify(&mut self, seed: u64, bytes: u64) -> Result<()> {
+        writeln!(self.stdin, "VERIFY {seed} {bytes}")?;
+        self.stdin.flush()?;
+        let mut line = String::new();
+        self.stdout.read_line(&mut line)?;
+        match line.trim() {
+            "OK" => Ok(()),
+            other => bail!("target found wrong bytes: {other}"),
+        }
+    }
+}
+
+impl Drop for Target {
+    fn drop(&mut self) {
+        let _ = writeln!(self.stdin, "QUIT");
+        let _ = self.stdin.flush();
+        let _ = self.child.wait();
+    }
+}
+
+/// One block size's best run.
+#[derive(Debug, serde::Serialize)]
+struct Row {
+    block_size: u64,
+    bytes: u64,
+    seconds: f64,
+    gbps: f64,
+    blocks_per_s: f64,
+    runs_gbps: Vec<f64>,
+    verified: bool,
+}
+
+fn initiate(args: &TcpArgs) -> Result<()> {
+    if args.runs == 0 || args.batch_blocks == 0 || args.inflight == 0 {
+        bail!("--runs, --batch-blocks and --inflight must be positive");
+    }
+    let mut target = Target::spawn(args)?;
+    let engine = TcpEngine::new(args.engine_config()).context("starting the tcp engine")?;
+    let mut src = buffer(args.bytes)?;
+    let base = src.addr();
+    // SAFETY: `src` outlives the engine's use of it: it is deregistered below
+    // before being dropped, and only written between runs.
+    unsafe { engine.batch_register(&[src.region()]) }.context("registering the source")?;
+    let dst_base = target.addr;
+    let mut rows = Vec::new();
+    for &size in &args.sizes {
+        if size == 0 || size > args.bytes {
+            bail!("block size {size} must be in 1..=--bytes");
+        }
+        let n = args.bytes / size;
+        let blocks: Vec<Block> = (0..n)
+            .map(|i| Block {
+                src: base + i * size,
+                dst: dst_base + i * size,
+                len: size,
+            })
+            .collect();
+        fill(src.as_mut_slice(), size);
+        let mut times = Vec::new();
+        for run in 0..args.runs {
+            let t = Instant::now();
+            let mut pending = std::collections::VecDeque::new();
+            for chunk in blocks.chunks(args.batch_blocks) {
+                if pending.len() >= args.inflight {
+                    let h: kvbridge_engine::BatchHandle = pending.pop_front().context("window")?;
+                    h.wait().context("transfer failed")?;
+                }
+                pending.push_back(engine.submit(&target.session, chunk));
+            }
+            for h in pending {
+                h.wait().context("transfer failed")?;
+            }
+            let secs = t.elapsed().as_secs_f64();
+            times.push(secs);
+            if run == 0 && !args.no_verify {
+                target.verify(size, n * size)?;
+            }
+        }
+        let best = times.iter().copied().fold(f64::INFINITY, f64::min);
+        let bytes = n * size;
+        rows.push(Row {
+            block_size: size,
+            bytes,
+            seconds: best,
+            gbps: bytes as f64 / best / 1e9,
+            blocks_per_s: n as f64 / best,
+            runs_gbps: times.iter().map(|s| bytes as f64 / s / 1e9).collect(),
+            verified: !args.no_verify,
+        });
+    }
+    engine.batch_deregister(&[base])?;
+    drop(target);
+    print_rows(args, &rows)?;
+    Ok(())
+}
+
+fn print_rows(args: &TcpArgs, rows: &[Row]) -> Result<()> {
+    eprintln!(
+        "{:>10} {:>12} {:>9} {:>8} {:>12}  runs (GB/s)",
+        "block", "bytes", "best s", "GB/s", "blocks/s"
+    );
+    for r in rows {
+        let runs: Vec<String> = r.runs_gbps.iter().map(|g| format!("{g:.2}")).collect();
+        eprintln!(
+            "{:>10} {:>12} {:>9.4} {:>8.3} {:>12.0}  {}",
+            human(r.block_size),
+            r.bytes,
+            r.seconds,
+            r.gbps,
+            r.blocks_per_s,
+            runs.join(" ")
+        );
+    }
+    if args.json {
+        let mut out = std::io::stdout().lock();
+        for r in rows {
+            writeln!(out, "{}", serde_json::to_string(r)?)?;
+        }
+    }
+    Ok(())
+}
+
+fn human(n: u64) -> String {
+    match n {
+        n if n >= 1 << 20 && n % (1 << 20) == 0 => format!("{} MiB", n >> 20),
+        n if n >= 1 << 10 && n % (1 << 10) == 0 => format!("{} KiB", n >> 10),
+        n => format!("{n} B"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pattern_detects_misplaced_bytes() {
+        let mut a = vec![0u8; 1003];
+        fill(&mut a, 4096);
+        assert_eq!(first_mismatch(&a, 4096), None);
+        assert_eq!(first_mismatch(&a, 65536), Some(0));
+        a[1001] ^= 1;
+        assert_eq!(first_mismatch(&a, 4096), Some(1001));
+        assert_eq!(human(4096), "4 KiB");
+        assert_eq!(human(16 << 20), "16 MiB");
+    }
+}

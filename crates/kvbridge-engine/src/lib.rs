@@ -1,0 +1,119 @@
+//! # kvbridge-engine
+//!
+//! The one door through which kvbridge moves bytes between processes: the
+//! [`TransferEngine`] trait, modelled on what sglang's Mooncake connector asks
+//! of the Mooncake transfer engine (`get_session_id`, `batch_register`,
+//! `batch_deregister`, `batch_transfer_sync`, `send_probe`), and its backends:
+//! [`LoopbackEngine`] (in-process, for tests) and [`TcpEngine`] (the default
+//! on every machine and the cross-node fallback; see `docs/engines.md`).
+//!
+//! **Owns:** sessions (`host:port`), memory registration with the engine,
+//! batches of [`Block`]s, the data-plane sockets, the TCP framing,
+//! coalescing, authentication and timeouts, and typed [`TransferError`]s.
+//!
+//! **Never:** knows about rooms, requests, layouts or the zmq control plane
+//! (that is `kvbridge-roles`), panics on peer input, writes a byte outside a
+//! region registered with it (every destination of a request is checked
+//! before any byte is written), or blocks forever on a dead peer (every
+//! connect and read has a timeout). Memory is read and written only through
+//! `kvbridge-mem` regions; device memory is staged through host memory by
+//! the per-kind [`kvbridge_mem::MemoryAccess`].
+//!
+//! ```
+//! use kvbridge_engine::{Block, LoopbackEngine, TransferEngine};
+//! use kvbridge_mem::HostBuffer;
+//! let (a, b) = (LoopbackEngine::new(), LoopbackEngine::new());
+//! let mut src = HostBuffer::new(4096).unwrap();
+//! let dst = HostBuffer::new(4096).unwrap();
+//! src.as_mut_slice()[..5].copy_from_slice(b"hello");
+//! // SAFETY: both buffers stay alive until they are deregistered below and
+//! // are not borrowed while the transfer runs.
+//! unsafe {
+//!     a.batch_register(&[src.region()]).unwrap();
+//!     b.batch_register(&[dst.region()]).unwrap();
+//! }
+//! let blocks = [Block { src: src.addr(), dst: dst.addr() + 100, len: 5 }];
+//! a.batch_transfer_sync(b.session_id(), &blocks).unwrap();
+//! assert_eq!(&dst.as_slice()[100..105], b"hello");
+//! a.batch_deregister(&[src.addr()]).unwrap();
+//! b.batch_deregister(&[dst.addr()]).unwrap();
+//! ```
+
+mod batch;
+mod config;
+mod error;
+mod loopback;
+pub mod tcp;
+
+pub use batch::BatchHandle;
+pub use config::EngineConfig;
+pub use error::{ErrorKind, Side, TransferError};
+pub use kvbridge_mem::{MemError, MemoryKind, Region};
+pub use loopback::LoopbackEngine;
+pub use tcp::{EngineStats, TcpEngine};
+
+/// One contiguous copy: `len` bytes from local `src` to the peer's `dst`.
+///
+/// Layout-identical to the planner's block, so `bytemuck::cast_slice` turns
+/// a planned `&[plan::Block]` into `&[Block]` without copying.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default, bytemuck::Pod, bytemuck::Zeroable)]
+pub struct Block {
+    /// Source address in local registered memory.
+    pub src: u64,
+    /// Destination address in the peer's registered memory.
+    pub dst: u64,
+    /// Number of bytes.
+    pub len: u64,
+}
+
+/// A transfer engine: moves batches of blocks from local registered memory
+/// into a peer's registered memory.
+///
+/// Object-safe; roles hold an `Arc<dyn TransferEngine>`.
+pub trait TransferEngine: Send + Sync + std::fmt::Debug {
+    /// This engine's session id, `"host:port"`, which peers pass to reach it.
+    fn session_id(&self) -> &str;
+
+    /// Register `(ptr, len)` regions so peers may write into them and local
+    /// batches may read from them. Exact duplicates are registered once;
+    /// overlapping different regions are refused; all-or-nothing.
+    ///
+    /// # Safety
+    /// Each range must stay valid, readable and writable memory (of the kind
+    /// `kvbridge_mem::probe_kind` reports) until it is deregistered or the
+    /// engine is dropped, and nothing else may write the bytes a transfer is
+    /// reading or writing while it runs, nor hold Rust references to bytes a
+    /// peer may be writing.
+    unsafe fn batch_register(&self, regions: &[(u64, u64)]) -> Result<(), MemError>;
+
+    /// Deregister the regions starting at `addrs`. Returns once no transfer
+    /// touches them any more; see [`kvbridge_mem::RegionRegistry::deregister`].
+    fn batch_deregister(&self, addrs: &[u64]) -> Result<(), MemError>;
+
+    /// Start moving `blocks` to `session` and return at once; the handle
+    /// reports completion (all bytes in the peer's memory) or the first error.
+    fn submit(&self, session: &str, blocks: &[Block]) -> BatchHandle;
+
+    /// Move `blocks` to `session`; returns when every byte is in the peer's
+    /// memory, or with the first error.
+    fn batch_transfer_sync(&self, session: &str, blocks: &[Block]) -> Result<(), TransferError> {
+        self.submit(session, blocks).wait()
+    }
+
+    /// Check that `session` is reachable and answering now (fresh connection
+    /// and handshake); used to un-blacklist failed sessions.
+    fn probe(&self, session: &str) -> Result<(), TransferError>;
+
+    /// The regions registered with this engine.
+    fn registered_regions(&self) -> Vec<Region>;
+
+    /// Copy `out.len()` bytes of local registered memory at `addr` into `out`
+    /// (e.g. aux data to ship over the control plane); bounds-checked.
+    fn read_local(&self, addr: u64, out: &mut [u8]) -> Result<(), MemError>;
+
+    /// Write `data` into local registered memory at `addr` (e.g. host blocks
+    /// that arrived over the control plane); refused unless the whole range
+    /// lies inside one registered region.
+    fn write_local(&self, addr: u64, data: &[u8]) -> Result<(), MemError>;
+}

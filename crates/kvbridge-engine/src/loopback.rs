@@ -1,0 +1,168 @@
+//! The in-process loopback engine, for tests: engines find each other by
+//! session id in a process-wide directory and copy with plain CPU copies.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock, Weak};
+
+use kvbridge_mem::{MemError, Region, RegionRegistry, access_for};
+use parking_lot::{Mutex, RwLock};
+
+use crate::{BatchHandle, Block, ErrorKind, Side, TransferEngine, TransferError};
+
+struct Shared {
+    session: String,
+    regions: RwLock<RegionRegistry>,
+}
+
+type Directory = Mutex<HashMap<String, Weak<Shared>>>;
+
+fn directory() -> &'static Directory {
+    static DIR: OnceLock<Directory> = OnceLock::new();
+    DIR.get_or_init(Default::default)
+}
+
+/// An in-process engine; its session id is `"loopback:N"`. Dropping it (or
+/// [`LoopbackEngine::shutdown`]) makes it unreachable, like a dead peer.
+pub struct LoopbackEngine {
+    shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for LoopbackEngine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LoopbackEngine")
+            .field("session", &self.shared.session)
+            .finish()
+    }
+}
+
+impl Default for LoopbackEngine {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl LoopbackEngine {
+    /// A new engine with a fresh session id, reachable by every other loopback engine.
+    pub fn new() -> Self {
+        static NEXT: AtomicU64 = AtomicU64::new(1);
+        let session = format!("loopback:{}", NEXT.fetch_add(1, Ordering::Relaxed));
+        let shared = Arc::new(Shared {
+            session: session.clone(),
+            regions: RwLock::new(RegionRegistry::new()),
+        });
+        directory().lock().insert(session, Arc::downgrade(&shared));
+        Self { shared }
+    }
+
+    /// Leave the directory: peers now see this engine as unreachable.
+    pub fn shutdown(&self) {
+        directory().lock().remove(&self.shared.session);
+    }
+
+    fn transfer(&self, session: &str, blocks: &[Block]) -> Result<(), TransferError> {
+        let err = |block, kind, detail: String| TransferError::new(session, block, kind, detail);
+        let local = self.shared.regions.read_recursive();
+        let mut srcs = Vec::with_capacity(blocks.len());
+        for (i, b) in blocks.iter().enumerate() {
+            let r = local
+                .check(b.src, b.len)
+                .map_err(|e| err(Some(i), ErrorKind::OutOfRegion(Side::Local), e.to_string()))?;
+            srcs.push(r.kind);
+        }
+        let peer = directory()
+            .lock()
+            .get(session)
+            .and_then(Weak::upgrade)
+            .ok_or_else(|| {
+                err(
+                    None,
+                    ErrorKind::Unreachable,
+                    "no such loopback engine".into(),
+                )
+            })?;
+        let remote = peer.regions.read_recursive();
+        let mut dsts = Vec::with_capacity(blocks.len());
+        for (i, b) in blocks.iter().enumerate() {
+            let r = remote
+                .check(b.dst, b.len)
+                .map_err(|e| err(Some(i), ErrorKind::OutOfRegion(Side::Remote), e.to_string()))?;
+            dsts.push(r.kind);
+        }
+        let mut staging = Vec::new();
+        for (i, b) in blocks.iter().enumerate() {
+            let (sk, dk) = (srcs[i], dsts[i]);
+            let len = usize::try_from(b.len)
+                .map_err(|_| err(Some(i), ErrorKind::InvalidArgument, "block too long".into()))?;
+            if sk.is_host_accessible() && dk.is_host_accessible() {
+                let src = std::ptr::with_exposed_provenance::<u8>(b.src as usize);
+                let dst = std::ptr::with_exposed_provenance_mut::<u8>(b.dst as usize);
+                // SAFETY: both ranges were checked above to lie inside
+                // registered host-accessible regions, whose registration
+                // contract keeps them valid; the read guards held here keep
+                // them registered; `ptr::copy` allows src/dst overlap.
+                unsafe { std::ptr::copy(src, dst, len) };
+            } else {
+                staging.resize(len, 0);
+                // SAFETY: the ranges are inside registered regions of kinds
+                // `sk` / `dk`, kept registered by the guards held here.
+                let r = unsafe {
+                    access_for(sk)
+                        .read(b.src, &mut staging)
+                        .and_then(|()| access_for(dk).write(b.dst, &staging))
+                };
+                r.map_err(|e| err(Some(i), ErrorKind::Io, e.to_string()))?;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Drop for LoopbackEngine {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+impl TransferEngine for LoopbackEngine {
+    fn session_id(&self) -> &str {
+        &self.shared.session
+    }
+
+    unsafe fn batch_register(&self, regions: &[(u64, u64)]) -> Result<(), MemError> {
+        // SAFETY: forwarded caller contract.
+        unsafe { self.shared.regions.write().register(regions) }.map(|_| ())
+    }
+
+    fn batch_deregister(&self, addrs: &[u64]) -> Result<(), MemError> {
+        self.shared.regions.write().deregister(addrs)
+    }
+
+    fn submit(&self, session: &str, blocks: &[Block]) -> BatchHandle {
+        BatchHandle::ready(self.transfer(session, blocks))
+    }
+
+    fn probe(&self, session: &str) -> Result<(), TransferError> {
+        match directory().lock().get(session).and_then(Weak::upgrade) {
+            Some(_) => Ok(()),
+            None => Err(TransferError::new(
+                session,
+                None,
+                ErrorKind::Unreachable,
+                "no such loopback engine",
+            )),
+        }
+    }
+
+    fn registered_regions(&self) -> Vec<Region> {
+        self.shared.regions.read().regions().copied().collect()
+    }
+
+    fn read_local(&self, addr: u64, out: &mut [u8]) -> Result<(), MemError> {
+        self.shared.regions.read_recursive().read_bytes(addr, out)
+    }
+
+    fn write_local(&self, addr: u64, data: &[u8]) -> Result<(), MemError> {
+        self.shared.regions.read_recursive().write_bytes(addr, data)
+    }
+}

@@ -1,0 +1,450 @@
+//! The TCP engine: the default data plane on every machine and the
+//! cross-node fallback.
+//!
+//! * One listening port per engine; the session id is `host:port`.
+//! * Per peer, `connections_per_peer` lanes (a thread and a lazily opened,
+//!   kept, re-opened-after-failure connection each) pull requests from one
+//!   queue, so one large batch spreads over every connection.
+//! * A batch is cut into requests of about `request_bytes`; a batch of more
+//!   than one request is first validated whole by the receiver (a `Check`
+//!   request carrying every destination), so a batch with one destination
+//!   outside the peer's regions writes nothing. Every `Write` request is
+//!   validated again, whole, before its first byte is written.
+//! * Blocks shorter than `coalesce_threshold` are copied into frame buffers;
+//!   longer ones travel with vectored I/O straight from / into registered
+//!   memory. Memory that is not host-accessible (device, later) takes the
+//!   copying path through its [`kvbridge_mem::MemoryAccess`].
+//! * Optional cluster secret: mutual HMAC challenge-response at connection
+//!   set-up. Every connect, read and write has a timeout.
+//!
+//! See `docs/engines.md` for the framing and the reasoning.
+
+mod auth;
+mod conn;
+mod io;
+mod request;
+mod server;
+mod wire;
+
+use std::collections::HashMap;
+use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::os::fd::AsRawFd;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::thread::JoinHandle;
+
+use crossbeam_channel::Sender;
+use kvbridge_mem::{MemError, Region, RegionRegistry};
+use parking_lot::{Mutex, RwLock};
+
+use crate::{BatchHandle, Block, EngineConfig, ErrorKind, Side, TransferEngine, TransferError};
+use request::{BatchCtx, Item, Piece, Work};
+
+/// Counters of one TCP engine, for logs, metrics and tests.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct EngineStats {
+    /// Payload bytes sent and acknowledged.
+    pub bytes_sent: u64,
+    /// Payload bytes received into registered memory.
+    pub bytes_received: u64,
+    /// Requests refused because a destination lay outside our regions.
+    pub requests_refused: u64,
+    /// Connections refused at authentication.
+    pub auth_failures: u64,
+    /// Malformed frames (connection dropped).
+    pub bad_frames: u64,
+    /// Connections accepted.
+    pub connections_accepted: u64,
+}
+
+#[derive(Debug, Default)]
+struct Stats {
+    bytes_sent: AtomicU64,
+    bytes_received: AtomicU64,
+    requests_refused: AtomicU64,
+    auth_failures: AtomicU64,
+    bad_frames: AtomicU64,
+    connections_accepted: AtomicU64,
+}
+
+/// What lanes know about a peer: where it is and which incarnation answered last.
+#[derive(Debug)]
+struct PeerInfo {
+    session: String,
+    addr: SocketAddr,
+    /// Incarnation id of the peer process last seen at a handshake (0 = none yet).
+    incarnation: AtomicU64,
+    /// Clones of the lanes' live sockets, shut down when the engine stops.
+    live: Mutex<HashMap<u64, TcpStream>>,
+}
+
+#[derive(Debug)]
+struct Peer {
+    info: Arc<PeerInfo>,
+    tx: Sender<Item>,
+}
+
+/// State shared by the engine handle, its server threads and its lanes.
+#[derive(Debug)]
+struct Inner {
+    cfg: EngineConfig,
+    session: String,
+    incarnation: u64,
+    secret: Option<Vec<u8>>,
+    regions: RwLock<RegionRegistry>,
+    shutdown: AtomicBool,
+    frozen: AtomicBool,
+    /// Test hook: freeze once this many payload bytes were received.
+    freeze_after: AtomicU64,
+    peers: Mutex<HashMap<String, Arc<Peer>>>,
+    accepted: Mutex<HashMap<u64, TcpStream>>,
+    next_id: AtomicU64,
+    stats: Stats,
+}
+
+impl Inner {
+    fn is_shutdown(&self) -> bool {
+        self.shutdown.load(Ordering::Acquire)
+    }
+
+    fn next_id(&self) -> u64 {
+        self.next_id.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// The peer for `session`, created (with its lanes) on first use.
+    fn peer(self: &Arc<Self>, session: &str) -> Result<Arc<Peer>, TransferError> {
+        if let Some(p) = self.peers.lock().get(session) {
+            return Ok(p.clone());
+        }
+        let addr = resolve(session)?;
+        let mut peers = self.peers.lock();
+        if let Some(p) = peers.get(session) {
+            return Ok(p.clone());
+        }
+        if self.is_shutdown() {
+            return Err(shutdown_error(session));
+        }
+        let (tx, rx) = crossbeam_channel::unbounded();
+        let info = Arc::new(PeerInfo {
+            session: session.to_owned(),
+            addr,
+            incarnation: AtomicU64::new(0),
+            live: Mutex::new(HashMap::new()),
+        });
+        for lane in 0..self.cfg.connections_per_peer.max(1) {
+            let (inner, info, rx) = (self.clone(), info.clone(), rx.clone());
+            let spawned = std::thread::Builder::new()
+                .name(format!("kvb-tcp-lane{lane}"))
+                .spawn(move || conn::lane(inner, info, rx));
+            if let Err(e) = spawned {
+                return Err(TransferError::new(
+                    session,
+                    None,
+                    ErrorKind::Io,
+                    e.to_string(),
+                ));
+            }
+        }
+        let peer = Arc::new(Peer { info, tx });
+        peers.insert(session.to_owned(), peer.clone());
+        Ok(peer)
+    }
+}
+
+fn shutdown_error(session: &str) -> TransferError {
+    TransferError::new(session, None, ErrorKind::Shutdown, "engine is shut down")
+}
+
+/// Parse and resolve a `host:port` session id.
+fn resolve(session: &str) -> Result<SocketAddr, TransferError> {
+    let bad = |d: String| TransferError::new(session, None, ErrorKind::InvalidArgument, d);
+    if !session.contains(':') {
+        return Err(bad("session id is not host:port".into()));
+    }
+    let mut addrs = session
+        .to_socket_addrs()
+        .map_err(|e| TransferError::new(session, None, ErrorKind::Unreachable, e.to_string()))?;
+    addrs
+        .next()
+        .ok_or_else(|| bad("session id resolves to no address".into()))
+}
+
+/// The TCP transfer engine. Dropping it (or [`TcpEngine::shutdown`]) closes
+/// its port and every connection; pending batches fail with `Shutdown`.
+#[derive(Debug)]
+pub struct TcpEngine {
+    inner: Arc<Inner>,
+    listener: TcpListener,
+    accept: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl TcpEngine {
+    /// Bind the listening port and start serving.
+    pub fn new(cfg: EngineConfig) -> std::io::Result<Self> {
+        let listener = TcpListener::bind((cfg.listen_host.as_str(), cfg.port))?;
+        let local = listener.local_addr()?;
+        let host = cfg
+            .advertise_host
+            .clone()
+            .unwrap_or_else(|| cfg.listen_host.clone());
+        if host
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_unspecified())
+        {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                "listening on an unspecified address needs advertise_host",
+            ));
+        }
+        let session = if host.contains(':') {
+            format!("[{host}]:{}", local.port())
+        } else {
+            format!("{host}:{}", local.port())
+        };
+        let secret = cfg.secret.as_ref().map(|s| s.as_bytes().to_vec());
+        let inner = Arc::new(Inner {
+            cfg,
+            session,
+            incarnation: rand::random::<u64>() | 1,
+            secret,
+            regions: RwLock::new(RegionRegistry::new()),
+            shutdown: AtomicBool::new(false),
+            frozen: AtomicBool::new(false),
+            freeze_after: AtomicU64::new(u64::MAX),
+            peers: Mutex::new(HashMap::new()),
+            accepted: Mutex::new(HashMap::new()),
+            next_id: AtomicU64::new(1),
+            stats: Stats::default(),
+        });
+        let l2 = listener.try_clone()?;
+        let i2 = inner.clone();
+        let accept = std::thread::Builder::new()
+            .name("kvb-tcp-accept".into())
+            .spawn(move || server::accept_loop(i2, l2))?;
+        tracing::info!(session = %inner.session, "tcp engine listening");
+        Ok(Self {
+            inner,
+            listener,
+            accept: Mutex::new(Some(accept)),
+        })
+    }
+
+    /// Close the port and every connection; idempotent. Later calls fail with `Shutdown`.
+    pub fn shutdown(&self) {
+        if self.inner.shutdown.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        // SAFETY: shutting down our own listening socket's fd, which stays
+        // open (owned by `self.listener`); this only wakes the accept thread.
+        unsafe { libc::shutdown(self.listener.as_raw_fd(), libc::SHUT_RDWR) };
+        for s in self.inner.accepted.lock().values() {
+            let _ = s.shutdown(std::net::Shutdown::Both);
+        }
+        let peers: Vec<Arc<Peer>> = self.inner.peers.lock().drain().map(|(_, p)| p).collect();
+        for p in &peers {
+            for s in p.info.live.lock().values() {
+                let _ = s.shutdown(std::net::Shutdown::Both);
+            }
+        }
+        drop(peers);
+        if let Some(h) = self.accept.lock().take() {
+            let _ = h.join();
+        }
+        tracing::info!(session = %self.inner.session, "tcp engine shut down");
+    }
+
+    /// The engine's counters.
+    pub fn stats(&self) -> EngineStats {
+        let s = &self.inner.stats;
+        EngineStats {
+            bytes_sent: s.bytes_sent.load(Ordering::Relaxed),
+            bytes_received: s.bytes_received.load(Ordering::Relaxed),
+            requests_refused: s.requests_refused.load(Ordering::Relaxed),
+            auth_failures: s.auth_failures.load(Ordering::Relaxed),
+            bad_frames: s.bad_frames.load(Ordering::Relaxed),
+            connections_accepted: s.connections_accepted.load(Ordering::Relaxed),
+        }
+    }
+
+    /// The configuration the engine runs with.
+    pub fn config(&self) -> &EngineConfig {
+        &self.inner.cfg
+    }
+
+    /// Test hook: while frozen, the engine's server stops reading requests
+    /// (connections stay open), like a hung peer process.
+    #[doc(hidden)]
+    pub fn debug_freeze(&self, frozen: bool) {
+        self.inner.frozen.store(frozen, Ordering::Release);
+    }
+
+    /// Test hook: freeze (see [`Self::debug_freeze`]) as soon as `bytes`
+    /// payload bytes in total have been received, i.e. in the middle of a batch.
+    #[doc(hidden)]
+    pub fn debug_freeze_after(&self, bytes: u64) {
+        self.inner.freeze_after.store(bytes, Ordering::Release);
+    }
+
+    /// Test hook: send a raw `Write` request over a fresh connection (no
+    /// batch-level check, no local source check) and return the ack status.
+    #[doc(hidden)]
+    pub fn debug_raw_write(
+        &self,
+        session: &str,
+        dst_and_data: &[(u64, &[u8])],
+    ) -> Result<(), TransferError> {
+        conn::raw_write(&self.inner, session, dst_and_data)
+    }
+}
+
+impl Drop for TcpEngine {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+impl TransferEngine for TcpEngine {
+    fn session_id(&self) -> &str {
+        &self.inner.session
+    }
+
+    unsafe fn batch_register(&self, regions: &[(u64, u64)]) -> Result<(), MemError> {
+        // SAFETY: forwarded caller contract.
+        unsafe { self.inner.regions.write().register(regions) }.map(|_| ())
+    }
+
+    fn batch_deregister(&self, addrs: &[u64]) -> Result<(), MemError> {
+        self.inner.regions.write().deregister(addrs)
+    }
+
+    fn submit(&self, session: &str, blocks: &[Block]) -> BatchHandle {
+        match self.plan(session, blocks) {
+            Ok(Some(h)) => h,
+            Ok(None) => BatchHandle::ready(Ok(())),
+            Err(e) => BatchHandle::ready(Err(e)),
+        }
+    }
+
+    fn probe(&self, session: &str) -> Result<(), TransferError> {
+        if self.inner.is_shutdown() {
+            return Err(shutdown_error(session));
+        }
+        let addr = resolve(session)?;
+        let incarnation = conn::ping(&self.inner, session, addr)?;
+        if let Some(p) = self.inner.peers.lock().get(session) {
+            let old = p.info.incarnation.swap(incarnation, Ordering::AcqRel);
+            if old != 0 && old != incarnation {
+                tracing::info!(%session, "probe: peer restarted (new incarnation)");
+            }
+        }
+        Ok(())
+    }
+
+    fn registered_regions(&self) -> Vec<Region> {
+        self.inner.regions.read().regions().copied().collect()
+    }
+
+    fn read_local(&self, addr: u64, out: &mut [u8]) -> Result<(), MemError> {
+        self.inner.regions.read_recursive().read_bytes(addr, out)
+    }
+
+    fn write_local(&self, addr: u64, data: &[u8]) -> Result<(), MemError> {
+        self.inner.regions.read_recursive().write_bytes(addr, data)
+    }
+}
+
+/// Most pieces one `Write` request carries.
+const MAX_PIECES: usize = 8192;
+
+impl TcpEngine {
+    /// Check sources, cut the batch into requests and queue them; `None` if there is nothing to move.
+    fn plan(&self, session: &str, blocks: &[Block]) -> Result<Option<BatchHandle>, TransferError> {
+        if self.inner.is_shutdown() {
+            return Err(shutdown_error(session));
+        }
+        {
+            let regions = self.inner.regions.read_recursive();
+            for (i, b) in blocks.iter().enumerate() {
+                if b.dst.checked_add(b.len).is_none() {
+                    let d = format!("destination {:#x}+{} overflows", b.dst, b.len);
+                    return Err(TransferError::new(
+                        session,
+                        Some(i),
+                        ErrorKind::InvalidArgument,
+                        d,
+                    ));
+                }
+                if b.len > 0 {
+                    regions.check(b.src, b.len).map_err(|e| {
+                        TransferError::new(
+                            session,
+                            Some(i),
+                            ErrorKind::OutOfRegion(Side::Local),
+                            e.to_string(),
+                        )
+                    })?;
+                }
+            }
+        }
+        let step = self.inner.cfg.request_bytes.max(1) as u64;
+        let mut requests: Vec<Vec<Piece>> = Vec::new();
+        let mut cur: Vec<Piece> = Vec::new();
+        let mut cur_bytes = 0u64;
+        for (i, b) in blocks.iter().enumerate() {
+            if b.len == 0 {
+                continue;
+            }
+            let mut off = 0;
+            while off < b.len {
+                let k = (b.len - off).min(step);
+                cur.push(Piece {
+                    src: b.src + off,
+                    dst: b.dst + off,
+                    len: k,
+                    block: i,
+                });
+                cur_bytes += k;
+                off += k;
+                if cur_bytes >= step || cur.len() >= MAX_PIECES {
+                    requests.push(std::mem::take(&mut cur));
+                    cur_bytes = 0;
+                }
+            }
+        }
+        if !cur.is_empty() {
+            requests.push(cur);
+        }
+        if requests.is_empty() {
+            return Ok(None);
+        }
+        let peer = self.inner.peer(session)?;
+        let (handle, completer) = BatchHandle::pending();
+        let ctx = BatchCtx::new(session, completer);
+        let first = if requests.len() == 1 {
+            let pieces = requests.pop().unwrap_or_default();
+            Item::new(ctx, Work::Write(pieces))
+        } else {
+            let deferred = requests
+                .into_iter()
+                .map(|p| Item::new(ctx.clone(), Work::Write(p)))
+                .collect();
+            ctx.defer(deferred);
+            let whole = blocks
+                .iter()
+                .enumerate()
+                .filter(|(_, b)| b.len > 0)
+                .map(|(i, b)| Piece {
+                    src: b.src,
+                    dst: b.dst,
+                    len: b.len,
+                    block: i,
+                })
+                .collect();
+            Item::new(ctx, Work::Check(whole))
+        };
+        // If the lanes are gone the item is dropped, which fails the batch.
+        let _ = peer.tx.send(first);
+        Ok(Some(handle))
+    }
+}

@@ -1,0 +1,142 @@
+//! Submitted batches on the sending side: their pieces, the queued items
+//! (one request each) and the bookkeeping that completes a batch once its
+//! last item finished, with the first error.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+
+use parking_lot::Mutex;
+
+use crate::batch::Completer;
+use crate::{ErrorKind, TransferError};
+
+/// One piece of a block: a whole block, or a slice of a long one.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Piece {
+    pub src: u64,
+    pub dst: u64,
+    pub len: u64,
+    /// Index of the block in the submitted batch.
+    pub block: usize,
+}
+
+/// What one queued item asks the peer to do.
+#[derive(Debug)]
+pub(crate) enum Work {
+    /// Validate every destination of the batch; on success queue the deferred writes.
+    Check(Vec<Piece>),
+    /// Write these pieces.
+    Write(Vec<Piece>),
+}
+
+/// Shared state of one submitted batch.
+#[derive(Debug)]
+pub(crate) struct BatchCtx {
+    pub(super) session: String,
+    pub(super) remaining: AtomicUsize,
+    failed: AtomicBool,
+    error: Mutex<Option<TransferError>>,
+    completer: Mutex<Option<Completer>>,
+    pub(super) deferred: Mutex<Vec<Item>>,
+}
+
+impl BatchCtx {
+    pub(crate) fn new(session: &str, completer: Completer) -> Arc<Self> {
+        Arc::new(Self {
+            session: session.to_owned(),
+            remaining: AtomicUsize::new(1),
+            failed: AtomicBool::new(false),
+            error: Mutex::new(None),
+            completer: Mutex::new(Some(completer)),
+            deferred: Mutex::new(Vec::new()),
+        })
+    }
+
+    /// Park the write items that run once the batch's check succeeded.
+    pub(crate) fn defer(&self, items: Vec<Item>) {
+        *self.deferred.lock() = items;
+    }
+
+    pub(super) fn is_failed(&self) -> bool {
+        self.failed.load(Ordering::Acquire)
+    }
+
+    /// Account for one finished item; the last one completes the batch.
+    fn finish_one(&self, result: Result<(), TransferError>) {
+        if let Err(e) = result {
+            let mut slot = self.error.lock();
+            if slot.is_none() {
+                tracing::debug!(error = %e, "batch failed");
+                *slot = Some(e);
+            }
+            self.failed.store(true, Ordering::Release);
+        }
+        if self.remaining.fetch_sub(1, Ordering::AcqRel) == 1 {
+            let result = match self.error.lock().take() {
+                Some(e) => Err(e),
+                None => Ok(()),
+            };
+            if let Some(c) = self.completer.lock().take() {
+                c.complete(result);
+            }
+        }
+    }
+}
+
+/// One request's worth of a batch, queued to a peer's lanes.
+#[derive(Debug)]
+pub(crate) struct Item {
+    pub(super) batch: Arc<BatchCtx>,
+    pub(super) work: Work,
+    done: bool,
+}
+
+impl Item {
+    pub(crate) fn new(batch: Arc<BatchCtx>, work: Work) -> Self {
+        Self {
+            batch,
+            work,
+            done: false,
+        }
+    }
+
+    pub(super) fn finish(mut self, result: Result<(), TransferError>) {
+        self.done = true;
+        self.batch.finish_one(result);
+    }
+
+    pub(super) fn first_block(&self) -> Option<usize> {
+        match &self.work {
+            Work::Check(p) | Work::Write(p) => p.first().map(|p| p.block),
+        }
+    }
+
+    pub(super) fn pieces(&self) -> &[Piece] {
+        match &self.work {
+            Work::Check(p) | Work::Write(p) => p,
+        }
+    }
+
+    pub(super) fn error(&self, kind: ErrorKind, detail: impl Into<String>) -> TransferError {
+        TransferError::new(&self.batch.session, self.first_block(), kind, detail)
+    }
+
+    pub(super) fn io_error(&self, e: &std::io::Error) -> TransferError {
+        TransferError::from_io(&self.batch.session, self.first_block(), e)
+    }
+}
+
+impl Drop for Item {
+    fn drop(&mut self) {
+        if !self.done {
+            self.done = true;
+            let e = TransferError::new(
+                &self.batch.session,
+                None,
+                ErrorKind::Shutdown,
+                "engine shut down before the request was sent",
+            );
+            self.batch.finish_one(Err(e));
+        }
+    }
+}

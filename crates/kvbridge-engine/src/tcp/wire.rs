@@ -1,0 +1,320 @@
+//! The TCP engine's framing: handshake messages, request headers,
+//! descriptors and acks. Little-endian, fixed sizes, strictly decoded.
+//!
+//! ```text
+//! connection set-up (client = the side that sends data)
+//!   C->S Hello      magic "KVBT" | version u16 | flags u16 | client nonce [32]
+//!   S->C Challenge  magic | version | flags | incarnation u64 | server nonce [32] | server proof [32]
+//!   C->S Response   client proof [32]
+//!   S->C Verdict    status u32 | reserved u32
+//! then requests, each answered in order by one ack:
+//!   C->S Header     op u8 | reserved [3] | count u32 | seq u64 | payload bytes u64
+//!        Write: count x (dst u64, len u64), then the payload (the blocks' bytes in order)
+//!        Check: count x (dst u64, len u64), no payload (destinations of a whole batch)
+//!        Ping:  nothing
+//!   S->C Ack        seq u64 | status u32 | block index u32
+//! ```
+
+/// First bytes of both handshake messages.
+pub(crate) const MAGIC: [u8; 4] = *b"KVBT";
+/// Protocol version.
+pub(crate) const VERSION: u16 = 1;
+/// Handshake flag: the sender of the message holds a cluster secret.
+pub(crate) const FLAG_SECRET: u16 = 1;
+/// Nonce and proof length.
+pub(crate) const NONCE_LEN: usize = 32;
+
+/// Encoded sizes.
+pub(crate) const HELLO_LEN: usize = 8 + NONCE_LEN;
+pub(crate) const CHALLENGE_LEN: usize = 16 + 2 * NONCE_LEN;
+pub(crate) const RESPONSE_LEN: usize = NONCE_LEN;
+pub(crate) const VERDICT_LEN: usize = 8;
+pub(crate) const HEADER_LEN: usize = 24;
+pub(crate) const DESC_LEN: usize = 16;
+pub(crate) const ACK_LEN: usize = 16;
+
+/// Most descriptors one Write request may carry.
+pub(crate) const MAX_WRITE_BLOCKS: u32 = 1 << 16;
+/// Most payload bytes one Write request may carry.
+pub(crate) const MAX_WRITE_BYTES: u64 = 1 << 30;
+
+/// Verdict statuses.
+pub(crate) const VERDICT_OK: u32 = 0;
+pub(crate) const VERDICT_AUTH: u32 = 1;
+pub(crate) const VERDICT_VERSION: u32 = 2;
+
+/// Request opcodes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Op {
+    Write = 1,
+    Check = 2,
+    Ping = 3,
+}
+
+/// Ack statuses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Status {
+    Ok = 0,
+    OutOfRegion = 1,
+    BadRequest = 2,
+    Memory = 3,
+    ShuttingDown = 4,
+}
+
+impl Status {
+    fn from_u32(v: u32) -> Option<Self> {
+        Some(match v {
+            0 => Status::Ok,
+            1 => Status::OutOfRegion,
+            2 => Status::BadRequest,
+            3 => Status::Memory,
+            4 => Status::ShuttingDown,
+            _ => return None,
+        })
+    }
+}
+
+fn u16_at(b: &[u8], at: usize) -> u16 {
+    let mut a = [0u8; 2];
+    a.copy_from_slice(&b[at..at + 2]);
+    u16::from_le_bytes(a)
+}
+
+fn u32_at(b: &[u8], at: usize) -> u32 {
+    let mut a = [0u8; 4];
+    a.copy_from_slice(&b[at..at + 4]);
+    u32::from_le_bytes(a)
+}
+
+fn u64_at(b: &[u8], at: usize) -> u64 {
+    let mut a = [0u8; 8];
+    a.copy_from_slice(&b[at..at + 8]);
+    u64::from_le_bytes(a)
+}
+
+fn nonce_at(b: &[u8], at: usize) -> [u8; NONCE_LEN] {
+    let mut a = [0u8; NONCE_LEN];
+    a.copy_from_slice(&b[at..at + NONCE_LEN]);
+    a
+}
+
+/// Client's opening message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Hello {
+    pub version: u16,
+    pub flags: u16,
+    pub nonce: [u8; NONCE_LEN],
+}
+
+impl Hello {
+    pub(crate) fn encode(&self) -> [u8; HELLO_LEN] {
+        let mut b = [0u8; HELLO_LEN];
+        b[..4].copy_from_slice(&MAGIC);
+        b[4..6].copy_from_slice(&self.version.to_le_bytes());
+        b[6..8].copy_from_slice(&self.flags.to_le_bytes());
+        b[8..].copy_from_slice(&self.nonce);
+        b
+    }
+
+    pub(crate) fn decode(b: &[u8; HELLO_LEN]) -> Option<Self> {
+        (b[..4] == MAGIC).then(|| Self {
+            version: u16_at(b, 4),
+            flags: u16_at(b, 6),
+            nonce: nonce_at(b, 8),
+        })
+    }
+}
+
+/// Server's answer to [`Hello`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Challenge {
+    pub version: u16,
+    pub flags: u16,
+    pub incarnation: u64,
+    pub nonce: [u8; NONCE_LEN],
+    pub proof: [u8; NONCE_LEN],
+}
+
+impl Challenge {
+    pub(crate) fn encode(&self) -> [u8; CHALLENGE_LEN] {
+        let mut b = [0u8; CHALLENGE_LEN];
+        b[..4].copy_from_slice(&MAGIC);
+        b[4..6].copy_from_slice(&self.version.to_le_bytes());
+        b[6..8].copy_from_slice(&self.flags.to_le_bytes());
+        b[8..16].copy_from_slice(&self.incarnation.to_le_bytes());
+        b[16..48].copy_from_slice(&self.nonce);
+        b[48..80].copy_from_slice(&self.proof);
+        b
+    }
+
+    pub(crate) fn decode(b: &[u8; CHALLENGE_LEN]) -> Option<Self> {
+        (b[..4] == MAGIC).then(|| Self {
+            version: u16_at(b, 4),
+            flags: u16_at(b, 6),
+            incarnation: u64_at(b, 8),
+            nonce: nonce_at(b, 16),
+            proof: nonce_at(b, 48),
+        })
+    }
+}
+
+/// Server's final handshake word.
+pub(crate) fn encode_verdict(status: u32) -> [u8; VERDICT_LEN] {
+    let mut b = [0u8; VERDICT_LEN];
+    b[..4].copy_from_slice(&status.to_le_bytes());
+    b
+}
+
+/// Decode a verdict status.
+pub(crate) fn decode_verdict(b: &[u8; VERDICT_LEN]) -> u32 {
+    u32_at(b, 0)
+}
+
+/// A request header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Header {
+    pub op: Op,
+    pub count: u32,
+    pub seq: u64,
+    pub payload: u64,
+}
+
+impl Header {
+    pub(crate) fn encode(&self) -> [u8; HEADER_LEN] {
+        let mut b = [0u8; HEADER_LEN];
+        b[0] = self.op as u8;
+        b[4..8].copy_from_slice(&self.count.to_le_bytes());
+        b[8..16].copy_from_slice(&self.seq.to_le_bytes());
+        b[16..24].copy_from_slice(&self.payload.to_le_bytes());
+        b
+    }
+
+    /// Strict decode: unknown opcodes and non-zero reserved bytes are refused.
+    pub(crate) fn decode(b: &[u8; HEADER_LEN]) -> Option<Self> {
+        let op = match b[0] {
+            1 => Op::Write,
+            2 => Op::Check,
+            3 => Op::Ping,
+            _ => return None,
+        };
+        if b[1..4] != [0, 0, 0] {
+            return None;
+        }
+        Some(Self {
+            op,
+            count: u32_at(b, 4),
+            seq: u64_at(b, 8),
+            payload: u64_at(b, 16),
+        })
+    }
+}
+
+/// Append one `(dst, len)` descriptor.
+pub(crate) fn push_desc(out: &mut Vec<u8>, dst: u64, len: u64) {
+    out.extend_from_slice(&dst.to_le_bytes());
+    out.extend_from_slice(&len.to_le_bytes());
+}
+
+/// Decode descriptor `i` of a descriptor buffer.
+pub(crate) fn desc_at(b: &[u8], i: usize) -> (u64, u64) {
+    (u64_at(b, i * DESC_LEN), u64_at(b, i * DESC_LEN + 8))
+}
+
+/// An ack.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Ack {
+    pub seq: u64,
+    pub status: Status,
+    pub index: u32,
+}
+
+impl Ack {
+    pub(crate) fn encode(&self) -> [u8; ACK_LEN] {
+        let mut b = [0u8; ACK_LEN];
+        b[..8].copy_from_slice(&self.seq.to_le_bytes());
+        b[8..12].copy_from_slice(&(self.status as u32).to_le_bytes());
+        b[12..16].copy_from_slice(&self.index.to_le_bytes());
+        b
+    }
+
+    pub(crate) fn decode(b: &[u8; ACK_LEN]) -> Option<Self> {
+        Some(Self {
+            seq: u64_at(b, 0),
+            status: Status::from_u32(u32_at(b, 8))?,
+            index: u32_at(b, 12),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_trips() {
+        let h = Hello {
+            version: VERSION,
+            flags: FLAG_SECRET,
+            nonce: [7; 32],
+        };
+        assert_eq!(Hello::decode(&h.encode()), Some(h));
+        let c = Challenge {
+            version: 1,
+            flags: 0,
+            incarnation: 99,
+            nonce: [1; 32],
+            proof: [2; 32],
+        };
+        assert_eq!(Challenge::decode(&c.encode()), Some(c));
+        let hd = Header {
+            op: Op::Check,
+            count: 5,
+            seq: 77,
+            payload: 1 << 40,
+        };
+        assert_eq!(Header::decode(&hd.encode()), Some(hd));
+        let a = Ack {
+            seq: 3,
+            status: Status::OutOfRegion,
+            index: 9,
+        };
+        assert_eq!(Ack::decode(&a.encode()), Some(a));
+        let mut d = Vec::new();
+        push_desc(&mut d, 0xdead, 12);
+        push_desc(&mut d, 0xbeef, 13);
+        assert_eq!(desc_at(&d, 1), (0xbeef, 13));
+        assert_eq!(decode_verdict(&encode_verdict(VERDICT_AUTH)), VERDICT_AUTH);
+    }
+
+    #[test]
+    fn strict_decoding() {
+        let mut hb = Header {
+            op: Op::Write,
+            count: 1,
+            seq: 1,
+            payload: 1,
+        }
+        .encode();
+        hb[0] = 9;
+        assert_eq!(Header::decode(&hb), None);
+        hb[0] = 1;
+        hb[2] = 1;
+        assert_eq!(Header::decode(&hb), None);
+        let mut h = Hello {
+            version: 1,
+            flags: 0,
+            nonce: [0; 32],
+        }
+        .encode();
+        h[0] = b'X';
+        assert_eq!(Hello::decode(&h), None);
+        let mut a = Ack {
+            seq: 1,
+            status: Status::Ok,
+            index: 0,
+        }
+        .encode();
+        a[8] = 200;
+        assert_eq!(Ack::decode(&a), None);
+    }
+}

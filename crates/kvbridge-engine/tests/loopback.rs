@@ -1,0 +1,72 @@
+//! The loopback engine: the trait's contract, in-process.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::sync::Arc;
+
+use common::*;
+use kvbridge_engine::{Block, ErrorKind, LoopbackEngine, Side, TransferEngine};
+use rand::{SeedableRng, rngs::StdRng};
+
+#[test]
+fn random_blocks_arrive_and_bad_ones_are_refused() {
+    let a: Arc<dyn TransferEngine> = Arc::new(LoopbackEngine::new());
+    let b: Arc<dyn TransferEngine> = Arc::new(LoopbackEngine::new());
+    let src = patterned(8 << 20, 1);
+    let dst = kvbridge_mem::HostBuffer::new(8 << 20).unwrap();
+    register(&*a, &src);
+    register(&*b, &dst);
+    let mut rng = StdRng::seed_from_u64(7);
+    let blocks = random_blocks(&mut rng, &src, &dst, 1 << 20, 6 << 20);
+    a.batch_transfer_sync(b.session_id(), &blocks).unwrap();
+    assert_arrived(&blocks, &src, &dst);
+
+    let bad = [
+        blocks[0],
+        Block {
+            src: src.addr(),
+            dst: dst.addr() + (8 << 20) - 1,
+            len: 2,
+        },
+    ];
+    let e = a.batch_transfer_sync(b.session_id(), &bad).unwrap_err();
+    assert_eq!(
+        (e.kind, e.block),
+        (ErrorKind::OutOfRegion(Side::Remote), Some(1))
+    );
+    let e = a
+        .batch_transfer_sync(
+            b.session_id(),
+            &[Block {
+                src: 8,
+                dst: dst.addr(),
+                len: 1,
+            }],
+        )
+        .unwrap_err();
+    assert_eq!(e.kind, ErrorKind::OutOfRegion(Side::Local));
+
+    assert!(a.probe(b.session_id()).is_ok());
+    let gone = b.session_id().to_owned();
+    b.batch_deregister(&[dst.addr()]).unwrap();
+    drop(b);
+    assert_eq!(a.probe(&gone).unwrap_err().kind, ErrorKind::Unreachable);
+    let e = a.submit(&gone, &blocks[..1]).wait().unwrap_err();
+    assert_eq!(e.kind, ErrorKind::Unreachable);
+    assert_eq!(a.registered_regions().len(), 1);
+}
+
+#[test]
+fn local_byte_io_is_bounds_checked() {
+    let e = LoopbackEngine::new();
+    let buf = kvbridge_mem::HostBuffer::new(4096).unwrap();
+    register(&e, &buf);
+    e.write_local(buf.addr() + 4000, &[7; 96]).unwrap();
+    assert!(e.write_local(buf.addr() + 4000, &[7; 97]).is_err());
+    let mut out = [0u8; 96];
+    e.read_local(buf.addr() + 4000, &mut out).unwrap();
+    assert_eq!(out, [7; 96]);
+    assert!(e.read_local(buf.addr() - 8, &mut out).is_err());
+    e.batch_deregister(&[buf.addr()]).unwrap();
+}

@@ -1,0 +1,174 @@
+//! Memory kinds, the one probing entry point, and per-kind byte access.
+//!
+//! Code above this crate never asks CUDA what a pointer is: it calls
+//! [`probe_kind`] (or a [`KindProber`] it was handed) and moves bytes through
+//! [`access_for`]. This build knows host memory only; the `cuda` feature (GPU
+//! issue) adds a cudarc-backed prober and a device [`MemoryAccess`] that
+//! stages through host memory, without changing any caller.
+
+use std::fmt;
+
+use crate::MemError;
+
+/// Where a pointer's memory lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+#[non_exhaustive]
+pub enum MemoryKind {
+    /// Ordinary pageable host memory.
+    Host,
+    /// Page-locked (pinned) host memory, DMA-able by a GPU.
+    PinnedHost,
+    /// Memory of one GPU, not addressable by the CPU.
+    Device {
+        /// CUDA device ordinal.
+        ordinal: i32,
+    },
+    /// CUDA managed (unified) memory, addressable by CPU and GPU.
+    Managed,
+}
+
+impl MemoryKind {
+    /// Whether the CPU may read and write this memory through a plain pointer.
+    pub fn is_host_accessible(self) -> bool {
+        !matches!(self, MemoryKind::Device { .. })
+    }
+}
+
+impl fmt::Display for MemoryKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            MemoryKind::Host => f.write_str("host"),
+            MemoryKind::PinnedHost => f.write_str("pinned host"),
+            MemoryKind::Device { ordinal } => write!(f, "device {ordinal}"),
+            MemoryKind::Managed => f.write_str("managed"),
+        }
+    }
+}
+
+/// Answers "what kind of memory is at this address".
+pub trait KindProber: Send + Sync + fmt::Debug {
+    /// The kind of the memory at `addr` (host when unknown to any device runtime).
+    fn probe(&self, addr: u64) -> MemoryKind;
+}
+
+/// The prober of builds without a device runtime: everything is host memory.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct HostOnlyProber;
+
+impl KindProber for HostOnlyProber {
+    fn probe(&self, _addr: u64) -> MemoryKind {
+        MemoryKind::Host
+    }
+}
+
+static HOST_ONLY: HostOnlyProber = HostOnlyProber;
+
+/// The process-wide prober of this build (host-only until the `cuda` feature lands).
+pub fn default_prober() -> &'static dyn KindProber {
+    &HOST_ONLY
+}
+
+/// Probe the kind of the memory at `addr` with [`default_prober`].
+pub fn probe_kind(addr: u64) -> MemoryKind {
+    default_prober().probe(addr)
+}
+
+/// Reads and writes bytes of one memory kind on behalf of the registry and the engines.
+///
+/// Host kinds copy directly; device kinds (with `cuda`) copy through the
+/// device runtime. The engines use this for every block whose memory is not
+/// host-accessible, staging it through a host bounce buffer.
+pub trait MemoryAccess: Send + Sync + fmt::Debug {
+    /// Copy `out.len()` bytes starting at `addr` into `out`.
+    ///
+    /// # Safety
+    /// `[addr, addr + out.len())` must be valid, readable memory of this kind.
+    unsafe fn read(&self, addr: u64, out: &mut [u8]) -> Result<(), MemError>;
+
+    /// Copy `data` to `addr`.
+    ///
+    /// # Safety
+    /// `[addr, addr + data.len())` must be valid, writable memory of this kind
+    /// that nothing else accesses during the call.
+    unsafe fn write(&self, addr: u64, data: &[u8]) -> Result<(), MemError>;
+}
+
+/// Plain CPU copies, for every host-accessible kind.
+#[derive(Debug, Clone, Copy, Default)]
+struct HostAccess;
+
+impl MemoryAccess for HostAccess {
+    unsafe fn read(&self, addr: u64, out: &mut [u8]) -> Result<(), MemError> {
+        let src = std::ptr::with_exposed_provenance::<u8>(addr as usize);
+        // SAFETY: the caller guarantees `[addr, addr + out.len())` is valid
+        // readable memory; `ptr::copy` tolerates overlap with `out`.
+        unsafe { std::ptr::copy(src, out.as_mut_ptr(), out.len()) };
+        Ok(())
+    }
+
+    unsafe fn write(&self, addr: u64, data: &[u8]) -> Result<(), MemError> {
+        let dst = std::ptr::with_exposed_provenance_mut::<u8>(addr as usize);
+        // SAFETY: the caller guarantees `[addr, addr + data.len())` is valid
+        // writable memory nobody else touches now; `ptr::copy` tolerates overlap.
+        unsafe { std::ptr::copy(data.as_ptr(), dst, data.len()) };
+        Ok(())
+    }
+}
+
+/// Device memory in a build without a device runtime: every access is refused.
+#[derive(Debug, Clone, Copy, Default)]
+struct NoDeviceAccess;
+
+impl MemoryAccess for NoDeviceAccess {
+    unsafe fn read(&self, _addr: u64, _out: &mut [u8]) -> Result<(), MemError> {
+        Err(MemError::Unsupported {
+            kind: MemoryKind::Device { ordinal: -1 },
+        })
+    }
+
+    unsafe fn write(&self, _addr: u64, _data: &[u8]) -> Result<(), MemError> {
+        Err(MemError::Unsupported {
+            kind: MemoryKind::Device { ordinal: -1 },
+        })
+    }
+}
+
+static HOST_ACCESS: HostAccess = HostAccess;
+static NO_DEVICE_ACCESS: NoDeviceAccess = NoDeviceAccess;
+
+/// The byte access for memory of `kind`.
+pub fn access_for(kind: MemoryKind) -> &'static dyn MemoryAccess {
+    if kind.is_host_accessible() {
+        &HOST_ACCESS
+    } else {
+        &NO_DEVICE_ACCESS
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn host_only_prober_says_host() {
+        assert_eq!(probe_kind(0x1000), MemoryKind::Host);
+        assert!(MemoryKind::Managed.is_host_accessible());
+        assert!(MemoryKind::PinnedHost.is_host_accessible());
+        assert!(!MemoryKind::Device { ordinal: 0 }.is_host_accessible());
+    }
+
+    #[test]
+    fn device_access_is_refused_without_cuda() {
+        let mut out = [0u8; 4];
+        // SAFETY: NoDeviceAccess never dereferences the address.
+        let r = unsafe { access_for(MemoryKind::Device { ordinal: 0 }).read(8, &mut out) };
+        assert!(matches!(r, Err(MemError::Unsupported { .. })));
+    }
+
+    #[test]
+    fn kind_display() {
+        assert_eq!(MemoryKind::PinnedHost.to_string(), "pinned host");
+        assert_eq!(MemoryKind::Device { ordinal: 3 }.to_string(), "device 3");
+    }
+}

@@ -1,0 +1,240 @@
+//! The registry of registered memory regions.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use crate::MemError;
+use crate::kind::{KindProber, MemoryKind, access_for, default_prober};
+
+/// One registered memory region: `[addr, addr + len)` of one memory kind.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub struct Region {
+    /// First byte.
+    pub addr: u64,
+    /// Length in bytes (never 0 once registered).
+    pub len: u64,
+    /// Where the memory lives.
+    pub kind: MemoryKind,
+}
+
+impl Region {
+    /// One past the last byte.
+    pub fn end(&self) -> u64 {
+        self.addr + self.len
+    }
+
+    /// Whether `[addr, addr + len)` lies entirely inside this region (`len` may be 0).
+    pub fn contains(&self, addr: u64, len: u64) -> bool {
+        match addr.checked_add(len) {
+            Some(end) => addr >= self.addr && end <= self.end(),
+            None => false,
+        }
+    }
+}
+
+/// Registered regions, keyed by start address; no two overlap.
+///
+/// Not synchronized: the engines keep it behind a read-write lock and hold
+/// the read side while they touch registered memory, so a deregistration
+/// waits for in-flight I/O on the regions.
+#[derive(Debug, Clone)]
+pub struct RegionRegistry {
+    by_start: BTreeMap<u64, Region>,
+    prober: Arc<dyn KindProber>,
+    generation: u64,
+}
+
+impl Default for RegionRegistry {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// Validates the shape of one `(addr, len)` pair.
+fn validate(addr: u64, len: u64) -> Result<(), MemError> {
+    if addr == 0 {
+        return Err(MemError::Null);
+    }
+    if len == 0 {
+        return Err(MemError::ZeroLength { addr });
+    }
+    if addr.checked_add(len).is_none() {
+        return Err(MemError::Overflow { addr, len });
+    }
+    Ok(())
+}
+
+impl RegionRegistry {
+    /// An empty registry that probes kinds with [`default_prober`].
+    pub fn new() -> Self {
+        Self::with_prober(Arc::new(ProberRef(default_prober())))
+    }
+
+    /// An empty registry that probes kinds with `prober`.
+    pub fn with_prober(prober: Arc<dyn KindProber>) -> Self {
+        Self {
+            by_start: BTreeMap::new(),
+            prober,
+            generation: 0,
+        }
+    }
+
+    /// Register a batch of `(ptr, len)` regions, probing each one's kind.
+    ///
+    /// Exact duplicates (in the batch or already registered) are registered
+    /// once; a region that overlaps another without being identical is an
+    /// error. The batch is all-or-nothing. Returns how many regions were new.
+    ///
+    /// # Safety
+    /// Every range must be valid, readable and writable memory of its probed
+    /// kind until it is deregistered, and while a transfer reads or writes
+    /// part of it nothing else may write that part (or hold Rust references
+    /// to bytes being written).
+    pub unsafe fn register(&mut self, regions: &[(u64, u64)]) -> Result<usize, MemError> {
+        let with_kinds: Vec<Region> = regions
+            .iter()
+            .map(|&(addr, len)| Region {
+                addr,
+                len,
+                kind: self.prober.probe(addr),
+            })
+            .collect();
+        // SAFETY: forwarded caller contract.
+        unsafe { self.register_regions(&with_kinds) }
+    }
+
+    /// Register regions whose kinds the caller already knows; see [`Self::register`].
+    ///
+    /// # Safety
+    /// As for [`Self::register`], with each region's memory of the stated kind.
+    pub unsafe fn register_regions(&mut self, regions: &[Region]) -> Result<usize, MemError> {
+        let mut fresh: BTreeMap<u64, Region> = BTreeMap::new();
+        for r in regions {
+            validate(r.addr, r.len)?;
+            if Self::overlapping(&self.by_start, r)?.is_some()
+                || Self::overlapping(&fresh, r)?.is_some()
+            {
+                continue; // an exact duplicate: registered once
+            }
+            fresh.insert(r.addr, *r);
+        }
+        let added = fresh.len();
+        for (addr, r) in fresh {
+            tracing::debug!(addr = format_args!("{addr:#x}"), len = r.len, kind = %r.kind, "region registered");
+            self.by_start.insert(addr, r);
+        }
+        Ok(added)
+    }
+
+    /// The region of `map` that overlaps `r`: `Ok(Some(identical))`, `Ok(None)`, or an overlap error.
+    fn overlapping(map: &BTreeMap<u64, Region>, r: &Region) -> Result<Option<Region>, MemError> {
+        let end = r.end();
+        // Candidates: the last region starting at or before r.addr, and any starting inside r.
+        let before = map.range(..=r.addr).next_back().map(|(_, v)| *v);
+        let inside = map.range(r.addr..end).next().map(|(_, v)| *v);
+        for cand in [before, inside].into_iter().flatten() {
+            if cand == *r {
+                return Ok(Some(cand));
+            }
+            if cand.addr < end && r.addr < cand.end() {
+                return Err(MemError::Overlap {
+                    addr: r.addr,
+                    len: r.len,
+                    existing_addr: cand.addr,
+                    existing_len: cand.len,
+                });
+            }
+        }
+        Ok(None)
+    }
+
+    /// Deregister the regions starting at `addrs` (duplicates ignored).
+    ///
+    /// Every known address is removed; if some address starts no region, the
+    /// first such one is reported after the others were removed.
+    pub fn deregister(&mut self, addrs: &[u64]) -> Result<(), MemError> {
+        let mut seen = std::collections::HashSet::with_capacity(addrs.len());
+        let mut first_unknown = None;
+        for &addr in addrs {
+            if !seen.insert(addr) {
+                continue; // handled at its first occurrence
+            }
+            if self.by_start.remove(&addr).is_some() {
+                self.generation += 1;
+                tracing::debug!(addr = format_args!("{addr:#x}"), "region deregistered");
+            } else if first_unknown.is_none() {
+                first_unknown = Some(addr);
+            }
+        }
+        match first_unknown {
+            Some(addr) => Err(MemError::NotRegistered { addr }),
+            None => Ok(()),
+        }
+    }
+
+    /// The region that contains all of `[addr, addr + len)`, in `O(log n)`.
+    pub fn find(&self, addr: u64, len: u64) -> Option<&Region> {
+        let (_, r) = self.by_start.range(..=addr).next_back()?;
+        r.contains(addr, len).then_some(r)
+    }
+
+    /// Like [`Self::find`], as a `Result` for `?`.
+    pub fn check(&self, addr: u64, len: u64) -> Result<&Region, MemError> {
+        self.find(addr, len)
+            .ok_or(MemError::OutOfRegion { addr, len })
+    }
+
+    /// All registered regions, by start address.
+    pub fn regions(&self) -> impl Iterator<Item = &Region> + '_ {
+        self.by_start.values()
+    }
+
+    /// Number of registered regions.
+    pub fn len(&self) -> usize {
+        self.by_start.len()
+    }
+
+    /// Whether nothing is registered.
+    pub fn is_empty(&self) -> bool {
+        self.by_start.is_empty()
+    }
+
+    /// Counts deregistrations; changes whenever a region may have gone away.
+    pub fn generation(&self) -> u64 {
+        self.generation
+    }
+
+    /// Copy `out.len()` registered bytes starting at `addr` into `out`.
+    pub fn read_bytes(&self, addr: u64, out: &mut [u8]) -> Result<(), MemError> {
+        let region = self.check(addr, out.len() as u64)?;
+        // SAFETY: the range lies inside a registered region of `region.kind`,
+        // which the registration contract keeps valid and readable.
+        unsafe { access_for(region.kind).read(addr, out) }
+    }
+
+    /// Copy `data` to registered memory at `addr`; refused unless it fits inside one region.
+    pub fn write_bytes(&self, addr: u64, data: &[u8]) -> Result<(), MemError> {
+        let region = self.check(addr, data.len() as u64)?;
+        // SAFETY: the range lies inside a registered region of `region.kind`,
+        // which the registration contract keeps valid, writable and unshared
+        // while a transfer writes it.
+        unsafe { access_for(region.kind).write(addr, data) }
+    }
+
+    /// Read `len` registered bytes at `addr` into a new vector.
+    pub fn read_vec(&self, addr: u64, len: usize) -> Result<Vec<u8>, MemError> {
+        let mut out = vec![0u8; len];
+        self.read_bytes(addr, &mut out)?;
+        Ok(out)
+    }
+}
+
+/// Adapts the `'static` default prober to an `Arc<dyn KindProber>`.
+#[derive(Debug)]
+struct ProberRef(&'static dyn KindProber);
+
+impl KindProber for ProberRef {
+    fn probe(&self, addr: u64) -> MemoryKind {
+        self.0.probe(addr)
+    }
+}
