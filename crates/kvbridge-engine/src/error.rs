@@ -33,6 +33,9 @@ pub enum ErrorKind {
     InvalidArgument,
     /// This engine is shutting down.
     Shutdown,
+    /// The process answering at the session is not the incarnation the
+    /// batch was planned for (the peer restarted); nothing was written.
+    PeerRestarted,
 }
 
 impl fmt::Display for ErrorKind {
@@ -48,6 +51,7 @@ impl fmt::Display for ErrorKind {
             ErrorKind::Io => "i/o error",
             ErrorKind::InvalidArgument => "invalid argument",
             ErrorKind::Shutdown => "engine shut down",
+            ErrorKind::PeerRestarted => "peer restarted (another incarnation answers)",
         };
         f.write_str(s)
     }

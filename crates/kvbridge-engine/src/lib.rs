@@ -95,6 +95,23 @@ pub trait TransferEngine: Send + Sync + std::fmt::Debug {
     /// reports completion (all bytes in the peer's memory) or the first error.
     fn submit(&self, session: &str, blocks: &[Block]) -> BatchHandle;
 
+    /// This engine's incarnation: a random id fixed for its lifetime, so
+    /// peers tell a restarted process from the one they knew (0 = none).
+    fn incarnation(&self) -> u64 {
+        0
+    }
+
+    /// Like [`TransferEngine::submit`], but only into incarnation `expected`
+    /// of the peer (as it announced itself when it registered its memory):
+    /// if another incarnation answers at `session` — the peer restarted, and
+    /// addresses planned for the old one may now be the new one's live
+    /// memory — the batch fails with `PeerRestarted` and nothing is written.
+    /// Engines that cannot mix up incarnations ignore `expected`.
+    fn submit_to(&self, session: &str, expected: u64, blocks: &[Block]) -> BatchHandle {
+        let _ = expected;
+        self.submit(session, blocks)
+    }
+
     /// Move `blocks` to `session`; returns when every byte is in the peer's
     /// memory, or with the first error.
     fn batch_transfer_sync(&self, session: &str, blocks: &[Block]) -> Result<(), TransferError> {

@@ -184,3 +184,41 @@ fn a_thousand_batches_across_eight_peers_in_parallel() {
         }
     });
 }
+
+#[test]
+fn batches_pinned_to_an_incarnation_never_reach_its_successor() {
+    let a = tcp(cfg());
+    let src = patterned(1 << 20, 9);
+    register(&a, &src);
+    let first = tcp(cfg());
+    let session = first.session_id().to_owned();
+    let old = first.incarnation();
+    assert_ne!(old, 0);
+    let d1 = HostBuffer::new(1 << 20).unwrap();
+    register(&first, &d1);
+    let blocks = whole(&src, &d1, 1 << 20);
+    a.submit_to(&session, old, &blocks).wait().unwrap();
+    assert_eq!(d1.as_slice(), src.as_slice());
+    let port: u16 = session.rsplit(':').next().unwrap().parse().unwrap();
+    // The peer restarts on the same port and registers memory at addresses
+    // the old plan names (here: the very same buffer, the worst case).
+    drop(first);
+    let second = TcpEngine::new(EngineConfig { port, ..cfg() }).unwrap();
+    assert_ne!(second.incarnation(), old);
+    let d2 = HostBuffer::new(1 << 20).unwrap();
+    register(&second, &d2);
+    let stale = whole(&src, &d2, 1 << 20);
+    for _ in 0..3 {
+        let e = a.submit_to(&session, old, &stale).wait().unwrap_err();
+        assert_eq!(e.kind, ErrorKind::PeerRestarted, "{e}");
+    }
+    assert!(
+        d2.as_slice().iter().all(|b| *b == 0),
+        "a stale batch was written"
+    );
+    // Pinned to the new incarnation it goes through.
+    a.submit_to(&session, second.incarnation(), &stale)
+        .wait()
+        .unwrap();
+    assert_eq!(d2.as_slice(), src.as_slice());
+}

@@ -26,6 +26,17 @@ unsafe impl Sync for HostBuffer {}
 impl HostBuffer {
     /// Map `len` zeroed bytes (rounded up to whole pages internally).
     pub fn new(len: usize) -> Result<Self, MemError> {
+        Self::map(len, 0)
+    }
+
+    /// Like [`HostBuffer::new`], with every page faulted in now, as a KV pool
+    /// allocated at start-up is: the first transfer into it does not pay
+    /// the page faults.
+    pub fn new_resident(len: usize) -> Result<Self, MemError> {
+        Self::map(len, libc::MAP_POPULATE)
+    }
+
+    fn map(len: usize, extra_flags: libc::c_int) -> Result<Self, MemError> {
         if len == 0 {
             return Err(MemError::ZeroLength { addr: 0 });
         }
@@ -36,7 +47,7 @@ impl HostBuffer {
                 std::ptr::null_mut(),
                 len,
                 libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | extra_flags,
                 -1,
                 0,
             )

@@ -441,6 +441,18 @@ pub(crate) fn lane(inner: Arc<Inner>, info: Arc<PeerInfo>, rx: Receiver<Item>) {
                 )));
                 continue;
             };
+            if item.batch.expected != 0 && c.incarnation != item.batch.expected {
+                // Addresses planned for the incarnation that registered them
+                // must never reach a restarted process: refuse before sending.
+                let detail = format!(
+                    "planned for incarnation {:#x}, connected to {:#x}",
+                    item.batch.expected, c.incarnation
+                );
+                let mut e = item.error(ErrorKind::PeerRestarted, detail);
+                e.block = item.first_block();
+                item.finish(Err(e));
+                continue;
+            }
             match send_item(&inner, c, &item, &mut bufs) {
                 Ok(seq) => inflight.push_back((seq, item)),
                 Err(SendError::Local(e)) => item.finish(Err(e)),

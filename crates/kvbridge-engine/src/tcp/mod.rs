@@ -179,6 +179,9 @@ pub struct TcpEngine {
     accept: Mutex<Option<JoinHandle<()>>>,
 }
 
+/// Smallest request a batch is cut into when spread over connections.
+const MIN_REQUEST_BYTES: u64 = 256 << 10;
+
 impl TcpEngine {
     /// Bind the listening port and start serving.
     pub fn new(cfg: EngineConfig) -> std::io::Result<Self> {
@@ -318,8 +321,20 @@ impl TransferEngine for TcpEngine {
         self.inner.regions.write().deregister(addrs)
     }
 
+    fn incarnation(&self) -> u64 {
+        self.inner.incarnation
+    }
+
+    fn submit_to(&self, session: &str, expected: u64, blocks: &[Block]) -> BatchHandle {
+        match self.plan(session, expected, blocks) {
+            Ok(Some(h)) => h,
+            Ok(None) => BatchHandle::ready(Ok(())),
+            Err(e) => BatchHandle::ready(Err(e)),
+        }
+    }
+
     fn submit(&self, session: &str, blocks: &[Block]) -> BatchHandle {
-        match self.plan(session, blocks) {
+        match self.plan(session, 0, blocks) {
             Ok(Some(h)) => h,
             Ok(None) => BatchHandle::ready(Ok(())),
             Err(e) => BatchHandle::ready(Err(e)),
@@ -359,7 +374,12 @@ const MAX_PIECES: usize = 8192;
 
 impl TcpEngine {
     /// Check sources, cut the batch into requests and queue them; `None` if there is nothing to move.
-    fn plan(&self, session: &str, blocks: &[Block]) -> Result<Option<BatchHandle>, TransferError> {
+    fn plan(
+        &self,
+        session: &str,
+        expected: u64,
+        blocks: &[Block],
+    ) -> Result<Option<BatchHandle>, TransferError> {
         if self.inner.is_shutdown() {
             return Err(shutdown_error(session));
         }
@@ -387,7 +407,12 @@ impl TcpEngine {
                 }
             }
         }
-        let step = self.inner.cfg.request_bytes.max(1) as u64;
+        // Requests of at most `request_bytes`, but small enough that one
+        // batch spreads over all of the peer's connections.
+        let total: u64 = blocks.iter().map(|b| b.len).sum();
+        let lanes = self.inner.cfg.connections_per_peer.max(1) as u64;
+        let cap = self.inner.cfg.request_bytes.max(1) as u64;
+        let step = total.div_ceil(lanes).clamp(cap.min(MIN_REQUEST_BYTES), cap);
         let mut requests: Vec<Vec<Piece>> = Vec::new();
         let mut cur: Vec<Piece> = Vec::new();
         let mut cur_bytes = 0u64;
@@ -420,7 +445,7 @@ impl TcpEngine {
         }
         let peer = self.inner.peer(session)?;
         let (handle, completer) = BatchHandle::pending();
-        let ctx = BatchCtx::new(session, completer);
+        let ctx = BatchCtx::new(session, expected, completer);
         let first = if requests.len() == 1 {
             let pieces = requests.pop().unwrap_or_default();
             Item::new(ctx, Work::Write(pieces))

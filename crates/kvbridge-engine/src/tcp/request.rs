@@ -33,6 +33,8 @@ pub(crate) enum Work {
 #[derive(Debug)]
 pub(crate) struct BatchCtx {
     pub(super) session: String,
+    /// The peer incarnation the batch may be written to (0 = any).
+    pub(super) expected: u64,
     pub(super) remaining: AtomicUsize,
     failed: AtomicBool,
     error: Mutex<Option<TransferError>>,
@@ -41,9 +43,10 @@ pub(crate) struct BatchCtx {
 }
 
 impl BatchCtx {
-    pub(crate) fn new(session: &str, completer: Completer) -> Arc<Self> {
+    pub(crate) fn new(session: &str, expected: u64, completer: Completer) -> Arc<Self> {
         Arc::new(Self {
             session: session.to_owned(),
+            expected,
             remaining: AtomicUsize::new(1),
             failed: AtomicBool::new(false),
             error: Mutex::new(None),
