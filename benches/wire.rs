@@ -31,6 +31,7 @@ fn registration() -> Register<'static> {
         dst_dcp_rank: 0,
         staging_slot_layer_ids: PackedArray::empty(),
         dst_kv_item_lens: PackedArray::from(vec![16384u64; 160]),
+        incarnation: None,
     }
 }
 

@@ -467,6 +467,7 @@ impl WireJson {
                             j.staging_slot_layer_ids.as_slice(),
                         ),
                         dst_kv_item_lens: PackedArray::from(j.dst_kv_item_lens.as_slice()),
+                        incarnation: None,
                     }
                     .encode(),
                 )

@@ -47,6 +47,6 @@ pub use to_decode::{
     STATE_DATA_TAG, StagingReq, StateData, Status,
 };
 pub use to_prefill::{
-    ABORT_TAG, Abort, REGISTER_ROOM, Register, STAGING_RSP_TAG, StagingRsp, Transfer,
-    TransferPages, WATERMARK_TAG, Watermark,
+    ABORT_TAG, Abort, INCARNATION_PREFIX, REGISTER_ROOM, Register, STAGING_RSP_TAG, StagingRsp,
+    Transfer, TransferPages, WATERMARK_TAG, Watermark,
 };

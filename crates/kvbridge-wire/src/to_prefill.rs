@@ -60,7 +60,15 @@ pub struct Register<'a> {
     pub staging_slot_layer_ids: PackedArray<'a, u64>,
     /// Bytes per page of every KV buffer.
     pub dst_kv_item_lens: PackedArray<'a, u64>,
+    /// kvbridge extension (trailing frame 20, `kvbridge-incarnation=<n>`,
+    /// ignored by sglang): the decode's transfer-engine incarnation, so the
+    /// prefill never writes this registration's addresses into a restarted
+    /// process.
+    pub incarnation: Option<u64>,
 }
+
+/// Prefix of the kvbridge incarnation frame appended to a registration.
+pub const INCARNATION_PREFIX: &[u8] = b"kvbridge-incarnation=";
 
 impl<'a> Register<'a> {
     /// Frames before the optional tail.
@@ -115,12 +123,18 @@ impl<'a> Register<'a> {
             dst_dcp_rank: opt_int(17, "dst_dcp_rank", 0)?,
             staging_slot_layer_ids: opt_array(&c, 18, "staging_slot_layer_ids", limits)?,
             dst_kv_item_lens: opt_array(&c, 19, "dst_kv_item_lens", limits)?,
+            // Anything else in frame 20 is an unknown trailing frame.
+            incarnation: c
+                .opt(20)
+                .and_then(|f| f.strip_prefix(INCARNATION_PREFIX))
+                .and_then(|n| parse_u64("incarnation", n).ok()),
         })
     }
 
-    /// The 20 frames the seed's `_register_kv_args` sends.
+    /// The 20 frames the seed's `_register_kv_args` sends (plus the
+    /// incarnation frame when set).
     pub fn encode(&self) -> Frames<'_> {
-        vec![
+        let mut frames = vec![
             Cow::Borrowed(REGISTER_ROOM),
             text_frame(&self.endpoint),
             int_frame(self.dst_port),
@@ -149,7 +163,13 @@ impl<'a> Register<'a> {
             int_frame(self.dst_dcp_rank),
             Cow::Borrowed(self.staging_slot_layer_ids.as_bytes()),
             Cow::Borrowed(self.dst_kv_item_lens.as_bytes()),
-        ]
+        ];
+        if let Some(n) = self.incarnation {
+            let mut frame = INCARNATION_PREFIX.to_vec();
+            frame.extend_from_slice(n.to_string().as_bytes());
+            frames.push(Cow::Owned(frame));
+        }
+        frames
     }
 
     /// Detaches the message from the frames it borrows.
@@ -174,6 +194,7 @@ impl<'a> Register<'a> {
             dst_dcp_rank: self.dst_dcp_rank,
             staging_slot_layer_ids: self.staging_slot_layer_ids.into_owned(),
             dst_kv_item_lens: self.dst_kv_item_lens.into_owned(),
+            incarnation: self.incarnation,
         }
     }
 }

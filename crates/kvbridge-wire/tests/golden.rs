@@ -393,3 +393,45 @@ fn abort_acks_both_forms() {
     let ToDecode::AbortAck(a) = m else { panic!() };
     assert_eq!(a.prefill_rank, Some(6));
 }
+
+/// kvbridge's decode appends its engine incarnation as frame 20; sglang
+/// ignores trailing frames, and any other frame 20 is just an unknown one.
+#[test]
+fn register_incarnation_extension() {
+    let base = [
+        "4e6f6e65",
+        "31302e302e302e37",
+        "3137303031",
+        "31302e302e302e373a3135303031",
+        "00100000007f0000",
+        "",
+        "",
+        "30",
+        "31",
+        "3136333834",
+        "",
+        "",
+        "",
+        "",
+        "",
+        "",
+        "31",
+        "30",
+        "",
+        "",
+    ];
+    let mut with = base.to_vec();
+    let frame = kvbridge_wire::json::hex_encode(b"kvbridge-incarnation=12345");
+    with.push(&frame);
+    let (_, m) = to_prefill(&with);
+    let ToPrefill::Register(r) = m else { panic!() };
+    assert_eq!(r.incarnation, Some(12345));
+    let mut other = base.to_vec();
+    let future = kvbridge_wire::json::hex_encode(b"something-newer");
+    other.push(&future);
+    let f = frames(&other);
+    let ToPrefill::Register(r) = ToPrefill::decode(&f, &Limits::DEFAULT).unwrap() else {
+        panic!()
+    };
+    assert_eq!(r.incarnation, None);
+}

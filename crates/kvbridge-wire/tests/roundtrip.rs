@@ -49,6 +49,8 @@ prop_compose! {
             staging_base_ptr: base, staging_total_size: total,
             dst_dcp_size: dcp, dst_dcp_rank: dcp_rank,
             staging_slot_layer_ids: slots.into(), dst_kv_item_lens: kv_lens.into(),
+            // The JSON form has no incarnation (a kvbridge extension).
+            incarnation: None,
         }
     }
 }
