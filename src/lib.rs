@@ -6,4 +6,5 @@
 pub use kvbridge_engine as engine;
 pub use kvbridge_mem as mem;
 pub use kvbridge_plan as plan;
+pub use kvbridge_roles as roles;
 pub use kvbridge_wire as wire;

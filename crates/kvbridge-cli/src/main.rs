@@ -9,7 +9,11 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 mod bench_cmd;
+mod bootstrap_cmd;
+mod demo;
 mod plan_cmd;
+mod rank;
+mod signals;
 mod wire_cmd;
 
 /// Moves the KV cache of LLM requests from prefill GPUs to decode GPUs.
@@ -30,6 +34,15 @@ enum Command {
     Bench(bench_cmd::BenchCommand),
     /// Plan one chunk of a scenario and print its blocks (contracts/plan-scenario.md).
     Plan(plan_cmd::PlanArgs),
+    /// Serve the bootstrap HTTP API until SIGTERM/SIGINT (contracts/cli.md).
+    Bootstrap(bootstrap_cmd::BootstrapArgs),
+    /// The main job: stream a synthetic workload through prefill and decode
+    /// rank processes on loopback and verify every byte.
+    Demo(demo::DemoArgs),
+    /// Run one prefill rank from a JSON configuration file.
+    Prefill(rank::RankArgs),
+    /// Run one decode rank from a JSON configuration file.
+    Decode(rank::RankArgs),
     // Further subcommands are added here, one line each.
 }
 
@@ -47,6 +60,10 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
         Command::Wire(cmd) => wire_cmd::run(cmd),
+        Command::Bootstrap(args) => bootstrap_cmd::run(args),
+        Command::Demo(args) => demo::run(args),
+        Command::Prefill(args) => rank::run(rank::Role::Prefill, args),
+        Command::Decode(args) => rank::run(rank::Role::Decode, args),
         Command::Bench(cmd) => bench_cmd::run(cmd),
         Command::Plan(args) => plan_cmd::run(args),
     }

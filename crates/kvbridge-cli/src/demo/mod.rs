@@ -1,0 +1,526 @@
+//! `kvbridge demo`, the main job: a bootstrap server, prefill rank processes
+//! and decode rank processes on loopback stream a synthetic workload; every
+//! decode rank verifies every byte; the run ends with a summary.
+//!
+//! Fault flags show the failure paths live: `--kill-decode-after N` kills
+//! decode rank 0 with SIGKILL after N of its rooms and starts a new
+//! incarnation on the same engine address, which the prefill serves again;
+//! `--abort-fraction F` aborts that fraction of requests mid-transfer.
+
+mod procs;
+pub mod summary;
+
+use std::collections::{HashMap, HashSet};
+use std::net::SocketAddr;
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use clap::Args;
+use indicatif::{ProgressBar, ProgressStyle};
+use kvbridge_engine::EngineConfig;
+use kvbridge_roles::bootstrap::{BootstrapServer, DEFAULT_ENTRY_CLEANUP_INTERVAL};
+use kvbridge_roles::synthetic::{ModelSpec, RankSpec};
+use kvbridge_roles::{DecodeConfig, PrefillConfig};
+
+use crate::rank::events::Event;
+use crate::rank::workload::Workload;
+use crate::rank::{EngineKind, ModelChoice, RankFile};
+use procs::{ChildId, Children};
+use summary::{Failure, Summary, percentile};
+
+/// `kvbridge demo` flags; every one has a default.
+#[derive(Debug, Args)]
+pub struct DemoArgs {
+    /// Model preset: `llama3-8b` (MHA/GQA) or `deepseek-v3` (MLA).
+    #[arg(long, default_value = "llama3-8b")]
+    model: String,
+    /// Tokens per KV page (default: the preset's).
+    #[arg(long)]
+    page_size: Option<u64>,
+    /// Use only this many of the preset's layers (a smaller, faster run).
+    #[arg(long)]
+    layers: Option<u64>,
+    /// Prefill attention TP size.
+    #[arg(long, default_value_t = 1)]
+    prefill_tp: u64,
+    /// Prefill pipeline stages.
+    #[arg(long, default_value_t = 1)]
+    prefill_pp: u64,
+    /// Decode attention TP size.
+    #[arg(long, default_value_t = 1)]
+    decode_tp: u64,
+    /// Requests to stream.
+    #[arg(long, default_value_t = 32)]
+    requests: u64,
+    /// Mean prompt length in tokens (each request varies ±25%).
+    #[arg(long, default_value_t = 256)]
+    prompt_tokens: u64,
+    /// Tokens per prefill chunk.
+    #[arg(long, default_value_t = 64)]
+    chunk_tokens: u64,
+    /// Requests in flight per rank.
+    #[arg(long, default_value_t = 8)]
+    concurrency: usize,
+    /// Seed for rooms, lengths and aborts.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Print one JSON object (stdout) instead of the table.
+    #[arg(long)]
+    json: bool,
+    /// Kill decode rank 0 (SIGKILL) after N of its rooms, then restart it.
+    #[arg(long)]
+    kill_decode_after: Option<u64>,
+    /// Fraction of requests the decode aborts mid-transfer.
+    #[arg(long, default_value_t = 0.0)]
+    abort_fraction: f64,
+    /// Transfer engine.
+    #[arg(long, value_enum, default_value = "tcp")]
+    engine: EngineKind,
+    /// Shared cluster secret for the engines' connections.
+    #[arg(long)]
+    secret: Option<String>,
+    /// Give up on the whole run after this many seconds.
+    #[arg(long, default_value_t = 600)]
+    timeout_s: u64,
+}
+
+/// Runs the demo; exits non-zero on any mismatched byte, and on failures
+/// when no fault was injected.
+pub fn run(args: DemoArgs) -> ExitCode {
+    match run_inner(&args) {
+        Ok(summary) => {
+            if args.json {
+                match serde_json::to_string(&summary) {
+                    Ok(line) => println!("{line}"),
+                    Err(e) => eprintln!("kvbridge demo: {e}"),
+                }
+            } else {
+                eprint!("{}", summary.render());
+            }
+            let faults = args.kill_decode_after.is_some() || args.abort_fraction > 0.0;
+            if summary.mismatched_bytes > 0
+                || (!faults && summary.failed > 0)
+                || summary.succeeded == 0
+            {
+                ExitCode::FAILURE
+            } else {
+                ExitCode::SUCCESS
+            }
+        }
+        Err(e) => {
+            eprintln!("kvbridge demo: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+struct Plan {
+    model: ModelSpec,
+    workload: Workload,
+    prefill_files: Vec<RankFile>,
+    decode_files: Vec<RankFile>,
+}
+
+fn plan(args: &DemoArgs, bootstrap: SocketAddr) -> Result<Plan> {
+    let mut model = ModelSpec::preset(&args.model)
+        .with_context(|| format!("unknown model {:?}", args.model))?;
+    if let Some(p) = args.page_size {
+        model.page_size = p.max(1);
+    }
+    if let Some(l) = args.layers {
+        model.layers = l.max(1);
+    }
+    for (name, v) in [
+        ("prefill-tp", args.prefill_tp),
+        ("prefill-pp", args.prefill_pp),
+        ("decode-tp", args.decode_tp),
+    ] {
+        if v == 0 {
+            bail!("--{name} must be at least 1");
+        }
+    }
+    if args.prefill_pp > model.layers {
+        bail!(
+            "--prefill-pp {} exceeds the model's {} layers",
+            args.prefill_pp,
+            model.layers
+        );
+    }
+    let workload = Workload {
+        requests: args.requests,
+        prompt_tokens: args.prompt_tokens.max(1),
+        chunk_tokens: args.chunk_tokens.max(1),
+        concurrency: args.concurrency.max(1),
+        seed: args.seed,
+        abort_fraction: args.abort_fraction.clamp(0.0, 1.0),
+        only: None,
+        room_timeout_s: 60.0,
+    };
+    let requests = workload.requests();
+    let pages_of = |r: &crate::rank::workload::Request| Workload::pages(r.tokens, model.page_size);
+    let max_pages = requests.iter().map(pages_of).max().unwrap_or(1);
+    let all_pages: u64 = requests.iter().map(pages_of).sum();
+    let window = workload.concurrency as u64 * max_pages;
+    let prefill_pages = all_pages.min(window * 8).max(window) + 1;
+    let decode_pages = window + max_pages + 1;
+    let engine = EngineConfig {
+        secret: args.secret.clone(),
+        // Chunks of a few MiB: 2 MiB requests spread one chunk's batch over
+        // the engine's connections (measured best on loopback).
+        request_bytes: 2 << 20,
+        ..EngineConfig::default()
+    };
+    let timeouts = |p: &mut PrefillConfig| {
+        p.bootstrap_timeout = Duration::from_secs(120);
+        p.probe.interval = Duration::from_millis(200);
+    };
+    let mut prefill_files = Vec::new();
+    for pp in 0..args.prefill_pp {
+        for tp in 0..args.prefill_tp {
+            let mut prefill = PrefillConfig {
+                bootstrap_addr: bootstrap.to_string(),
+                ..PrefillConfig::default()
+            };
+            timeouts(&mut prefill);
+            prefill_files.push(RankFile {
+                model: ModelChoice::Spec(model.clone()),
+                page_size: None,
+                rank: RankSpec {
+                    tp_size: args.prefill_tp,
+                    tp_rank: tp,
+                    pp_size: args.prefill_pp,
+                    pp_rank: pp,
+                },
+                pages: prefill_pages,
+                aux_slots: requests.len() as u64 + workload.concurrency as u64 + 1,
+                engine_kind: args.engine,
+                engine: engine.clone(),
+                prefill,
+                decode: DecodeConfig::default(),
+                bootstrap_addr: None,
+                workload: Some(workload.clone()),
+            });
+        }
+    }
+    let decode_files = (0..args.decode_tp)
+        .map(|tp| RankFile {
+            model: ModelChoice::Spec(model.clone()),
+            page_size: None,
+            rank: RankSpec {
+                tp_size: args.decode_tp,
+                tp_rank: tp,
+                pp_size: 1,
+                pp_rank: 0,
+            },
+            pages: decode_pages,
+            aux_slots: workload.concurrency as u64 + 1,
+            engine_kind: args.engine,
+            engine: engine.clone(),
+            prefill: PrefillConfig::default(),
+            decode: DecodeConfig {
+                heartbeat_interval: Duration::from_secs(2),
+                bootstrap_timeout: Duration::from_secs(60),
+                waiting_timeout: Duration::from_secs(120),
+                ..DecodeConfig::default()
+            },
+            bootstrap_addr: Some(bootstrap.to_string()),
+            workload: Some(workload.clone()),
+        })
+        .collect();
+    Ok(Plan {
+        model,
+        workload,
+        prefill_files,
+        decode_files,
+    })
+}
+
+#[derive(Debug, Clone, Default)]
+struct Outcome {
+    success: bool,
+    reason: Option<String>,
+    latency_ms: f64,
+    verified: u64,
+    mismatched: u64,
+    aborted: bool,
+}
+
+fn run_inner(args: &DemoArgs) -> Result<Summary> {
+    let bootstrap = BootstrapServer::start("127.0.0.1:0".parse()?, DEFAULT_ENTRY_CLEANUP_INTERVAL)
+        .context("starting the bootstrap server")?;
+    let plan = plan(args, bootstrap.local_addr())?;
+    let dir = std::env::temp_dir().join(format!("kvbridge-demo-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    let result = orchestrate(args, &plan, &dir);
+    let _ = std::fs::remove_dir_all(&dir);
+    bootstrap.shutdown();
+    result
+}
+
+fn orchestrate(args: &DemoArgs, plan: &Plan, dir: &std::path::Path) -> Result<Summary> {
+    let deadline = Instant::now() + Duration::from_secs(args.timeout_s);
+    let mut children = Children::new(dir.to_path_buf());
+    let prefill_ids: Vec<ChildId> = plan
+        .prefill_files
+        .iter()
+        .enumerate()
+        .map(|(i, f)| children.spawn("prefill", i as u64, f))
+        .collect::<Result<_>>()?;
+    children.wait_ready(&prefill_ids, deadline)?;
+    let mut decode_ids: Vec<ChildId> = plan
+        .decode_files
+        .iter()
+        .enumerate()
+        .map(|(i, f)| children.spawn("decode", i as u64, f))
+        .collect::<Result<_>>()?;
+    let sessions = children.wait_ready(&decode_ids, deadline)?;
+    let requests = plan.workload.requests();
+    let total = requests.len() as u64 * plan.decode_files.len() as u64;
+    let bar = if args.json {
+        ProgressBar::hidden()
+    } else {
+        ProgressBar::new(total)
+    };
+    bar.set_style(
+        ProgressStyle::with_template("{spinner} {bar:40} {pos}/{len} rooms {msg}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    let mut decode: HashMap<(u64, u64), Outcome> = HashMap::new();
+    let mut prefill: HashMap<(u64, u64), Outcome> = HashMap::new();
+    let mut started: HashMap<u64, HashSet<u64>> = HashMap::new();
+    let mut killed = false;
+    let mut first_start: Option<Instant> = None;
+    let mut last_done = Instant::now();
+    let mut finished: HashSet<ChildId> = HashSet::new();
+    loop {
+        let all_done = decode_ids
+            .iter()
+            .chain(&prefill_ids)
+            .all(|id| finished.contains(id));
+        if all_done {
+            break;
+        }
+        if Instant::now() > deadline {
+            children.kill_all();
+            bail!("the demo did not finish within {} s", args.timeout_s);
+        }
+        let Some((id, event)) = children.next_event(Duration::from_millis(200)) else {
+            continue;
+        };
+        let rank = children.rank(id);
+        match event {
+            None => {
+                if !finished.contains(&id) && !children.was_killed(id) {
+                    children.kill_all();
+                    bail!("{} exited before finishing its workload", children.name(id));
+                }
+            }
+            Some(Event::Started { room }) => {
+                first_start.get_or_insert_with(Instant::now);
+                started.entry(rank).or_default().insert(room);
+            }
+            Some(Event::Done {
+                role,
+                room,
+                success,
+                reason,
+                latency_ms,
+                verified,
+                mismatched,
+                aborted,
+                ..
+            }) => {
+                let outcome = Outcome {
+                    success,
+                    reason,
+                    latency_ms,
+                    verified,
+                    mismatched,
+                    aborted,
+                };
+                if role == "decode" {
+                    last_done = Instant::now();
+                    decode.insert((rank, room), outcome);
+                    bar.inc(1);
+                    let rank0_done = decode.keys().filter(|(r, _)| *r == 0).count() as u64;
+                    if let Some(n) = args
+                        .kill_decode_after
+                        .filter(|n| !killed && rank0_done >= *n)
+                    {
+                        killed = true;
+                        bar.set_message(format!(
+                            "killed decode rank 0 after {n} rooms; restarting it"
+                        ));
+                        let in_flight = kill_and_restart(
+                            &mut children,
+                            &mut decode_ids,
+                            plan,
+                            &sessions,
+                            &decode,
+                            &started,
+                            deadline,
+                        )?;
+                        for room in in_flight {
+                            decode.insert(
+                                (0, room),
+                                Outcome {
+                                    reason: Some("decode rank 0 was killed (SIGKILL) while the room was in flight".into()),
+                                    ..Outcome::default()
+                                },
+                            );
+                            bar.inc(1);
+                        }
+                    }
+                } else {
+                    prefill.insert((rank, room), outcome);
+                }
+            }
+            Some(Event::Finished { .. }) => {
+                finished.insert(id);
+            }
+            Some(Event::Ready { .. }) => {}
+            Some(Event::Error { message }) => {
+                children.kill_all();
+                bail!("{} failed: {message}", children.name(id));
+            }
+        }
+    }
+    bar.finish_and_clear();
+    children.wait_all(Duration::from_secs(10));
+    let seconds = first_start.map_or(0.0, |t| {
+        last_done.saturating_duration_since(t).as_secs_f64()
+    });
+    Ok(summarize(args, plan, &decode, &prefill, seconds))
+}
+
+/// Kills decode rank 0 and starts a new incarnation on the same engine
+/// port for the rooms it had not started. Returns the rooms it left in flight.
+fn kill_and_restart(
+    children: &mut Children,
+    decode_ids: &mut [ChildId],
+    plan: &Plan,
+    sessions: &[String],
+    decode: &HashMap<(u64, u64), Outcome>,
+    started: &HashMap<u64, HashSet<u64>>,
+    deadline: Instant,
+) -> Result<Vec<u64>> {
+    children.kill(decode_ids[0]);
+    let started0 = started.get(&0).cloned().unwrap_or_default();
+    let in_flight: Vec<u64> = started0
+        .iter()
+        .copied()
+        .filter(|room| !decode.contains_key(&(0, *room)))
+        .collect();
+    let remaining: Vec<u64> = plan
+        .workload
+        .requests()
+        .iter()
+        .filter(|r| !started0.contains(&r.room))
+        .map(|r| r.index)
+        .collect();
+    let mut file = plan.decode_files[0].clone();
+    let port = sessions[0]
+        .rsplit(':')
+        .next()
+        .and_then(|p| p.parse().ok())
+        .context("decode session without a port")?;
+    file.engine.port = port;
+    if let Some(w) = file.workload.as_mut() {
+        w.only = Some(remaining);
+    }
+    // The old incarnation's port may linger briefly; retry the start.
+    let id = children.spawn("decode", 0, &file)?;
+    children.wait_ready(&[id], deadline)?;
+    decode_ids[0] = id;
+    Ok(in_flight)
+}
+
+fn summarize(
+    args: &DemoArgs,
+    plan: &Plan,
+    decode: &HashMap<(u64, u64), Outcome>,
+    prefill: &HashMap<(u64, u64), Outcome>,
+    seconds: f64,
+) -> Summary {
+    let requests = plan.workload.requests();
+    let (mut succeeded, mut failed, mut aborted, mut bytes) = (0, 0, 0, 0);
+    let (mut verified, mut mismatched) = (0, 0);
+    let mut latencies = Vec::new();
+    let mut failures = Vec::new();
+    for r in &requests {
+        let d: Vec<&Outcome> = (0..plan.decode_files.len() as u64)
+            .filter_map(|k| decode.get(&(k, r.room)))
+            .collect();
+        let p: Vec<&Outcome> = (0..plan.prefill_files.len() as u64)
+            .filter_map(|k| prefill.get(&(k, r.room)))
+            .collect();
+        verified += d.iter().map(|o| o.verified).sum::<u64>();
+        mismatched += d.iter().map(|o| o.mismatched).sum::<u64>();
+        let ok =
+            d.len() == plan.decode_files.len() && d.iter().all(|o| o.success && o.mismatched == 0);
+        if d.iter().any(|o| o.aborted) {
+            aborted += 1;
+        }
+        if ok {
+            succeeded += 1;
+            bytes += d.iter().map(|o| o.verified).sum::<u64>();
+            let lat = p
+                .iter()
+                .filter(|o| o.success)
+                .map(|o| o.latency_ms)
+                .fold(0.0, f64::max);
+            latencies.push(if lat > 0.0 {
+                lat
+            } else {
+                d.iter().map(|o| o.latency_ms).fold(0.0, f64::max)
+            });
+        } else {
+            failed += 1;
+            let reason = d
+                .iter()
+                .find(|o| o.aborted)
+                .and_then(|o| o.reason.clone())
+                .or_else(|| p.iter().find_map(|o| o.reason.clone()))
+                .or_else(|| d.iter().find_map(|o| o.reason.clone()))
+                .or_else(|| {
+                    d.iter()
+                        .find(|o| o.mismatched > 0)
+                        .map(|o| format!("{} bytes mismatched", o.mismatched))
+                })
+                .unwrap_or_else(|| "no result from some decode rank".into());
+            failures.push(Failure {
+                room: r.room,
+                reason,
+            });
+        }
+    }
+    Summary {
+        model: plan.model.name.clone(),
+        topology: format!(
+            "prefill TP{} PP{} -> decode TP{}, {} engine",
+            args.prefill_tp,
+            args.prefill_pp,
+            args.decode_tp,
+            match args.engine {
+                EngineKind::Tcp => "tcp",
+            }
+        ),
+        requests: requests.len() as u64,
+        succeeded,
+        failed,
+        aborted,
+        bytes,
+        seconds,
+        gbps: if seconds > 0.0 {
+            bytes as f64 / seconds / 1e9
+        } else {
+            0.0
+        },
+        p50_ms: percentile(&latencies, 0.5),
+        p99_ms: percentile(&latencies, 0.99),
+        verified_bytes: verified,
+        mismatched_bytes: mismatched,
+        failures,
+    }
+}

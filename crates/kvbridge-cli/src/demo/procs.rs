@@ -1,0 +1,191 @@
+//! The demo's child processes: spawn a rank from its configuration file,
+//! read its JSON events, kill it, reap it.
+
+use std::collections::VecDeque;
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc::{Receiver, Sender, channel};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+
+use crate::rank::RankFile;
+use crate::rank::events::Event;
+
+/// Index of a child in [`Children`].
+pub type ChildId = usize;
+
+struct Entry {
+    name: String,
+    rank: u64,
+    child: Child,
+    killed: bool,
+}
+
+/// The rank processes of one demo run.
+pub struct Children {
+    dir: PathBuf,
+    entries: Vec<Entry>,
+    tx: Sender<(ChildId, Option<Event>)>,
+    rx: Receiver<(ChildId, Option<Event>)>,
+    /// Events read while waiting for something else, delivered first.
+    backlog: VecDeque<(ChildId, Option<Event>)>,
+}
+
+impl Children {
+    /// No children yet; configuration files go to `dir`.
+    pub fn new(dir: PathBuf) -> Self {
+        let (tx, rx) = channel();
+        Self {
+            dir,
+            entries: Vec::new(),
+            tx,
+            rx,
+            backlog: VecDeque::new(),
+        }
+    }
+
+    /// Starts `kvbridge <role> --config <file>` and a thread reading its events.
+    pub fn spawn(&mut self, role: &str, rank: u64, file: &RankFile) -> Result<ChildId> {
+        let id = self.entries.len();
+        let path = self.dir.join(format!("{role}-{rank}-{id}.json"));
+        std::fs::write(&path, serde_json::to_vec_pretty(file)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+        let exe = std::env::current_exe().context("locating the kvbridge binary")?;
+        let mut command = Command::new(exe);
+        command
+            .arg(role)
+            .arg("--config")
+            .arg(&path)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit());
+        if std::env::var_os("KVBRIDGE_LOG").is_none() {
+            command.env("KVBRIDGE_LOG", "error");
+        }
+        let mut child = command
+            .spawn()
+            .with_context(|| format!("starting {role} rank {rank}"))?;
+        let stdout = child.stdout.take().context("child stdout")?;
+        let tx = self.tx.clone();
+        std::thread::Builder::new()
+            .name(format!("demo-{role}-{rank}"))
+            .spawn(move || {
+                for line in BufReader::new(stdout).lines() {
+                    let Ok(line) = line else { break };
+                    match serde_json::from_str::<Event>(&line) {
+                        Ok(event) => {
+                            if tx.send((id, Some(event))).is_err() {
+                                return;
+                            }
+                        }
+                        Err(_) => eprintln!("{line}"),
+                    }
+                }
+                let _ = tx.send((id, None));
+            })?;
+        self.entries.push(Entry {
+            name: format!("{role} rank {rank}"),
+            rank,
+            child,
+            killed: false,
+        });
+        Ok(id)
+    }
+
+    /// The next event from any child, waiting up to `timeout`.
+    pub fn next_event(&mut self, timeout: Duration) -> Option<(ChildId, Option<Event>)> {
+        if let Some(e) = self.backlog.pop_front() {
+            return Some(e);
+        }
+        self.rx.recv_timeout(timeout).ok()
+    }
+
+    /// Waits for `Ready` from each of `ids`; returns their engine sessions
+    /// in order. Other children's events are kept for later.
+    pub fn wait_ready(&mut self, ids: &[ChildId], deadline: Instant) -> Result<Vec<String>> {
+        let mut sessions: Vec<Option<String>> = vec![None; ids.len()];
+        while sessions.iter().any(Option::is_none) {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                bail!("ranks did not become ready in time");
+            }
+            let (id, event) = match self.rx.recv_timeout(left.min(Duration::from_millis(200))) {
+                Ok(e) => e,
+                Err(_) => continue,
+            };
+            match (ids.iter().position(|i| *i == id), event) {
+                (Some(k), Some(Event::Ready { session, .. })) => sessions[k] = Some(session),
+                (Some(_), Some(Event::Error { message })) => {
+                    bail!("{} failed to start: {message}", self.name(id))
+                }
+                (Some(_), None) => bail!("{} exited during start-up", self.name(id)),
+                (_, other) => self.backlog.push_back((id, other)),
+            }
+        }
+        Ok(sessions.into_iter().flatten().collect())
+    }
+
+    /// The rank index of child `id`.
+    pub fn rank(&self, id: ChildId) -> u64 {
+        self.entries.get(id).map_or(0, |e| e.rank)
+    }
+
+    /// `role rank N`, for messages.
+    pub fn name(&self, id: ChildId) -> String {
+        self.entries
+            .get(id)
+            .map_or_else(|| format!("child {id}"), |e| e.name.clone())
+    }
+
+    /// Whether the demo killed child `id` on purpose.
+    pub fn was_killed(&self, id: ChildId) -> bool {
+        self.entries.get(id).is_some_and(|e| e.killed)
+    }
+
+    /// SIGKILLs child `id` and reaps it.
+    pub fn kill(&mut self, id: ChildId) {
+        if let Some(e) = self.entries.get_mut(id) {
+            e.killed = true;
+            let _ = e.child.kill();
+            let _ = e.child.wait();
+        }
+    }
+
+    /// SIGKILLs every child still running.
+    pub fn kill_all(&mut self) {
+        for id in 0..self.entries.len() {
+            self.kill(id);
+        }
+    }
+
+    /// Waits up to `timeout` for every child to exit, then kills the rest.
+    pub fn wait_all(&mut self, timeout: Duration) {
+        let deadline = Instant::now() + timeout;
+        for e in &mut self.entries {
+            loop {
+                match e.child.try_wait() {
+                    Ok(Some(_)) | Err(_) => break,
+                    Ok(None) if Instant::now() >= deadline => {
+                        let _ = e.child.kill();
+                        let _ = e.child.wait();
+                        break;
+                    }
+                    Ok(None) => std::thread::sleep(Duration::from_millis(20)),
+                }
+            }
+        }
+    }
+}
+
+impl Drop for Children {
+    fn drop(&mut self) {
+        for e in &mut self.entries {
+            if let Ok(None) = e.child.try_wait() {
+                let _ = e.child.kill();
+                let _ = e.child.wait();
+            }
+        }
+    }
+}

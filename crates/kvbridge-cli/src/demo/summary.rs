@@ -1,0 +1,116 @@
+//! What a demo run measured, as a readable table or one JSON object.
+
+use serde::Serialize;
+
+/// A failed request and why.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Failure {
+    /// The room.
+    pub room: u64,
+    /// The reason (the first one recorded on any rank).
+    pub reason: String,
+}
+
+/// The demo's result (`--json` prints exactly this).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Summary {
+    /// Model preset.
+    pub model: String,
+    /// `prefill TP x PP -> decode TP`.
+    pub topology: String,
+    /// Requests run.
+    pub requests: u64,
+    /// Requests every decode rank received and verified.
+    pub succeeded: u64,
+    /// Requests that failed on some rank (fault injection included).
+    pub failed: u64,
+    /// Requests the decode aborted on purpose (`--abort-fraction`).
+    pub aborted: u64,
+    /// KV and aux bytes that arrived in verified rooms.
+    pub bytes: u64,
+    /// Wall time from the first request to the last conclusion.
+    pub seconds: f64,
+    /// `bytes / seconds` in 10^9 bytes per second.
+    pub gbps: f64,
+    /// Median per-request transfer latency (prefill: first chunk → Success).
+    pub p50_ms: f64,
+    /// 99th-percentile per-request transfer latency.
+    pub p99_ms: f64,
+    /// Bytes compared against the expected pattern.
+    pub verified_bytes: u64,
+    /// Bytes that differed (any is a bug).
+    pub mismatched_bytes: u64,
+    /// Each failed request's room and reason.
+    pub failures: Vec<Failure>,
+}
+
+/// The `q`-quantile (nearest rank) of `values`.
+pub fn percentile(values: &[f64], q: f64) -> f64 {
+    if values.is_empty() {
+        return 0.0;
+    }
+    let mut v = values.to_vec();
+    v.sort_by(f64::total_cmp);
+    let rank = ((q * v.len() as f64).ceil() as usize).clamp(1, v.len());
+    v[rank - 1]
+}
+
+impl Summary {
+    /// The human-readable report.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        out.push_str(&format!(
+            "kvbridge demo: {} ({})\n",
+            self.model, self.topology
+        ));
+        out.push_str(&format!(
+            "  requests   {:>8}   succeeded {}   failed {}{}\n",
+            self.requests,
+            self.succeeded,
+            self.failed,
+            if self.aborted > 0 {
+                format!(" ({} aborted on purpose)", self.aborted)
+            } else {
+                String::new()
+            }
+        ));
+        out.push_str(&format!(
+            "  moved      {:>8.1} MiB in {:.2} s = {:.2} GB/s\n",
+            self.bytes as f64 / (1 << 20) as f64,
+            self.seconds,
+            self.gbps
+        ));
+        out.push_str(&format!(
+            "  latency    p50 {:.1} ms   p99 {:.1} ms\n",
+            self.p50_ms, self.p99_ms
+        ));
+        out.push_str(&format!(
+            "  verified   {} bytes, {} mismatched\n",
+            self.verified_bytes, self.mismatched_bytes
+        ));
+        for f in self.failures.iter().take(20) {
+            out.push_str(&format!("  failed     room {:#x}: {}\n", f.room, f.reason));
+        }
+        if self.failures.len() > 20 {
+            out.push_str(&format!(
+                "  ... and {} more failures\n",
+                self.failures.len() - 20
+            ));
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn percentiles_use_nearest_rank() {
+        let v: Vec<f64> = (1..=100).map(f64::from).collect();
+        assert_eq!(percentile(&v, 0.5), 50.0);
+        assert_eq!(percentile(&v, 0.99), 99.0);
+        assert_eq!(percentile(&[3.0], 0.99), 3.0);
+        assert_eq!(percentile(&[], 0.5), 0.0);
+    }
+}

@@ -1,0 +1,171 @@
+//! A decode rank process: asks for each room's KV, verifies every byte that
+//! arrives, and aborts the rooms the workload says to.
+
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use kvbridge_roles::synthetic::RankPools;
+use kvbridge_roles::{DecodeManager, KvPoll, KvReceiver};
+
+use super::RankFile;
+use super::events::{Event, emit};
+use super::workload::{PageAllocator, Request, Workload};
+
+/// Byte written over an aborted room's pages once its ACK arrived; a later
+/// write by the prefill would show up as a mismatch.
+const POISON: u8 = 0xee;
+
+struct Active {
+    request: Request,
+    pages: Vec<i32>,
+    aux: i32,
+    receiver: KvReceiver,
+    started: Instant,
+    abort_at: Option<Instant>,
+    aborted_at: Option<Instant>,
+}
+
+/// Runs the rank; `Ok(true)` when no byte mismatched.
+pub fn run(file: &RankFile) -> Result<bool> {
+    let model = file.model()?;
+    let Some(addr) = file.bootstrap_addr.clone() else {
+        bail!("a decode rank needs `bootstrap_addr` (the prefill's bootstrap server)");
+    };
+    let mut pools = RankPools::new(model.clone(), file.rank, file.pages, file.aux_slots)
+        .context("allocating KV pools")?;
+    let mut config = file.decode.clone();
+    config.attn_tp_size = file.rank.tp_size;
+    let engine = file.engine()?;
+    // SAFETY: `pools` lives until after `manager.teardown()` below.
+    let manager = unsafe { DecodeManager::start(config, pools.kv_args(), engine) }
+        .context("starting the decode manager")?;
+    let rank = file.rank.tp_rank;
+    emit(&Event::Ready {
+        role: "decode".into(),
+        rank,
+        session: manager.session_id().to_owned(),
+    });
+    let Some(workload) = &file.workload else {
+        let signal = crate::signals::wait_for_termination()?;
+        tracing::info!(signal, "decode rank stopping");
+        manager.teardown();
+        drop(pools);
+        return Ok(true);
+    };
+    let mut pages = PageAllocator::new(pools.pages());
+    let mut aux_slots = PageAllocator::new(pools.aux_slots());
+    let mut pending: VecDeque<Request> = workload.requests().into();
+    let mut active: Vec<Active> = Vec::new();
+    let mut clean = true;
+    let room_timeout =
+        Duration::try_from_secs_f64(workload.room_timeout_s).unwrap_or(Duration::from_secs(60));
+    let mut jitter = workload.seed | 1;
+    while !(pending.is_empty() && active.is_empty()) {
+        let mut progressed = false;
+        while active.len() < workload.concurrency.max(1) {
+            let Some(request) = pending.front().copied() else {
+                break;
+            };
+            let n = Workload::pages(request.tokens, model.page_size);
+            let (Some(p), Some(a)) = (pages.alloc(n), aux_slots.alloc(1)) else {
+                break;
+            };
+            pending.pop_front();
+            let mut receiver = manager.receiver(&addr, request.room);
+            let mut state = receiver.init(0);
+            if state != KvPoll::Failed {
+                state = receiver.send_metadata(&p, a[0] as u64, &[], None);
+            }
+            emit(&Event::Started { room: request.room });
+            jitter ^= jitter << 13;
+            jitter ^= jitter >> 7;
+            jitter ^= jitter << 17;
+            let abort_at = workload
+                .aborts(request.index)
+                .then(|| Instant::now() + Duration::from_micros(jitter % 3000));
+            active.push(Active {
+                request,
+                pages: p,
+                aux: a[0],
+                receiver,
+                started: Instant::now(),
+                abort_at,
+                aborted_at: None,
+            });
+            let _ = state;
+            progressed = true;
+        }
+        let mut i = 0;
+        while i < active.len() {
+            let a = &mut active[i];
+            if a.aborted_at.is_none() && a.abort_at.is_some_and(|t| Instant::now() >= t) {
+                a.receiver.abort();
+                a.aborted_at = Some(Instant::now());
+            }
+            if a.aborted_at.is_none() && a.started.elapsed() > room_timeout {
+                a.receiver.abort();
+                a.aborted_at = Some(Instant::now());
+                a.abort_at = None;
+            }
+            let finished = match a.aborted_at {
+                Some(at) => {
+                    // Pages are reused only once every prefill rank has
+                    // acknowledged (its in-flight writes drained).
+                    if a.receiver.abort_acknowledged() || at.elapsed() > Duration::from_secs(10) {
+                        pools.poison(&a.pages, POISON);
+                        Some(KvPoll::Failed)
+                    } else {
+                        None
+                    }
+                }
+                None => Some(a.receiver.poll()).filter(|s| s.is_terminal()),
+            };
+            let Some(status) = finished else {
+                i += 1;
+                continue;
+            };
+            let mut a = active.swap_remove(i);
+            let latency_ms = a.started.elapsed().as_secs_f64() * 1e3;
+            let (verified, reason) = if status == KvPoll::Success {
+                (pools.verify(a.request.room, &a.pages, a.aux as u64), None)
+            } else {
+                let why = a.receiver.failure_exception().reason;
+                let why = if a.abort_at.is_some() {
+                    "aborted by the demo (decode side)".to_owned()
+                } else {
+                    why
+                };
+                (Default::default(), Some(why))
+            };
+            a.receiver.clear();
+            if verified.mismatched > 0 {
+                clean = false;
+            }
+            emit(&Event::Done {
+                role: "decode".into(),
+                rank,
+                room: a.request.room,
+                success: status == KvPoll::Success,
+                reason,
+                latency_ms,
+                verified: verified.bytes,
+                mismatched: verified.mismatched,
+                aborted: a.abort_at.is_some(),
+            });
+            pages.free(&a.pages);
+            aux_slots.free(&[a.aux]);
+            progressed = true;
+        }
+        if !progressed {
+            std::thread::sleep(Duration::from_micros(200));
+        }
+    }
+    emit(&Event::Finished {
+        role: "decode".into(),
+        rank,
+    });
+    manager.teardown();
+    drop(pools);
+    Ok(clean)
+}

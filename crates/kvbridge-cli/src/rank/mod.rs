@@ -1,0 +1,273 @@
+//! `kvbridge prefill` / `kvbridge decode`: one rank of a role as a
+//! long-running process, configured by a JSON file (or flags), optionally
+//! running a synthetic workload (what `kvbridge demo` starts).
+//!
+//! Progress goes to stdout as one JSON event per line, for the demo (or any
+//! supervisor) to read; logs go to stderr.
+
+mod decode;
+pub mod events;
+mod prefill;
+pub mod workload;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+
+use anyhow::{Context, Result, bail};
+use clap::Args;
+use kvbridge_engine::{EngineConfig, TcpEngine, TransferEngine};
+use kvbridge_roles::synthetic::{ModelSpec, RankSpec};
+use kvbridge_roles::{DecodeConfig, PrefillConfig};
+use serde::{Deserialize, Serialize};
+
+pub use workload::Workload;
+
+/// A model given by preset name or in full.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum ModelChoice {
+    /// A preset (`llama3-8b`, `deepseek-v3`).
+    Preset(String),
+    /// A full description.
+    Spec(ModelSpec),
+}
+
+impl ModelChoice {
+    /// The model this names.
+    pub fn resolve(&self) -> Result<ModelSpec> {
+        match self {
+            ModelChoice::Preset(name) => {
+                ModelSpec::preset(name).with_context(|| format!("unknown model preset {name:?}"))
+            }
+            ModelChoice::Spec(spec) => Ok(spec.clone()),
+        }
+    }
+}
+
+/// Which transfer engine a rank uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum EngineKind {
+    /// The TCP engine (any machine).
+    #[default]
+    Tcp,
+}
+
+/// Everything one rank process needs.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RankFile {
+    /// The KV shape.
+    pub model: ModelChoice,
+    /// Page size override (tokens per page).
+    #[serde(default)]
+    pub page_size: Option<u64>,
+    /// Where this rank sits.
+    pub rank: RankSpec,
+    /// KV pages per buffer in this rank's pools.
+    pub pages: u64,
+    /// Aux slots per aux buffer.
+    #[serde(default = "default_aux_slots")]
+    pub aux_slots: u64,
+    /// Transfer engine.
+    #[serde(default)]
+    pub engine_kind: EngineKind,
+    /// Transfer engine settings.
+    #[serde(default)]
+    pub engine: EngineConfig,
+    /// Prefill settings (prefill ranks).
+    #[serde(default)]
+    pub prefill: PrefillConfig,
+    /// Decode settings (decode ranks).
+    #[serde(default)]
+    pub decode: DecodeConfig,
+    /// Decode ranks: the prefill server's bootstrap address.
+    #[serde(default)]
+    pub bootstrap_addr: Option<String>,
+    /// A synthetic workload to run, then exit; none: serve until SIGTERM.
+    #[serde(default)]
+    pub workload: Option<Workload>,
+}
+
+fn default_aux_slots() -> u64 {
+    64
+}
+
+impl RankFile {
+    /// The model with the page size override applied.
+    pub fn model(&self) -> Result<ModelSpec> {
+        let mut m = self.model.resolve()?;
+        if let Some(p) = self.page_size {
+            if p == 0 {
+                bail!("page_size must be at least 1");
+            }
+            m.page_size = p;
+        }
+        Ok(m)
+    }
+
+    /// The transfer engine this rank uses.
+    pub fn engine(&self) -> Result<Arc<dyn TransferEngine>> {
+        match self.engine_kind {
+            EngineKind::Tcp => Ok(Arc::new(
+                TcpEngine::new(self.engine.clone()).context("starting the TCP engine")?,
+            )),
+        }
+    }
+}
+
+/// Arguments of `kvbridge prefill` / `kvbridge decode`: a configuration
+/// file, flags, or a file with flags overriding it.
+#[derive(Debug, Args)]
+pub struct RankArgs {
+    /// The rank's JSON configuration file (see `docs/roles.md`).
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// The bootstrap server (`host:port`): where a prefill registers and a
+    /// decode looks prefill ranks up.
+    #[arg(long)]
+    bootstrap_addr: Option<String>,
+    /// Model preset (`llama3-8b`, `deepseek-v3`).
+    #[arg(long)]
+    model: Option<String>,
+    /// Attention TP size and this rank's TP rank.
+    #[arg(long, num_args = 2, value_names = ["SIZE", "RANK"])]
+    tp: Option<Vec<u64>>,
+    /// Pipeline size and this rank's PP rank.
+    #[arg(long, num_args = 2, value_names = ["SIZE", "RANK"])]
+    pp: Option<Vec<u64>>,
+    /// KV pages per buffer.
+    #[arg(long)]
+    pages: Option<u64>,
+    /// The IP peers reach this rank's control socket at.
+    #[arg(long)]
+    local_ip: Option<String>,
+    /// Host the transfer engine listens on (and advertises).
+    #[arg(long)]
+    engine_host: Option<String>,
+    /// Port the transfer engine listens on (0 picks one).
+    #[arg(long)]
+    engine_port: Option<u16>,
+    /// Shared cluster secret for engine connections.
+    #[arg(long)]
+    secret: Option<String>,
+    /// Serve Prometheus metrics on this address.
+    #[arg(long)]
+    metrics_addr: Option<std::net::SocketAddr>,
+}
+
+impl RankArgs {
+    /// The configuration: the file (if any) with the flags applied over it.
+    fn resolve(self) -> Result<RankFile> {
+        let mut file = match &self.config {
+            Some(path) => {
+                let text = std::fs::read_to_string(path)
+                    .with_context(|| format!("reading {}", path.display()))?;
+                serde_json::from_str(&text)
+                    .with_context(|| format!("parsing {}", path.display()))?
+            }
+            None => RankFile {
+                model: ModelChoice::Preset("llama3-8b".into()),
+                page_size: None,
+                rank: RankSpec {
+                    tp_size: 1,
+                    tp_rank: 0,
+                    pp_size: 1,
+                    pp_rank: 0,
+                },
+                pages: 1024,
+                aux_slots: default_aux_slots(),
+                engine_kind: EngineKind::Tcp,
+                engine: EngineConfig::default(),
+                prefill: PrefillConfig::default(),
+                decode: DecodeConfig::default(),
+                bootstrap_addr: None,
+                workload: None,
+            },
+        };
+        if let Some(addr) = self.bootstrap_addr {
+            file.prefill.bootstrap_addr = addr.clone();
+            file.bootstrap_addr = Some(addr);
+        }
+        if let Some(m) = self.model {
+            file.model = ModelChoice::Preset(m);
+        }
+        if let Some(tp) = self.tp {
+            file.rank.tp_size = tp[0];
+            file.rank.tp_rank = tp[1];
+        }
+        if let Some(pp) = self.pp {
+            file.rank.pp_size = pp[0];
+            file.rank.pp_rank = pp[1];
+        }
+        if let Some(p) = self.pages {
+            file.pages = p;
+        }
+        if let Some(ip) = self.local_ip {
+            file.prefill.local_ip = ip.clone();
+            file.decode.local_ip = ip;
+        }
+        if let Some(h) = self.engine_host {
+            file.engine.listen_host = h;
+        }
+        if let Some(p) = self.engine_port {
+            file.engine.port = p;
+        }
+        if self.secret.is_some() {
+            file.engine.secret = self.secret;
+        }
+        if let Some(m) = self.metrics_addr {
+            file.prefill.metrics_addr = Some(m);
+            file.decode.metrics_addr = Some(m);
+        }
+        if file.rank.tp_size == 0 || file.rank.tp_rank >= file.rank.tp_size {
+            bail!(
+                "TP rank {} is outside TP size {}",
+                file.rank.tp_rank,
+                file.rank.tp_size
+            );
+        }
+        if file.rank.pp_size == 0 || file.rank.pp_rank >= file.rank.pp_size {
+            bail!(
+                "PP rank {} is outside PP size {}",
+                file.rank.pp_rank,
+                file.rank.pp_size
+            );
+        }
+        file.prefill = file.prefill.clone().with_env();
+        file.decode = file.decode.clone().with_env();
+        Ok(file)
+    }
+}
+
+/// Which role a rank process runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    /// A prefill rank.
+    Prefill,
+    /// A decode rank.
+    Decode,
+}
+
+/// Loads the configuration and runs the rank.
+pub fn run(role: Role, args: RankArgs) -> ExitCode {
+    let result = (|| -> Result<bool> {
+        let file = args.resolve()?;
+        match role {
+            Role::Prefill => prefill::run(&file),
+            Role::Decode => decode::run(&file),
+        }
+    })();
+    match result {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::FAILURE,
+        Err(e) => {
+            eprintln!("kvbridge: {e:#}");
+            events::emit(&events::Event::Error {
+                message: format!("{e:#}"),
+            });
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,161 @@
+//! A prefill rank process: fills its pools with the workload's pattern,
+//! then streams each room in chunks as soon as its decode ranks are known.
+
+use std::collections::{HashMap, VecDeque};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use kvbridge_roles::synthetic::RankPools;
+use kvbridge_roles::{KvPoll, KvSender, PrefillManager};
+
+use super::RankFile;
+use super::events::{Event, emit};
+use super::workload::{PageAllocator, Request, Workload};
+
+struct Active {
+    request: Request,
+    pages: Vec<i32>,
+    aux: i32,
+    sender: KvSender,
+    first_send: Option<Instant>,
+}
+
+/// Runs the rank; `Ok(true)` when every room concluded (successfully or not).
+pub fn run(file: &RankFile) -> Result<bool> {
+    let model = file.model()?;
+    let mut pools = RankPools::new(model.clone(), file.rank, file.pages, file.aux_slots)
+        .context("allocating KV pools")?;
+    let mut config = file.prefill.clone();
+    config.rank.attn_tp_size = file.rank.tp_size;
+    config.rank.attn_tp_rank = file.rank.tp_rank;
+    config.rank.pp_size = file.rank.pp_size;
+    config.rank.pp_rank = file.rank.pp_rank;
+    let engine = file.engine()?;
+    let requests = file
+        .workload
+        .as_ref()
+        .map(Workload::requests)
+        .unwrap_or_default();
+    // Fill every request's pages that fit before starting, so the pattern
+    // is not written while transfers are being timed.
+    let mut pages = PageAllocator::new(pools.pages());
+    let mut aux_slots = PageAllocator::new(pools.aux_slots());
+    let mut filled: HashMap<u64, (Vec<i32>, i32)> = HashMap::new();
+    for r in &requests {
+        let n = Workload::pages(r.tokens, model.page_size);
+        let (Some(p), Some(a)) = (pages.alloc(n), aux_slots.alloc(1)) else {
+            break;
+        };
+        pools.fill(r.room, &p, a[0] as u64);
+        filled.insert(r.index, (p, a[0]));
+    }
+    // SAFETY: `pools` lives until after `manager.teardown()` below.
+    let manager = unsafe { PrefillManager::start(config, pools.kv_args(), engine) }
+        .context("starting the prefill manager")?;
+    let rank = file.rank.pp_rank * file.rank.tp_size + file.rank.tp_rank;
+    emit(&Event::Ready {
+        role: "prefill".into(),
+        rank,
+        session: manager.session_id().to_owned(),
+    });
+    let Some(workload) = &file.workload else {
+        let signal = crate::signals::wait_for_termination()?;
+        tracing::info!(signal, "prefill rank stopping");
+        manager.teardown();
+        drop(pools);
+        return Ok(true);
+    };
+    let chunk_pages = Workload::pages(workload.chunk_tokens, model.page_size).max(1) as usize;
+    let mut pending: VecDeque<Request> = requests.into();
+    let mut active: Vec<Active> = Vec::new();
+    while !(pending.is_empty() && active.is_empty()) {
+        let mut progressed = false;
+        while active.len() < workload.concurrency.max(1) {
+            let Some(request) = pending.front().copied() else {
+                break;
+            };
+            let n = Workload::pages(request.tokens, model.page_size);
+            let (p, aux) = match filled.remove(&request.index) {
+                Some(x) => x,
+                None => match (pages.alloc(n), aux_slots.alloc(1)) {
+                    (Some(p), Some(a)) => {
+                        pools.fill(request.room, &p, a[0] as u64);
+                        (p, a[0])
+                    }
+                    (p, a) => {
+                        // Wait for a finishing room to return its pages.
+                        p.inspect(|p| pages.free(p));
+                        a.inspect(|a| aux_slots.free(a));
+                        break;
+                    }
+                },
+            };
+            pending.pop_front();
+            let mut sender = manager.sender(request.room);
+            sender.init(n, Some(aux as u64));
+            active.push(Active {
+                request,
+                pages: p,
+                aux,
+                sender,
+                first_send: None,
+            });
+            progressed = true;
+        }
+        let mut i = 0;
+        while i < active.len() {
+            let a = &mut active[i];
+            let status = a.sender.poll();
+            if a.first_send.is_none() && status == KvPoll::WaitingForInput {
+                a.first_send = Some(Instant::now());
+                let mut sent_tokens = 0;
+                for chunk in a.pages.chunks(chunk_pages) {
+                    let tokens =
+                        (chunk.len() as u64 * model.page_size).min(a.request.tokens - sent_tokens);
+                    sent_tokens += tokens;
+                    a.sender
+                        .send(chunk, None, Some(tokens))
+                        .context("queueing a chunk")?;
+                }
+                progressed = true;
+            }
+            if status.is_terminal() {
+                let mut a = active.swap_remove(i);
+                let latency_ms = a
+                    .first_send
+                    .map_or(0.0, |t| t.elapsed().as_secs_f64() * 1e3);
+                let reason =
+                    (status == KvPoll::Failed).then(|| a.sender.failure_exception().reason);
+                if status == KvPoll::Success {
+                    a.sender.clear();
+                }
+                emit(&Event::Done {
+                    role: "prefill".into(),
+                    rank,
+                    room: a.request.room,
+                    success: status == KvPoll::Success,
+                    reason,
+                    latency_ms,
+                    verified: 0,
+                    mismatched: 0,
+                    aborted: false,
+                });
+                pages.free(&a.pages);
+                aux_slots.free(&[a.aux]);
+                progressed = true;
+                continue;
+            }
+            i += 1;
+        }
+        if !progressed {
+            std::thread::sleep(Duration::from_micros(200));
+        }
+    }
+    emit(&Event::Finished {
+        role: "prefill".into(),
+        rank,
+    });
+    manager.teardown();
+    drop(pools);
+    Ok(true)
+}

@@ -1,0 +1,170 @@
+//! The synthetic workload every rank derives identically from a seed: which
+//! rooms, how long each prompt is, how it is chunked.
+
+use serde::{Deserialize, Serialize};
+
+/// A deterministic list of requests.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Workload {
+    /// Number of requests.
+    pub requests: u64,
+    /// Mean prompt length in tokens (each request varies ±25%).
+    pub prompt_tokens: u64,
+    /// Tokens per prefill chunk.
+    pub chunk_tokens: u64,
+    /// Requests in flight at once per rank.
+    pub concurrency: usize,
+    /// Seed for rooms and lengths.
+    pub seed: u64,
+    /// Decode ranks: fraction of requests to abort mid-transfer.
+    #[serde(default)]
+    pub abort_fraction: f64,
+    /// Only these request indices (a restarted decode resumes the rest).
+    #[serde(default)]
+    pub only: Option<Vec<u64>>,
+    /// Decode ranks: give up on a room after this many seconds.
+    #[serde(default = "default_room_timeout")]
+    pub room_timeout_s: f64,
+}
+
+fn default_room_timeout() -> f64 {
+    60.0
+}
+
+/// One request of the workload.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Request {
+    /// Position in the workload.
+    pub index: u64,
+    /// The room id all ranks agree on.
+    pub room: u64,
+    /// Prompt length in tokens.
+    pub tokens: u64,
+}
+
+fn mix(mut x: u64) -> u64 {
+    x ^= x >> 33;
+    x = x.wrapping_mul(0xff51_afd7_ed55_8ccd);
+    x ^= x >> 33;
+    x = x.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
+    x ^ (x >> 33)
+}
+
+impl Workload {
+    /// The requests, in order (restricted to `only` when set).
+    pub fn requests(&self) -> Vec<Request> {
+        (0..self.requests)
+            .filter(|i| self.only.as_ref().is_none_or(|o| o.contains(i)))
+            .map(|index| {
+                let h = mix(self.seed ^ mix(index + 1));
+                let spread = self.prompt_tokens / 2;
+                let tokens = if spread == 0 {
+                    self.prompt_tokens
+                } else {
+                    self.prompt_tokens - spread / 2 + h % (spread + 1)
+                };
+                Request {
+                    index,
+                    room: h >> 1,
+                    tokens: tokens.max(1),
+                }
+            })
+            .collect()
+    }
+
+    /// Pages a request of `tokens` tokens needs at `page_size`.
+    pub fn pages(tokens: u64, page_size: u64) -> u64 {
+        tokens.div_ceil(page_size.max(1))
+    }
+
+    /// Whether request `index` is one the decode aborts.
+    pub fn aborts(&self, index: u64) -> bool {
+        if self.abort_fraction <= 0.0 {
+            return false;
+        }
+        let u = (mix(self.seed ^ 0xab0 ^ mix(index)) >> 11) as f64 / (1u64 << 53) as f64;
+        u < self.abort_fraction
+    }
+}
+
+/// Hands out and takes back page numbers.
+#[derive(Debug)]
+pub struct PageAllocator {
+    free: Vec<i32>,
+}
+
+impl PageAllocator {
+    /// Pages `0..pages`, handed out lowest first.
+    pub fn new(pages: u64) -> Self {
+        let top = i32::try_from(pages).unwrap_or(i32::MAX);
+        Self {
+            free: (0..top).rev().collect(),
+        }
+    }
+
+    /// `n` pages, or `None` when too few are free.
+    pub fn alloc(&mut self, n: u64) -> Option<Vec<i32>> {
+        let n = usize::try_from(n).ok()?;
+        if n > self.free.len() {
+            return None;
+        }
+        let at = self.free.len() - n;
+        let mut pages = self.free.split_off(at);
+        pages.reverse();
+        Some(pages)
+    }
+
+    /// Returns pages.
+    pub fn free(&mut self, pages: &[i32]) {
+        self.free.extend(pages.iter().rev());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn w() -> Workload {
+        Workload {
+            requests: 20,
+            prompt_tokens: 100,
+            chunk_tokens: 32,
+            concurrency: 4,
+            seed: 3,
+            abort_fraction: 0.25,
+            only: None,
+            room_timeout_s: 60.0,
+        }
+    }
+
+    #[test]
+    fn workload_is_deterministic_and_bounded() {
+        let a = w().requests();
+        assert_eq!(a, w().requests());
+        assert_eq!(a.len(), 20);
+        assert!(a.iter().all(|r| (75..=125).contains(&r.tokens)));
+        let mut rooms: Vec<u64> = a.iter().map(|r| r.room).collect();
+        rooms.sort_unstable();
+        rooms.dedup();
+        assert_eq!(rooms.len(), 20);
+        let aborted = (0..20).filter(|i| w().aborts(*i)).count();
+        assert!((1..12).contains(&aborted));
+        let only = Workload {
+            only: Some(vec![3, 5]),
+            ..w()
+        }
+        .requests();
+        assert_eq!(only.iter().map(|r| r.index).collect::<Vec<_>>(), vec![3, 5]);
+    }
+
+    #[test]
+    fn allocator_reuses_pages() {
+        let mut a = PageAllocator::new(5);
+        let x = a.alloc(3).unwrap();
+        assert_eq!(x, vec![0, 1, 2]);
+        assert!(a.alloc(3).is_none());
+        a.free(&x);
+        assert_eq!(a.alloc(5).unwrap().len(), 5);
+    }
+}

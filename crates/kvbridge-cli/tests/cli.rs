@@ -1,0 +1,232 @@
+//! The `kvbridge` binary as other programs use it: the wire JSON contract,
+//! the bootstrap server contract, and the demo with its fault flags, all as
+//! real OS processes.
+// Test code: a failed unwrap is a failed test.
+#![allow(clippy::unwrap_used)]
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+const BIN: &str = env!("CARGO_BIN_EXE_kvbridge");
+
+fn run_stdin(args: &[&str], input: &str) -> (i32, String) {
+    let mut child = Command::new(BIN)
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn kvbridge");
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(input.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).trim().to_owned(),
+    )
+}
+
+#[test]
+fn wire_decode_and_encode_follow_the_contract() {
+    // A status message as the seed sends it: [room, status, rank].
+    let (code, out) = run_stdin(
+        &["wire", "decode"],
+        r#"{"to": "decode", "frames": ["3939", "34", "35"]}"#,
+    );
+    assert_eq!(code, 0);
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(
+        v,
+        serde_json::json!({"kind": "status", "room": 99, "status": 4, "prefill_rank": 5, "failure_reason": null})
+    );
+    let (code, out) = run_stdin(&["wire", "encode"], &out);
+    assert_eq!(code, 0);
+    assert_eq!(
+        serde_json::from_str::<serde_json::Value>(&out).unwrap(),
+        serde_json::json!({"frames": ["3939", "34", "35"]})
+    );
+    // Malformed frames: an error object, exit 0.
+    let (code, out) = run_stdin(
+        &["wire", "decode"],
+        r#"{"to": "prefill", "frames": ["41424f5254", "3939"]}"#,
+    );
+    assert_eq!(code, 0);
+    assert!(out.starts_with(r#"{"error":"#), "{out}");
+    // Not the expected JSON, an unknown side, odd hex: exit 2.
+    for bad in [
+        "[]",
+        r#"{"to": "middle", "frames": []}"#,
+        r#"{"to": "decode", "frames": ["abc"]}"#,
+        "nope",
+    ] {
+        assert_eq!(run_stdin(&["wire", "decode"], bad).0, 2, "{bad}");
+    }
+    // Direction is enforced.
+    let (_, out) = run_stdin(
+        &["wire", "decode"],
+        r#"{"to": "decode", "frames": ["41424f5254", "3939", "6970", "31"]}"#,
+    );
+    assert!(out.contains("error"), "{out}");
+}
+
+fn http(addr: &str, request: &str) -> String {
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    s.write_all(request.as_bytes()).unwrap();
+    let mut out = String::new();
+    let _ = s.read_to_string(&mut out);
+    out
+}
+
+#[test]
+fn bootstrap_serves_sglang_routes_and_exits_cleanly_on_sigterm() {
+    let mut child = Command::new(BIN)
+        .args(["bootstrap", "--host", "127.0.0.1", "--port", "0"])
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stderr = BufReader::new(child.stderr.take().unwrap());
+    let mut line = String::new();
+    stderr.read_line(&mut line).unwrap();
+    let addr = line
+        .trim()
+        .strip_prefix("listening on ")
+        .expect("listening line")
+        .to_owned();
+    let body = r#"{"attn_tp_size": 1, "attn_tp_rank": 0, "attn_cp_size": 1, "attn_cp_rank": 0, "attn_dp_size": 1, "attn_dp_rank": 0, "pp_size": 1, "pp_rank": 0, "system_dp_size": 1, "system_dp_rank": 0, "rank_ip": "127.0.0.1", "rank_port": 17000, "page_size": 16, "kv_cache_dtype": "auto"}"#;
+    // No Content-Type at all: accepted anyway, as sglang's server does.
+    let put = http(
+        &addr,
+        &format!(
+            "PUT /route HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        ),
+    );
+    assert!(put.starts_with("HTTP/1.1 200"), "{put}");
+    let info = http(
+        &addr,
+        "GET /route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1 HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+    );
+    assert!(
+        info.contains(r#""attn_tp_size":1"#) && info.contains(r#""target_tp_rank":null"#),
+        "{info}"
+    );
+    let rank = http(
+        &addr,
+        "GET /route?prefill_dp_rank=0&prefill_cp_rank=0&target_tp_rank=0&target_pp_rank=0 HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+    );
+    assert!(rank.contains(r#""rank_port":17000"#), "{rank}");
+    let bad = http(
+        &addr,
+        "PUT /route HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\nConnection: close\r\n\r\n{x}",
+    );
+    assert!(bad.starts_with("HTTP/1.1 400"), "{bad}");
+    let health = http(
+        &addr,
+        "GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+    );
+    assert!(
+        health.starts_with("HTTP/1.1 200") && health.ends_with("OK"),
+        "{health}"
+    );
+    // SIGTERM: exit status 0.
+    let pid = child.id().to_string();
+    assert!(
+        Command::new("kill")
+            .args(["-TERM", &pid])
+            .status()
+            .unwrap()
+            .success()
+    );
+    assert_eq!(child.wait().unwrap().code(), Some(0));
+}
+
+fn demo(extra: &[&str]) -> (i32, serde_json::Value) {
+    let mut args = vec!["demo", "--json"];
+    args.extend_from_slice(extra);
+    for (flag, default) in [
+        ("--layers", "2"),
+        ("--requests", "12"),
+        ("--prompt-tokens", "48"),
+        ("--chunk-tokens", "16"),
+    ] {
+        if !extra.contains(&flag) {
+            args.extend_from_slice(&[flag, default]);
+        }
+    }
+    let out = Command::new(BIN)
+        .args(&args)
+        .stderr(Stdio::inherit())
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    let json = serde_json::from_str(text.trim()).unwrap_or_else(|e| panic!("{e}: {text}"));
+    (out.status.code().unwrap_or(-1), json)
+}
+
+fn assert_clean(code: i32, v: &serde_json::Value) {
+    assert_eq!(code, 0, "{v}");
+    assert_eq!(v["succeeded"], v["requests"], "{v}");
+    assert_eq!(v["mismatched_bytes"], 0, "{v}");
+    assert!(v["verified_bytes"].as_u64().unwrap() > 0);
+    for key in [
+        "requests",
+        "succeeded",
+        "failed",
+        "bytes",
+        "seconds",
+        "gbps",
+        "p50_ms",
+        "p99_ms",
+        "verified_bytes",
+        "mismatched_bytes",
+        "failures",
+    ] {
+        assert!(v.get(key).is_some(), "missing {key}");
+    }
+}
+
+#[test]
+fn demo_verifies_every_byte_across_process_topologies() {
+    for topology in [
+        &["--prefill-tp", "1", "--decode-tp", "1"][..],
+        &["--prefill-tp", "2", "--decode-tp", "1"],
+        &["--prefill-tp", "1", "--decode-tp", "2"],
+        &["--prefill-pp", "2", "--layers", "3"],
+        &[
+            "--model",
+            "deepseek-v3",
+            "--prefill-tp",
+            "2",
+            "--decode-tp",
+            "1",
+            "--page-size",
+            "16",
+        ],
+    ] {
+        let (code, v) = demo(topology);
+        assert_clean(code, &v);
+    }
+}
+
+#[test]
+fn demo_fault_flags_fail_some_rooms_with_reasons_while_others_succeed() {
+    let (code, v) = demo(&["--kill-decode-after", "4", "--concurrency", "4"]);
+    assert_eq!(code, 0, "{v}");
+    assert_eq!(v["mismatched_bytes"], 0, "{v}");
+    assert!(v["succeeded"].as_u64().unwrap() > 4, "{v}");
+    let (code, v) = demo(&["--abort-fraction", "0.4", "--requests", "20"]);
+    assert_eq!(code, 0, "{v}");
+    assert_eq!(v["mismatched_bytes"], 0, "{v}");
+    assert!(v["aborted"].as_u64().unwrap() > 0, "{v}");
+    assert!(v["succeeded"].as_u64().unwrap() > 0, "{v}");
+    for f in v["failures"].as_array().unwrap() {
+        assert!(f["reason"].as_str().unwrap().len() > 5, "{f}");
+        assert!(f["room"].as_u64().is_some());
+    }
+}

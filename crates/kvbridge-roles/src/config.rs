@@ -1,0 +1,365 @@
+//! One configuration struct per role, readable from a file (serde) and from
+//! sglang's environment variable names where sglang has one.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+/// Parses an environment variable, ignoring it (with a warning) when it is
+/// malformed rather than failing start-up on a typo.
+fn env<T: std::str::FromStr>(name: &str) -> Option<T> {
+    let raw = std::env::var(name).ok()?;
+    match raw.trim().parse() {
+        Ok(v) => Some(v),
+        Err(_) => {
+            tracing::warn!(variable = name, value = %raw, "ignoring malformed environment variable");
+            None
+        }
+    }
+}
+
+fn env_bool(name: &str) -> Option<bool> {
+    let raw = std::env::var(name).ok()?;
+    match raw.trim().to_ascii_lowercase().as_str() {
+        "1" | "true" | "yes" | "on" => Some(true),
+        "0" | "false" | "no" | "off" | "" => Some(false),
+        _ => {
+            tracing::warn!(variable = name, value = %raw, "ignoring malformed boolean environment variable");
+            None
+        }
+    }
+}
+
+fn secs(s: f64) -> Duration {
+    Duration::try_from_secs_f64(s).unwrap_or(Duration::ZERO)
+}
+
+/// A rank's place in the parallel layout, as the bootstrap server records it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct ParallelRank {
+    /// Attention TP size.
+    pub attn_tp_size: u64,
+    /// Attention TP rank.
+    pub attn_tp_rank: u64,
+    /// Attention CP size.
+    pub attn_cp_size: u64,
+    /// Attention CP rank.
+    pub attn_cp_rank: u64,
+    /// Attention DP size.
+    pub attn_dp_size: u64,
+    /// Attention DP rank.
+    pub attn_dp_rank: u64,
+    /// Pipeline-parallel size.
+    pub pp_size: u64,
+    /// Pipeline-parallel rank.
+    pub pp_rank: u64,
+    /// System DP size.
+    pub system_dp_size: u64,
+    /// System DP rank.
+    pub system_dp_rank: u64,
+}
+
+impl Default for ParallelRank {
+    fn default() -> Self {
+        Self {
+            attn_tp_size: 1,
+            attn_tp_rank: 0,
+            attn_cp_size: 1,
+            attn_cp_rank: 0,
+            attn_dp_size: 1,
+            attn_dp_rank: 0,
+            pp_size: 1,
+            pp_rank: 0,
+            system_dp_size: 1,
+            system_dp_rank: 0,
+        }
+    }
+}
+
+impl ParallelRank {
+    /// sglang's `_prefill_unique_rank`: a stable id per sender.
+    pub fn unique_rank(&self) -> u64 {
+        self.attn_tp_rank * (self.pp_size * self.attn_cp_size)
+            + self.pp_rank * self.attn_cp_size
+            + self.attn_cp_rank
+    }
+}
+
+/// Failed-session probing (`SGLANG_ENABLE_FAILED_SESSION_PROBE`, …).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct ProbeConfig {
+    /// Whether blacklisted sessions are probed and lifted when they answer.
+    pub enabled: bool,
+    /// Wait before the first probe of a newly blacklisted session.
+    #[serde(with = "duration_secs")]
+    pub interval: Duration,
+    /// Longest wait between probes (each failed probe doubles the wait).
+    #[serde(with = "duration_secs")]
+    pub max_interval: Duration,
+    /// Forget a blacklisted session no room asked for within this long.
+    #[serde(with = "duration_secs")]
+    pub idle_timeout: Duration,
+}
+
+impl Default for ProbeConfig {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            interval: Duration::from_secs(2),
+            max_interval: Duration::from_secs(300),
+            idle_timeout: Duration::from_secs(600),
+        }
+    }
+}
+
+/// A prefill role's settings.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct PrefillConfig {
+    /// The IP peers reach this rank at (zmq socket and bootstrap registration).
+    pub local_ip: String,
+    /// The bootstrap server, `host:port`.
+    pub bootstrap_addr: String,
+    /// This rank's parallel position.
+    pub rank: ParallelRank,
+    /// KV cache dtype name reported to the bootstrap server.
+    pub kv_cache_dtype: String,
+    /// Transfer queues (shards) (`SGLANG_DISAGGREGATION_QUEUE_SIZE`).
+    pub queue_size: usize,
+    /// Transfer threads in total (`SGLANG_DISAGGREGATION_THREAD_POOL_SIZE`);
+    /// each shard's worker keeps `thread_pool_size / queue_size` engine
+    /// batches in flight (at least 4). `None`: sglang's default from the CPU count.
+    pub thread_pool_size: Option<usize>,
+    /// Fail a room still bootstrapping after this long
+    /// (`SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT`).
+    #[serde(with = "duration_secs")]
+    pub bootstrap_timeout: Duration,
+    /// Send aux slots over zmq (`AUX_DATA`) instead of the engine
+    /// (`SGLANG_MOONCAKE_SEND_AUX_TCP`).
+    pub send_aux_tcp: bool,
+    /// Hold an abort's ACK until the room's in-flight writes drain and send
+    /// the ranked form (`SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE`).
+    /// Either way an ACK is only sent once nothing is in flight.
+    pub deferred_release: bool,
+    /// Failed-session probing.
+    pub probe: ProbeConfig,
+    /// How long a zmq send may block before it fails.
+    #[serde(with = "duration_secs")]
+    pub zmq_send_timeout: Duration,
+    /// Most blocks handed to the engine in one batch (0 = no cap beyond
+    /// `max_transfer_batch_indices`).
+    pub max_batch_blocks: usize,
+    /// Serve Prometheus metrics here when set.
+    pub metrics_addr: Option<SocketAddr>,
+}
+
+impl Default for PrefillConfig {
+    fn default() -> Self {
+        Self {
+            local_ip: "127.0.0.1".to_owned(),
+            bootstrap_addr: "127.0.0.1:8998".to_owned(),
+            rank: ParallelRank::default(),
+            kv_cache_dtype: "auto".to_owned(),
+            queue_size: 4,
+            thread_pool_size: None,
+            bootstrap_timeout: Duration::from_secs(300),
+            send_aux_tcp: false,
+            deferred_release: true,
+            probe: ProbeConfig::default(),
+            zmq_send_timeout: Duration::from_secs(30),
+            max_batch_blocks: 1 << 16,
+            metrics_addr: None,
+        }
+    }
+}
+
+impl PrefillConfig {
+    /// Applies sglang's environment variables over `self`.
+    pub fn with_env(mut self) -> Self {
+        if let Some(v) = env::<usize>("SGLANG_DISAGGREGATION_QUEUE_SIZE") {
+            self.queue_size = v;
+        }
+        if let Some(v) = env::<usize>("SGLANG_DISAGGREGATION_THREAD_POOL_SIZE") {
+            self.thread_pool_size = Some(v);
+        }
+        if let Some(v) = env::<f64>("SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT") {
+            self.bootstrap_timeout = secs(v);
+        }
+        if let Some(v) = env_bool("SGLANG_MOONCAKE_SEND_AUX_TCP") {
+            self.send_aux_tcp = v;
+        }
+        if let Some(v) = env_bool("SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE") {
+            self.deferred_release = v;
+        }
+        if let Some(v) = env_bool("SGLANG_ENABLE_FAILED_SESSION_PROBE") {
+            self.probe.enabled = v;
+        }
+        if let Some(v) = env::<f64>("SGLANG_FAILED_SESSION_PROBE_INTERVAL_S") {
+            self.probe.interval = secs(v);
+        }
+        if let Some(v) = env::<f64>("SGLANG_FAILED_SESSION_PROBE_MAX_INTERVAL_S") {
+            self.probe.max_interval = secs(v);
+        }
+        if let Some(v) = env::<f64>("SGLANG_FAILED_SESSION_IDLE_TIMEOUT_S") {
+            self.probe.idle_timeout = secs(v);
+        }
+        self
+    }
+
+    /// Queues and in-flight batches per queue, checked as sglang checks them.
+    pub fn worker_layout(&self) -> Result<(usize, usize), String> {
+        let queues = self.queue_size.max(1);
+        let pool = self.thread_pool_size.unwrap_or_else(|| {
+            let cpus = std::thread::available_parallelism().map_or(1, usize::from);
+            (((cpus as f64 * 0.5) as usize) / 8).clamp(4, 12)
+        });
+        if pool < queues {
+            return Err(format!(
+                "SGLANG_DISAGGREGATION_THREAD_POOL_SIZE={pool} must be greater than or equal to \
+                 SGLANG_DISAGGREGATION_QUEUE_SIZE={queues}"
+            ));
+        }
+        Ok((queues, (pool / queues).max(1)))
+    }
+}
+
+/// A decode role's settings.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct DecodeConfig {
+    /// The IP prefill ranks reach this rank at (zmq socket).
+    pub local_ip: String,
+    /// This rank's attention TP size.
+    pub attn_tp_size: u64,
+    /// This rank's pipeline-parallel size and rank.
+    pub pp_size: u64,
+    /// This rank's pipeline-parallel rank.
+    pub pp_rank: u64,
+    /// KV cache dtype name, checked against the prefill's.
+    pub kv_cache_dtype: String,
+    /// Health-check interval against each prefill bootstrap server
+    /// (`SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL`).
+    #[serde(with = "duration_secs")]
+    pub heartbeat_interval: Duration,
+    /// Missed health checks before a prefill counts as dead
+    /// (`SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE`).
+    pub heartbeat_max_failures: u32,
+    /// Fail a room still waiting for its KV after this long
+    /// (`SGLANG_DISAGGREGATION_WAITING_TIMEOUT`).
+    #[serde(with = "duration_secs")]
+    pub waiting_timeout: Duration,
+    /// Give up resolving the prefill ranks of a room after this long
+    /// (`SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT`).
+    #[serde(with = "duration_secs")]
+    pub bootstrap_timeout: Duration,
+    /// Track abort ACKs per generation (deferred KV release).
+    pub deferred_release: bool,
+    /// How long a zmq send may block (`SGLANG_DISAGGREGATION_ZMQ_SEND_TIMEOUT`).
+    #[serde(with = "duration_secs")]
+    pub zmq_send_timeout: Duration,
+    /// Serve Prometheus metrics here when set.
+    pub metrics_addr: Option<SocketAddr>,
+}
+
+impl Default for DecodeConfig {
+    fn default() -> Self {
+        Self {
+            local_ip: "127.0.0.1".to_owned(),
+            attn_tp_size: 1,
+            pp_size: 1,
+            pp_rank: 0,
+            kv_cache_dtype: "auto".to_owned(),
+            heartbeat_interval: Duration::from_secs(5),
+            heartbeat_max_failures: 2,
+            waiting_timeout: Duration::from_secs(300),
+            bootstrap_timeout: Duration::from_secs(300),
+            deferred_release: true,
+            zmq_send_timeout: Duration::from_secs(1),
+            metrics_addr: None,
+        }
+    }
+}
+
+impl DecodeConfig {
+    /// Applies sglang's environment variables over `self`, with sglang's
+    /// floors (heartbeat ≥ 2 s, ≥ 1 failure).
+    pub fn with_env(mut self) -> Self {
+        if let Some(v) = env::<f64>("SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL") {
+            self.heartbeat_interval = secs(v.max(2.0));
+        }
+        if let Some(v) = env::<u32>("SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE") {
+            self.heartbeat_max_failures = v.max(1);
+        }
+        if let Some(v) = env::<f64>("SGLANG_DISAGGREGATION_WAITING_TIMEOUT") {
+            self.waiting_timeout = secs(v);
+        }
+        if let Some(v) = env::<f64>("SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT") {
+            self.bootstrap_timeout = secs(v);
+        }
+        if let Some(v) = env_bool("SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE") {
+            self.deferred_release = v;
+        }
+        if let Some(v) = env::<f64>("SGLANG_DISAGGREGATION_ZMQ_SEND_TIMEOUT") {
+            self.zmq_send_timeout = secs(v);
+        }
+        self
+    }
+}
+
+/// Durations as (fractional) seconds in config files.
+pub mod duration_secs {
+    use std::time::Duration;
+
+    use serde::{Deserialize, Deserializer, Serializer, de::Error};
+
+    /// Writes seconds as a float.
+    pub fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_f64(d.as_secs_f64())
+    }
+
+    /// Reads non-negative (fractional) seconds.
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+        let secs = f64::deserialize(d)?;
+        Duration::try_from_secs_f64(secs).map_err(D::Error::custom)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn worker_layout_follows_sglang_rules() {
+        let mut c = PrefillConfig {
+            thread_pool_size: Some(8),
+            ..PrefillConfig::default()
+        };
+        assert_eq!(c.worker_layout(), Ok((4, 2)));
+        c.thread_pool_size = Some(2);
+        assert!(c.worker_layout().is_err());
+    }
+
+    #[test]
+    fn unique_rank_matches_sglang() {
+        let r = ParallelRank {
+            attn_tp_rank: 2,
+            pp_size: 2,
+            pp_rank: 1,
+            attn_cp_size: 1,
+            ..ParallelRank::default()
+        };
+        assert_eq!(r.unique_rank(), 2 * 2 + 1);
+    }
+
+    #[test]
+    fn config_files_use_seconds() {
+        let c: PrefillConfig =
+            serde_json::from_str(r#"{"bootstrap_timeout": 1.5, "queue_size": 2}"#).unwrap();
+        assert_eq!(c.bootstrap_timeout, Duration::from_millis(1500));
+        assert_eq!(c.queue_size, 2);
+        assert!(c.deferred_release);
+    }
+}

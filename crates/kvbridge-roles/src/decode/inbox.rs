@@ -1,0 +1,182 @@
+//! The decode thread: status, aux, state, staging notices and abort ACKs
+//! arrive from prefill ranks on one PULL socket. Every address a message
+//! names is checked against our registered regions; anything else is
+//! dropped, logged and counted.
+
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use kvbridge_wire::{
+    AbortAck, AuxData, ChunkReady, KvPoll, Limits, StagingReq, StateData, Status, ToDecode,
+};
+
+use super::Shared;
+use crate::control::PullSocket;
+
+const DEFAULT_PREFILL_FAILURE_REASON: &str =
+    "Failed to get kvcache from prefill instance, it might be dead";
+
+/// Receives until the manager stops.
+pub(crate) fn run(shared: &Shared, socket: PullSocket) {
+    while !shared.stopped.load(Ordering::SeqCst) {
+        let frames = match socket.recv_timeout(Duration::from_millis(20)) {
+            Ok(Some(f)) => f,
+            Ok(None) => continue,
+            Err(e) => {
+                tracing::error!(error = %e, "decode socket receive failed");
+                std::thread::sleep(Duration::from_millis(50));
+                continue;
+            }
+        };
+        match ToDecode::decode(&frames, &Limits::DEFAULT) {
+            Ok(ToDecode::Status(s)) => on_status(shared, &s),
+            Ok(ToDecode::AuxData(a)) => on_aux(shared, &a),
+            Ok(ToDecode::StateData(s)) => on_state(shared, &s),
+            Ok(ToDecode::ChunkReady(c)) => on_chunk_ready(shared, &c),
+            Ok(ToDecode::StagingReq(r)) => on_staging_req(shared, &r),
+            Ok(ToDecode::AbortAck(a)) => on_abort_ack(shared, &a),
+            Err(e) => {
+                shared.metrics.dropped("malformed");
+                tracing::warn!(error = %e, frames = frames.len(), "dropping malformed message");
+            }
+        }
+    }
+}
+
+/// sglang `apply_prefill_status`: Success counts once per prefill rank until
+/// every expected rank reported; Failed records the reason.
+fn on_status(shared: &Shared, s: &Status<'_>) {
+    let mut rooms = shared.rooms.lock();
+    if !rooms.table.contains(s.room) {
+        tracing::debug!(room = s.room, "dropping late status for a cleared room");
+        return;
+    }
+    match s.status {
+        KvPoll::Success => {
+            let expected = rooms.required_responses.get(&s.room).copied();
+            let Some(responded) = rooms.responded.get_mut(&s.room) else {
+                return;
+            };
+            responded.insert(s.prefill_rank);
+            let count = responded.len() as u64;
+            match expected {
+                Some(n) if count >= n => {
+                    rooms.table.update(s.room, KvPoll::Success);
+                    drop(rooms);
+                    shared.metrics.room_concluded(true);
+                }
+                Some(_) => {}
+                None => tracing::warn!(room = s.room, "no expected prefill response count"),
+            }
+        }
+        KvPoll::Failed => {
+            let reason = s
+                .failure_reason
+                .as_deref()
+                .unwrap_or(DEFAULT_PREFILL_FAILURE_REASON);
+            rooms.table.record_failure(s.room, reason);
+            rooms.table.update(s.room, KvPoll::Failed);
+            drop(rooms);
+            shared.metrics.room_concluded(false);
+        }
+        other => tracing::warn!(room = s.room, status = %other, "ignoring non-terminal status"),
+    }
+}
+
+/// Whether writes for `room` may still land: it exists and has not failed
+/// (an aborted room's pages may already be reused).
+fn accepts_writes(shared: &Shared, room: u64) -> bool {
+    matches!(
+        shared.rooms.lock().table.get(room),
+        Some(s) if s != KvPoll::Failed
+    )
+}
+
+fn on_aux(shared: &Shared, a: &AuxData<'_>) {
+    let layout = &shared.kv_args.layout;
+    let slot = usize::try_from(a.buffer_index).ok().and_then(|i| {
+        let ptr = *layout.aux_data_ptrs.get(i)?;
+        let item = *layout.aux_item_lens.get(i)?;
+        let addr = item
+            .checked_mul(a.aux_index)
+            .and_then(|o| ptr.checked_add(o))?;
+        Some((addr, item))
+    });
+    let Some((addr, item)) = slot else {
+        shared.metrics.dropped("aux_data");
+        tracing::error!(
+            room = a.room,
+            buffer = a.buffer_index,
+            "AUX_DATA for an unknown aux buffer; dropping"
+        );
+        return;
+    };
+    if a.data.len() as u64 > item || !accepts_writes(shared, a.room) {
+        shared.metrics.dropped("aux_data");
+        tracing::warn!(room = a.room, len = a.data.len(), item, "dropping AUX_DATA");
+        return;
+    }
+    if let Err(e) = shared.engine.write_local(addr, &a.data) {
+        shared.metrics.dropped("aux_data");
+        tracing::error!(room = a.room, error = %e, "AUX_DATA outside our regions; dropping");
+    }
+}
+
+fn on_state(shared: &Shared, s: &StateData<'_>) {
+    if !accepts_writes(shared, s.room) {
+        shared.metrics.dropped("state_data");
+        tracing::warn!(
+            room = s.room,
+            "dropping STATE_DATA for a room that takes no writes"
+        );
+        return;
+    }
+    if let Err(e) = shared.engine.write_local(s.dst_addr, &s.data) {
+        shared.metrics.dropped("state_data");
+        tracing::error!(
+            room = s.room,
+            addr = format_args!("{:#x}", s.dst_addr),
+            len = s.data.len(),
+            error = %e,
+            "STATE_DATA targets an unknown region; dropping"
+        );
+    }
+}
+
+fn on_chunk_ready(shared: &Shared, c: &ChunkReady<'_>) {
+    let mut rooms = shared.rooms.lock();
+    if rooms.table.contains(c.room) {
+        rooms.chunk_ready.insert((c.room, c.chunk_idx));
+    }
+}
+
+fn on_staging_req(shared: &Shared, r: &StagingReq<'_>) {
+    // The staging data path is not built yet: no allocator answers. Record
+    // it so an operator sees a staging-enabled prefill talking to us.
+    shared.metrics.dropped("staging_req");
+    tracing::warn!(
+        room = r.room,
+        chunk = r.chunk_idx,
+        "STAGING_REQ received but staging is not enabled here"
+    );
+}
+
+fn on_abort_ack(shared: &Shared, a: &AbortAck) {
+    let mut rooms = shared.rooms.lock();
+    let Some(acks) = rooms.abort_acks.get_mut(&a.room) else {
+        return;
+    };
+    match a.prefill_rank {
+        Some(rank) => {
+            // An ACK for an older generation of this room id is stale.
+            if acks.generation.is_some()
+                && a.generation.is_some()
+                && acks.generation != a.generation
+            {
+                return;
+            }
+            acks.ranks.insert(rank);
+        }
+        None => acks.unranked += 1,
+    }
+}

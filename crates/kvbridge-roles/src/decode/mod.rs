@@ -1,0 +1,254 @@
+//! The decode role: registers its KV memory, finds prefill ranks through
+//! their bootstrap servers, tells them where each room's KV goes, and
+//! applies the status, aux and state messages they send back (sglang
+//! `MooncakeKVManager` in DECODE mode).
+
+mod heartbeat;
+mod inbox;
+mod receiver;
+pub(crate) mod state;
+pub mod topology;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use kvbridge_engine::TransferEngine;
+use kvbridge_wire::KvPoll;
+use parking_lot::Mutex;
+
+use crate::config::DecodeConfig;
+use crate::control::{PullSocket, PushPool};
+use crate::error::StartError;
+use crate::kv_args::KvArgs;
+use crate::metrics::{Metrics, MetricsServer};
+use crate::stop::{StopSignal, StopTrigger, stop_pair};
+
+pub use receiver::KvReceiver;
+pub use state::BootstrapInfo;
+use state::{DecodeRooms, Prefills};
+
+/// State shared by the decode manager's threads and its receivers.
+#[derive(Debug)]
+pub(crate) struct Shared {
+    pub config: DecodeConfig,
+    pub kv_args: KvArgs,
+    pub engine: Arc<dyn TransferEngine>,
+    pub rooms: Mutex<DecodeRooms>,
+    pub prefills: Mutex<Prefills>,
+    pub push: PushPool,
+    pub metrics: Arc<Metrics>,
+    pub stopped: AtomicBool,
+    pub stop_signal: StopSignal,
+    pub rank_port: u16,
+    pub http: ureq::Agent,
+}
+
+impl Shared {
+    /// Fails every live room of a prefill server that stopped answering.
+    pub fn fail_prefill(&self, addr: &str) {
+        let stale: Vec<String> = {
+            let mut prefills = self.prefills.lock();
+            prefills.mapping.remove(addr);
+            prefills.heartbeat_failures.remove(addr);
+            let prefix = format!("{addr}_");
+            let keys: Vec<String> = prefills
+                .pool
+                .keys()
+                .filter(|k| k.starts_with(&prefix))
+                .cloned()
+                .collect();
+            keys.iter()
+                .filter_map(|k| prefills.pool.remove(k))
+                .flatten()
+                .map(|info| info.endpoint())
+                .collect()
+        };
+        for endpoint in stale {
+            self.push.disconnect(&endpoint);
+        }
+        let reason = format!("Lost connection with prefill instance (bootstrap_addr: {addr})");
+        let mut affected = 0usize;
+        {
+            let mut rooms = self.rooms.lock();
+            let candidates = rooms.addr_rooms.remove(addr).unwrap_or_default();
+            for room in candidates {
+                if rooms.table.get(room).is_some_and(|s| s != KvPoll::Success) {
+                    rooms.table.record_failure(room, reason.clone());
+                    rooms.table.update(room, KvPoll::Failed);
+                    affected += 1;
+                }
+            }
+        }
+        self.metrics.failure("prefill_lost");
+        tracing::error!(%addr, affected, "lost connection with prefill instance");
+    }
+}
+
+/// A running decode role.
+pub struct DecodeManager {
+    shared: Arc<Shared>,
+    threads: Vec<JoinHandle<()>>,
+    metrics_server: Option<MetricsServer>,
+    stop: StopTrigger,
+    context: Option<zmq::Context>,
+}
+
+impl std::fmt::Debug for DecodeManager {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DecodeManager")
+            .field("session", &self.shared.engine.session_id())
+            .field("rank_port", &self.shared.rank_port)
+            .finish_non_exhaustive()
+    }
+}
+
+impl DecodeManager {
+    /// Registers `kv_args`' buffers with `engine`, binds the zmq socket and
+    /// starts the receive and heartbeat threads.
+    ///
+    /// # Safety
+    /// Every buffer `kv_args` names must stay valid until
+    /// [`DecodeManager::teardown`] returns (or the manager is dropped), as
+    /// for [`TransferEngine::batch_register`]; prefill ranks write into them.
+    pub unsafe fn start(
+        config: DecodeConfig,
+        kv_args: KvArgs,
+        engine: Arc<dyn TransferEngine>,
+    ) -> Result<Self, StartError> {
+        kv_args.validate()?;
+        let regions = kv_args.registerable_regions();
+        // SAFETY: the caller promises the buffers outlive the manager, which
+        // deregisters them in `teardown`.
+        unsafe { engine.batch_register(&regions)? };
+        let context = zmq::Context::new();
+        let deregister = |engine: &Arc<dyn TransferEngine>| {
+            let addrs: Vec<u64> = regions.iter().map(|r| r.0).collect();
+            let _ = engine.batch_deregister(&addrs);
+        };
+        let pull = match PullSocket::bind(&context, &config.local_ip, 0) {
+            Ok(p) => p,
+            Err(e) => {
+                deregister(&engine);
+                return Err(e.into());
+            }
+        };
+        let metrics = Arc::new(Metrics::new());
+        let metrics_server = match config.metrics_addr {
+            Some(addr) => match MetricsServer::start(addr, metrics.clone()) {
+                Ok(s) => Some(s),
+                Err(e) => {
+                    deregister(&engine);
+                    return Err(e.into());
+                }
+            },
+            None => None,
+        };
+        let (mut stop, stop_signal) = stop_pair();
+        let shared = Arc::new(Shared {
+            push: PushPool::new(context.clone(), config.zmq_send_timeout),
+            rank_port: pull.port(),
+            http: crate::http::agent(Duration::from_secs(5)),
+            config,
+            kv_args,
+            engine: engine.clone(),
+            rooms: Mutex::new(DecodeRooms::default()),
+            prefills: Mutex::new(Prefills::default()),
+            metrics,
+            stopped: AtomicBool::new(false),
+            stop_signal,
+        });
+        let mut threads = Vec::new();
+        let s = shared.clone();
+        let inbox = std::thread::Builder::new()
+            .name("kvb-decode-inbox".into())
+            .spawn(move || inbox::run(&s, pull));
+        let s = shared.clone();
+        let heartbeat = std::thread::Builder::new()
+            .name("kvb-decode-heartbeat".into())
+            .spawn(move || heartbeat::run(&s));
+        for t in [inbox, heartbeat] {
+            match t {
+                Ok(t) => threads.push(t),
+                Err(e) => {
+                    shared.stopped.store(true, Ordering::SeqCst);
+                    stop.trigger();
+                    for t in threads {
+                        let _ = t.join();
+                    }
+                    deregister(&engine);
+                    return Err(e.into());
+                }
+            }
+        }
+        Ok(Self {
+            shared,
+            threads,
+            metrics_server,
+            stop,
+            context: Some(context),
+        })
+    }
+
+    /// A receiver for one room whose KV comes from the prefill server whose
+    /// bootstrap server is `bootstrap_addr` (`host:port`).
+    pub fn receiver(&self, bootstrap_addr: &str, room: u64) -> KvReceiver {
+        KvReceiver::new(self.shared.clone(), bootstrap_addr.to_owned(), room)
+    }
+
+    /// The port of this rank's zmq socket.
+    pub fn rank_port(&self) -> u16 {
+        self.shared.rank_port
+    }
+
+    /// The transfer engine's session id.
+    pub fn session_id(&self) -> &str {
+        self.shared.engine.session_id()
+    }
+
+    /// This rank's metrics.
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        &self.shared.metrics
+    }
+
+    /// Where the metrics endpoint listens, when enabled.
+    pub fn metrics_addr(&self) -> Option<std::net::SocketAddr> {
+        self.metrics_server.as_ref().map(MetricsServer::local_addr)
+    }
+
+    /// Stops every thread, closes every socket and deregisters memory.
+    pub fn teardown(mut self) {
+        self.stop();
+    }
+
+    fn stop(&mut self) {
+        if self.shared.stopped.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        self.stop.trigger();
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+        self.shared.push.close_all();
+        self.metrics_server = None;
+        let addrs: Vec<u64> = self
+            .shared
+            .kv_args
+            .registerable_regions()
+            .iter()
+            .map(|r| r.0)
+            .collect();
+        if let Err(e) = self.shared.engine.batch_deregister(&addrs) {
+            tracing::warn!(error = %e, "deregistering memory at teardown");
+        }
+        drop(self.context.take());
+        tracing::info!("decode manager torn down");
+    }
+}
+
+impl Drop for DecodeManager {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}

@@ -1,0 +1,408 @@
+//! `KvReceiver`: one request's receiving side (sglang `MooncakeKVReceiver`).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvbridge_wire::bootstrap::{PrefillRankInfo, PrefillServerInfo};
+use kvbridge_wire::{Abort, KvPoll, PackedArray, PackedLists, Transfer, TransferPages};
+
+use super::Shared;
+use super::state::{AbortAcks, BootstrapInfo};
+use super::topology::{LocalTopology, RankMapping, resolve};
+use crate::error::KvTransferError;
+
+/// The decode side of one room: find the prefill ranks, register, send the
+/// destination pages, poll until `Success` or `Failed`.
+#[derive(Debug)]
+pub struct KvReceiver {
+    shared: Arc<Shared>,
+    bootstrap_addr: String,
+    room: u64,
+    infos: Option<Vec<BootstrapInfo>>,
+    mapping: Option<RankMapping>,
+    conclude_state: Option<KvPoll>,
+    init_time: Option<Instant>,
+}
+
+enum Fetch<T> {
+    Ready(T),
+    Retry(String),
+    Fatal(String),
+}
+
+impl KvReceiver {
+    pub(crate) fn new(shared: Arc<Shared>, bootstrap_addr: String, room: u64) -> Self {
+        {
+            let mut rooms = shared.rooms.lock();
+            rooms
+                .addr_rooms
+                .entry(bootstrap_addr.clone())
+                .or_default()
+                .insert(room);
+            rooms.responded.insert(room, Default::default());
+            rooms.abort_acks.remove(&room);
+            rooms.table.update(room, KvPoll::Bootstrapping);
+        }
+        Self {
+            shared,
+            bootstrap_addr,
+            room,
+            infos: None,
+            mapping: None,
+            conclude_state: None,
+            init_time: None,
+        }
+    }
+
+    /// The room.
+    pub fn room(&self) -> u64 {
+        self.room
+    }
+
+    /// The prefill ranks this room talks to, once resolved.
+    pub fn bootstrap_infos(&self) -> Option<&[BootstrapInfo]> {
+        self.infos.as_deref()
+    }
+
+    fn fail(&mut self, reason: String) -> KvPoll {
+        tracing::warn!(room = self.room, %reason, "room failed");
+        let mut rooms = self.shared.rooms.lock();
+        rooms.table.record_failure(self.room, reason);
+        rooms.table.update(self.room, KvPoll::Failed);
+        self.conclude_state = Some(KvPoll::Failed);
+        KvPoll::Failed
+    }
+
+    /// Resolves the prefill ranks (retrying while the prefill server is not
+    /// yet fully registered, up to the bootstrap timeout), registers our
+    /// buffers with each of them once, and moves the room to
+    /// `WaitingForInput`. Returns the room's state.
+    pub fn init(&mut self, prefill_dp_rank: u64) -> KvPoll {
+        if self.conclude_state == Some(KvPoll::Failed) {
+            return KvPoll::Failed;
+        }
+        let deadline = Instant::now() + self.shared.config.bootstrap_timeout;
+        let mapping = loop {
+            match self.ensure_parallel_info() {
+                Fetch::Ready(m) => break m,
+                Fetch::Fatal(reason) => return self.fail(reason),
+                Fetch::Retry(reason) => {
+                    if Instant::now() >= deadline {
+                        return self.fail(format!(
+                            "Could not fetch prefill parallel info from bootstrap_addr {}: {reason}",
+                            self.bootstrap_addr
+                        ));
+                    }
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+            }
+        };
+        self.shared
+            .rooms
+            .lock()
+            .required_responses
+            .insert(self.room, mapping.required_prefill_response_num);
+        let mut all = Vec::new();
+        for cp in mapping.target_cp_ranks.clone() {
+            match self.bootstrap_infos_for(prefill_dp_rank, cp, &mapping) {
+                Ok(infos) => all.extend(infos),
+                Err(reason) => return self.fail(reason),
+            }
+        }
+        self.infos = Some(all);
+        self.mapping = Some(mapping);
+        self.shared
+            .rooms
+            .lock()
+            .table
+            .update(self.room, KvPoll::WaitingForInput)
+            .unwrap_or(KvPoll::Failed)
+    }
+
+    fn ensure_parallel_info(&self) -> Fetch<RankMapping> {
+        if let Some(m) = self
+            .shared
+            .prefills
+            .lock()
+            .mapping
+            .get(&self.bootstrap_addr)
+        {
+            return Fetch::Ready(m.clone());
+        }
+        let url = format!(
+            "http://{}/route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1",
+            self.bootstrap_addr
+        );
+        let info: PrefillServerInfo = match self.get_json(&url) {
+            Fetch::Ready(i) => i,
+            Fetch::Retry(r) => return Fetch::Retry(r),
+            Fetch::Fatal(r) => return Fetch::Fatal(r),
+        };
+        let l = &self.shared.kv_args.layout;
+        let local = LocalTopology {
+            attn_tp_size: l.attn_tp_size,
+            engine_rank: l.engine_rank,
+            pp_size: self.shared.config.pp_size,
+            pp_rank: self.shared.config.pp_rank,
+            page_size: l.page_size,
+            is_mla: l.is_mla_backend,
+            is_hybrid_mla: l.is_hybrid_mla_backend,
+            all_cp_ranks: false,
+        };
+        match resolve(&info, &local, &self.shared.config.kv_cache_dtype) {
+            Ok(m) => {
+                self.shared
+                    .prefills
+                    .lock()
+                    .mapping
+                    .insert(self.bootstrap_addr.clone(), m.clone());
+                Fetch::Ready(m)
+            }
+            Err(reason) => Fetch::Fatal(reason),
+        }
+    }
+
+    fn get_json<T: serde::de::DeserializeOwned>(&self, url: &str) -> Fetch<T> {
+        match self.shared.http.get(url).call() {
+            Ok(mut resp) if resp.status() == 200 => match resp.body_mut().read_json::<T>() {
+                Ok(v) => Fetch::Ready(v),
+                Err(e) => Fetch::Fatal(format!("bad answer from {url}: {e}")),
+            },
+            Ok(resp) if resp.status() == 503 => {
+                Fetch::Retry("prefill not fully registered yet".into())
+            }
+            Ok(mut resp) => {
+                let status = resp.status();
+                let text = resp.body_mut().read_to_string().unwrap_or_default();
+                Fetch::Retry(format!("{url} answered {status}: {text}"))
+            }
+            Err(e) => Fetch::Retry(format!("{url}: {e}")),
+        }
+    }
+
+    /// The prefill ranks of one CP rank, resolved and registered with once
+    /// per bootstrap key and cached.
+    fn bootstrap_infos_for(
+        &self,
+        dp: u64,
+        cp: u64,
+        m: &RankMapping,
+    ) -> Result<Vec<BootstrapInfo>, String> {
+        let target = m
+            .target_tp_rank
+            .map_or_else(|| "None".to_owned(), |t| t.to_string());
+        let key = format!("{}_{dp}_{cp}_{target}", self.bootstrap_addr);
+        if let Some(cached) = self.shared.prefills.lock().pool.get(&key) {
+            return Ok(cached.clone());
+        }
+        let mut infos = Vec::new();
+        for &tp in &m.target_tp_ranks {
+            for &pp in m.target_pp_ranks.iter().rev() {
+                let url = format!(
+                    "http://{}/route?prefill_dp_rank={dp}&prefill_cp_rank={cp}&target_tp_rank={tp}&target_pp_rank={pp}",
+                    self.bootstrap_addr
+                );
+                let rank: PrefillRankInfo = match self.get_json(&url) {
+                    Fetch::Ready(r) => r,
+                    Fetch::Retry(r) | Fetch::Fatal(r) => {
+                        return Err(format!(
+                            "Could not fetch bootstrap info for: prefill_dp_rank: {dp} prefill_cp_rank: {cp} \
+                             target_tp_rank: {tp} and target_pp_rank {pp}: {r}"
+                        ));
+                    }
+                };
+                let is_dummy = self.shared.kv_args.layout.is_mla_backend
+                    && !(m.target_tp_rank.is_none() || m.target_tp_rank == Some(tp));
+                infos.push(BootstrapInfo {
+                    rank_ip: rank.rank_ip,
+                    rank_port: rank.rank_port,
+                    pp_rank: pp,
+                    is_dummy,
+                });
+            }
+        }
+        let registration = self.shared.kv_args.registration(
+            &self.shared.config.local_ip,
+            self.shared.rank_port,
+            self.shared.engine.session_id(),
+            self.shared.engine.incarnation(),
+        );
+        let frames = registration.encode();
+        for info in &infos {
+            if let Err(e) = self
+                .shared
+                .push
+                .send(&info.endpoint(), frames.iter().map(|f| f.as_ref()))
+            {
+                return Err(format!(
+                    "_register_kv_args to prefill {}:{} failed: {e}",
+                    info.rank_ip, info.rank_port
+                ));
+            }
+        }
+        let mut prefills = self.shared.prefills.lock();
+        Ok(prefills.pool.entry(key).or_insert(infos).clone())
+    }
+
+    /// Tells every prefill rank where the room's KV goes.
+    pub fn send_metadata(
+        &mut self,
+        kv_indices: &[i32],
+        aux_index: u64,
+        state_indices: &[Vec<i32>],
+        decode_prefix_len: Option<u64>,
+    ) -> KvPoll {
+        let Some(infos) = self.infos.clone() else {
+            return self.fail(format!(
+                "Could not fetch prefill parallel info from bootstrap_addr: {}",
+                self.bootstrap_addr
+            ));
+        };
+        let required = self.mapping.as_ref().map_or(1, |m| m.required_dst_info_num);
+        let session = self.shared.engine.session_id().to_owned();
+        for info in &infos {
+            let message = Transfer {
+                room: self.room,
+                endpoint: self.shared.config.local_ip.as_str().into(),
+                dst_port: self.shared.rank_port,
+                mooncake_session_id: session.as_str().into(),
+                pages: (!info.is_dummy).then(|| TransferPages {
+                    dst_kv_indices: PackedArray::from(kv_indices),
+                    dst_aux_index: aux_index,
+                    dst_state_indices: PackedLists::from_lists(state_indices),
+                    dst_device_kv_indices: None,
+                }),
+                required_dst_info_num: required,
+                decode_prefix_len: Some(decode_prefix_len.unwrap_or(0)),
+            };
+            if let Err(e) = self.shared.push.send(
+                &info.endpoint(),
+                message.encode().iter().map(|f| f.as_ref()),
+            ) {
+                self.invalidate_cache();
+                return self.fail(format!(
+                    "send_metadata to prefill {}:{} failed: {e}",
+                    info.rank_ip, info.rank_port
+                ));
+            }
+        }
+        self.init_time = Some(Instant::now());
+        self.poll()
+    }
+
+    fn invalidate_cache(&self) {
+        let prefix = format!("{}_", self.bootstrap_addr);
+        self.shared
+            .prefills
+            .lock()
+            .pool
+            .retain(|k, _| !k.starts_with(&prefix));
+    }
+
+    /// The room's state; a room waiting for its KV past the waiting timeout fails.
+    pub fn poll(&mut self) -> KvPoll {
+        if let Some(state) = self.conclude_state {
+            return state;
+        }
+        let status = self
+            .shared
+            .rooms
+            .lock()
+            .table
+            .get(self.room)
+            .unwrap_or(KvPoll::Failed);
+        if status.is_terminal() {
+            self.conclude_state = Some(status);
+            return status;
+        }
+        if status == KvPoll::WaitingForInput
+            && self
+                .init_time
+                .is_some_and(|t| t.elapsed() >= self.shared.config.waiting_timeout)
+        {
+            let waited = self.init_time.map_or(0.0, |t| t.elapsed().as_secs_f64());
+            return self.fail(format!(
+                "Request {} timed out after {waited:.1}s in KVPoll.WaitingForInput",
+                self.room
+            ));
+        }
+        status
+    }
+
+    /// Aborts the room: marks it Failed here and tells every prefill rank,
+    /// which acknowledges once its in-flight writes to the room drained.
+    pub fn abort(&mut self) {
+        let generation = {
+            let mut rooms = self.shared.rooms.lock();
+            rooms
+                .table
+                .record_failure(self.room, "Aborted by AbortReq.");
+            rooms.table.update(self.room, KvPoll::Failed);
+            let generation = self.shared.config.deferred_release.then(|| {
+                rooms.generation += 1;
+                rooms.generation
+            });
+            rooms.abort_acks.insert(
+                self.room,
+                AbortAcks {
+                    generation,
+                    ..AbortAcks::default()
+                },
+            );
+            generation
+        };
+        self.conclude_state = Some(KvPoll::Failed);
+        for info in self.infos.iter().flatten() {
+            let message = Abort {
+                room: self.room,
+                decode_ip: self.shared.config.local_ip.as_str().into(),
+                decode_port: self.shared.rank_port,
+                generation,
+            };
+            if let Err(e) = self.shared.push.send(
+                &info.endpoint(),
+                message.encode().iter().map(|f| f.as_ref()),
+            ) {
+                tracing::debug!(room = self.room, error = %e, "cannot send abort notification");
+            }
+        }
+    }
+
+    /// Whether every prefill rank that could write this room's pages has
+    /// acknowledged the abort (the pages may be reused).
+    pub fn abort_acknowledged(&self) -> bool {
+        let needed = self.infos.as_ref().map_or(0, Vec::len);
+        let rooms = self.shared.rooms.lock();
+        rooms
+            .abort_acks
+            .get(&self.room)
+            .is_some_and(|a| a.ranks.len() + a.unranked >= needed)
+    }
+
+    /// Clears the room and returns its failure: the recorded reason, or a
+    /// generic one marked as coming from another rank.
+    pub fn failure_exception(&mut self) -> KvTransferError {
+        self.conclude_state = Some(KvPoll::Failed);
+        let reason = self.shared.rooms.lock().table.take_failure(self.room);
+        self.clear();
+        KvTransferError {
+            room: self.room,
+            is_from_another_rank: reason.is_none(),
+            reason: reason
+                .unwrap_or_else(|| "Failed due to an unknown reason from another rank".into()),
+        }
+    }
+
+    /// Forgets the room.
+    pub fn clear(&mut self) {
+        let mut rooms = self.shared.rooms.lock();
+        rooms.table.remove(self.room);
+        rooms.required_responses.remove(&self.room);
+        rooms.responded.remove(&self.room);
+        rooms.abort_acks.remove(&self.room);
+        rooms.chunk_ready.retain(|(r, _)| *r != self.room);
+        if let Some(set) = rooms.addr_rooms.get_mut(&self.bootstrap_addr) {
+            set.remove(&self.room);
+        }
+    }
+}

@@ -1,0 +1,67 @@
+//! What the decode side knows about rooms and prefill servers.
+
+use std::collections::{HashMap, HashSet};
+
+use crate::rooms::RoomTable;
+
+use super::topology::RankMapping;
+
+/// One prefill rank a room's KV comes from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BootstrapInfo {
+    /// The rank's IP.
+    pub rank_ip: String,
+    /// The rank's zmq bootstrap port.
+    pub rank_port: u16,
+    /// The rank's PP stage.
+    pub pp_rank: u64,
+    /// Whether the rank holds none of our KV (MLA: one real rank).
+    pub is_dummy: bool,
+}
+
+impl BootstrapInfo {
+    /// `tcp://ip:port` of the rank's socket.
+    pub fn endpoint(&self) -> String {
+        crate::control::tcp_endpoint(&self.rank_ip, self.rank_port)
+    }
+}
+
+/// ACKs collected for an aborted room.
+#[derive(Debug, Default, Clone)]
+pub(crate) struct AbortAcks {
+    /// The generation our ABORT carried.
+    pub generation: Option<u64>,
+    /// Prefill ranks that acknowledged (ranked form).
+    pub ranks: HashSet<u64>,
+    /// ACKs in the seed's 2-frame form (no rank).
+    pub unranked: usize,
+}
+
+/// Room-level state of the decode side.
+#[derive(Debug, Default)]
+pub(crate) struct DecodeRooms {
+    pub table: RoomTable,
+    /// Success messages expected per room.
+    pub required_responses: HashMap<u64, u64>,
+    /// Prefill ranks that reported Success per room.
+    pub responded: HashMap<u64, HashSet<u64>>,
+    /// Rooms per prefill bootstrap server (failed together when it dies).
+    pub addr_rooms: HashMap<String, HashSet<u64>>,
+    /// Abort ACK tracking per room.
+    pub abort_acks: HashMap<u64, AbortAcks>,
+    /// Last abort generation handed out.
+    pub generation: u64,
+    /// Staging notices received: `(room, chunk)`.
+    pub chunk_ready: HashSet<(u64, u64)>,
+}
+
+/// Prefill servers this decode rank has resolved.
+#[derive(Debug, Default)]
+pub(crate) struct Prefills {
+    /// Rank mapping per bootstrap address.
+    pub mapping: HashMap<String, RankMapping>,
+    /// Resolved prefill ranks per `addr_dp_cp_tp` key (registered with).
+    pub pool: HashMap<String, Vec<BootstrapInfo>>,
+    /// Consecutive missed heartbeats per bootstrap address.
+    pub heartbeat_failures: HashMap<String, u32>,
+}

@@ -1,0 +1,232 @@
+//! Which prefill ranks a decode rank pulls a room from (sglang
+//! `try_ensure_parallel_info` checks and `_resolve_rank_mapping`).
+
+use kvbridge_wire::bootstrap::PrefillServerInfo;
+
+/// This decode rank's place, as the mapping needs it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LocalTopology {
+    /// Decode attention TP size.
+    pub attn_tp_size: u64,
+    /// Decode engine rank.
+    pub engine_rank: u64,
+    /// Decode PP size.
+    pub pp_size: u64,
+    /// Decode PP rank.
+    pub pp_rank: u64,
+    /// Decode page size.
+    pub page_size: u64,
+    /// MLA KV pool.
+    pub is_mla: bool,
+    /// Hybrid-MLA KV pool.
+    pub is_hybrid_mla: bool,
+    /// Pull from every prefill CP rank (`SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER`).
+    pub all_cp_ranks: bool,
+}
+
+/// The prefill ranks of one prefill server that hold this decode rank's KV.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RankMapping {
+    /// The "real" prefill TP rank (`None`: all are real, KV sharding).
+    pub target_tp_rank: Option<u64>,
+    /// Every prefill TP rank to contact.
+    pub target_tp_ranks: Vec<u64>,
+    /// Prefill CP ranks to contact.
+    pub target_cp_ranks: Vec<u64>,
+    /// Prefill PP ranks to contact.
+    pub target_pp_ranks: Vec<u64>,
+    /// Decode ranks each prefill rank waits for (sent in transfer requests).
+    pub required_dst_info_num: u64,
+    /// Success messages this decode rank waits for per room.
+    pub required_prefill_response_num: u64,
+}
+
+/// Checks the prefill's topology against ours and maps ranks.
+pub fn resolve(
+    info: &PrefillServerInfo,
+    local: &LocalTopology,
+    kv_cache_dtype: &str,
+) -> Result<RankMapping, String> {
+    if let Some(page) = info.page_size.filter(|p| *p != local.page_size) {
+        return Err(format!(
+            "Page size mismatch: prefill server has page_size={page}, but decode server has \
+             page_size={}. Both servers must use the same --page-size value.",
+            local.page_size
+        ));
+    }
+    if let Some(dtype) = info
+        .kv_cache_dtype
+        .as_deref()
+        .filter(|d| *d != kv_cache_dtype)
+    {
+        return Err(format!(
+            "KV cache dtype mismatch: prefill server has kv_cache_dtype={dtype}, but decode server \
+             has kv_cache_dtype={kv_cache_dtype}."
+        ));
+    }
+    let (p, d) = (info.attn_tp_size, local.attn_tp_size);
+    if p == 0 || d == 0 || info.pp_size == 0 || info.attn_cp_size == 0 {
+        return Err("prefill server reported a zero parallel size".into());
+    }
+    let r = local.engine_rank % d;
+    let mut mapping = if local.is_mla && info.enable_kv_cache_sharding && info.attn_cp_size == 1 {
+        if p != d {
+            return Err(format!(
+                "MLA KV cache sharding requires equal prefill/decode attn TP sizes, got prefill={p} decode={d}"
+            ));
+        }
+        RankMapping {
+            target_tp_rank: None,
+            target_tp_ranks: (0..p).collect(),
+            required_dst_info_num: d,
+            required_prefill_response_num: p,
+            target_cp_ranks: Vec::new(),
+            target_pp_ranks: Vec::new(),
+        }
+    } else if d == p {
+        RankMapping {
+            target_tp_rank: Some(r),
+            target_tp_ranks: vec![r],
+            required_dst_info_num: 1,
+            required_prefill_response_num: 1,
+            target_cp_ranks: Vec::new(),
+            target_pp_ranks: Vec::new(),
+        }
+    } else if d > p {
+        if d % p != 0 {
+            return Err(format!("decode TP {d} is not a multiple of prefill TP {p}"));
+        }
+        let t = r / (d / p);
+        RankMapping {
+            target_tp_rank: Some(t),
+            target_tp_ranks: vec![t],
+            required_dst_info_num: d / p,
+            required_prefill_response_num: 1,
+            target_cp_ranks: Vec::new(),
+            target_pp_ranks: Vec::new(),
+        }
+    } else {
+        if p % d != 0 {
+            return Err(format!("prefill TP {p} is not a multiple of decode TP {d}"));
+        }
+        let ratio = p / d;
+        let ranks: Vec<u64> = (r * ratio..(r + 1) * ratio).collect();
+        RankMapping {
+            target_tp_rank: ranks.first().copied(),
+            target_tp_ranks: ranks,
+            required_dst_info_num: 1,
+            required_prefill_response_num: if local.is_mla { 1 } else { ratio },
+            target_cp_ranks: Vec::new(),
+            target_pp_ranks: Vec::new(),
+        }
+    };
+    if info.attn_cp_size == 1 {
+        mapping.target_cp_ranks = vec![0];
+    } else if local.all_cp_ranks
+        || info.enable_dsa_cache_layer_split
+        || info.enable_kv_cache_sharding
+    {
+        mapping.target_cp_ranks = (0..info.attn_cp_size).collect();
+        mapping.required_prefill_response_num *= info.attn_cp_size;
+    } else {
+        mapping.target_cp_ranks = vec![0];
+    }
+    if local.pp_size != info.pp_size && local.pp_size != 1 {
+        return Err(format!(
+            "Decode pp size ({}) should be equal to prefill pp size ({}) or 1",
+            local.pp_size, info.pp_size
+        ));
+    }
+    if info.pp_size == local.pp_size {
+        mapping.target_pp_ranks = vec![local.pp_rank];
+    } else {
+        mapping.target_pp_ranks = (0..info.pp_size).collect();
+        mapping.required_prefill_response_num *= info.pp_size / local.pp_size;
+    }
+    Ok(mapping)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn info(tp: u64, pp: u64) -> PrefillServerInfo {
+        serde_json::from_value(serde_json::json!({
+            "attn_tp_size": tp, "attn_cp_size": 1, "dp_size": 1, "pp_size": pp,
+            "page_size": 16, "kv_cache_dtype": "auto", "follow_bootstrap_room": true
+        }))
+        .unwrap()
+    }
+
+    fn local(tp: u64, rank: u64, mla: bool) -> LocalTopology {
+        LocalTopology {
+            attn_tp_size: tp,
+            engine_rank: rank,
+            pp_size: 1,
+            pp_rank: 0,
+            page_size: 16,
+            is_mla: mla,
+            is_hybrid_mla: false,
+            all_cp_ranks: false,
+        }
+    }
+
+    #[test]
+    fn equal_tp() {
+        let m = resolve(&info(2, 1), &local(2, 1, false), "auto").unwrap();
+        assert_eq!(
+            (
+                m.target_tp_ranks,
+                m.required_dst_info_num,
+                m.required_prefill_response_num
+            ),
+            (vec![1], 1, 1)
+        );
+    }
+
+    #[test]
+    fn decode_wider_than_prefill() {
+        let m = resolve(&info(2, 1), &local(4, 3, false), "auto").unwrap();
+        assert_eq!((m.target_tp_ranks, m.required_dst_info_num), (vec![1], 2));
+    }
+
+    #[test]
+    fn prefill_wider_than_decode() {
+        let m = resolve(&info(4, 1), &local(2, 1, false), "auto").unwrap();
+        assert_eq!(
+            (m.target_tp_ranks.clone(), m.required_prefill_response_num),
+            (vec![2, 3], 2)
+        );
+        let m = resolve(&info(4, 1), &local(2, 1, true), "auto").unwrap();
+        assert_eq!(
+            (m.target_tp_rank, m.required_prefill_response_num),
+            (Some(2), 1)
+        );
+    }
+
+    #[test]
+    fn prefill_pp_stages() {
+        let m = resolve(&info(1, 2), &local(1, 0, false), "auto").unwrap();
+        assert_eq!(
+            (m.target_pp_ranks, m.required_prefill_response_num),
+            (vec![0, 1], 2)
+        );
+    }
+
+    #[test]
+    fn mismatches_fail() {
+        let mut l = local(1, 0, false);
+        l.page_size = 32;
+        assert!(
+            resolve(&info(1, 1), &l, "auto")
+                .unwrap_err()
+                .contains("Page size mismatch")
+        );
+        assert!(
+            resolve(&info(1, 1), &local(1, 0, false), "fp8")
+                .unwrap_err()
+                .contains("dtype")
+        );
+        assert!(resolve(&info(3, 1), &local(2, 0, false), "auto").is_err());
+    }
+}

@@ -1,0 +1,34 @@
+//! # kvbridge-roles
+//!
+//! The working system around the lower layers: the bootstrap server, the
+//! prefill and decode role managers (sglang's `MooncakeKVManager`), and the
+//! per-request `KvSender` / `KvReceiver` with their `KVPoll` state machine.
+//!
+//! **Owns:** control-plane sockets (zmq), threads, room state, timeouts,
+//! heartbeats, abort, failure recovery and teardown.
+//! **Never:** computes byte ranges itself (that is `kvbridge-plan`'s job),
+//! moves data-plane bytes except through a `TransferEngine`, or trusts a
+//! peer: every frame is decoded by `kvbridge-wire` and every address a peer
+//! names is checked against our registered regions.
+
+pub mod bootstrap;
+pub mod config;
+pub mod control;
+pub mod error;
+pub mod health;
+mod http;
+pub mod kv_args;
+pub mod metrics;
+pub mod prefill;
+pub mod rooms;
+mod stop;
+
+pub use config::{DecodeConfig, ParallelRank, PrefillConfig, ProbeConfig};
+pub use error::{ConfigError, KvTransferError, SendError, StartError};
+pub use kv_args::KvArgs;
+pub use kvbridge_wire::KvPoll;
+pub use prefill::{KvSender, PrefillManager};
+pub mod decode;
+
+pub use decode::{DecodeManager, KvReceiver};
+pub mod synthetic;

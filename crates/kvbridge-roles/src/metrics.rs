@@ -1,0 +1,256 @@
+//! Prometheus counters and histograms of one role, and an optional HTTP
+//! endpoint that serves them.
+
+use std::net::{SocketAddr, TcpListener};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use axum::Router;
+use axum::routing::get;
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+use tokio::sync::oneshot;
+
+type Labels = Vec<(String, String)>;
+
+/// The metrics of one role manager.
+#[derive(Debug)]
+pub struct Metrics {
+    registry: Registry,
+    /// Rooms concluded, by `result` (`success` / `failed`).
+    pub rooms: Family<Labels, Counter>,
+    /// Chunks handed to the engine.
+    pub chunks: Counter,
+    /// Bytes handed to the engine and confirmed written.
+    pub bytes: Counter,
+    /// Blocks handed to the engine.
+    pub blocks: Counter,
+    /// Failures, by `reason` (a small fixed set of words).
+    pub failures: Family<Labels, Counter>,
+    /// Blacklisted sessions lifted by a probe (sglang's counter).
+    pub session_recoveries: Counter,
+    /// Peer messages dropped as malformed or out of region, by `kind`.
+    pub dropped_messages: Family<Labels, Counter>,
+    /// Room latency from its first chunk to its conclusion, seconds.
+    pub transfer_latency: Histogram,
+    /// One chunk's engine time, seconds.
+    pub chunk_latency: Histogram,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    /// Fresh metrics, all zero.
+    pub fn new() -> Self {
+        let mut registry = Registry::default();
+        let rooms = Family::<Labels, Counter>::default();
+        let chunks = Counter::default();
+        let bytes = Counter::default();
+        let blocks = Counter::default();
+        let failures = Family::<Labels, Counter>::default();
+        let session_recoveries = Counter::default();
+        let dropped_messages = Family::<Labels, Counter>::default();
+        let transfer_latency = Histogram::new(exponential_buckets(0.0005, 2.0, 20));
+        let chunk_latency = Histogram::new(exponential_buckets(0.0001, 2.0, 20));
+        registry.register(
+            "kvbridge_rooms",
+            "Rooms concluded, by result",
+            rooms.clone(),
+        );
+        registry.register("kvbridge_chunks", "Chunks transferred", chunks.clone());
+        registry.register(
+            "kvbridge_transfer_bytes",
+            "Bytes written to peers",
+            bytes.clone(),
+        );
+        registry.register(
+            "kvbridge_transfer_blocks",
+            "Blocks handed to the engine",
+            blocks.clone(),
+        );
+        registry.register(
+            "kvbridge_transfer_failures",
+            "Transfer failures by reason",
+            failures.clone(),
+        );
+        registry.register(
+            "sglang:failed_session_recoveries",
+            "Number of mooncake_session_ids un-blacklisted via probe.",
+            session_recoveries.clone(),
+        );
+        registry.register(
+            "kvbridge_dropped_messages",
+            "Peer messages dropped as malformed or out of region",
+            dropped_messages.clone(),
+        );
+        registry.register(
+            "kvbridge_transfer_latency_seconds",
+            "Room latency from first chunk to conclusion",
+            transfer_latency.clone(),
+        );
+        registry.register(
+            "kvbridge_chunk_latency_seconds",
+            "Engine time of one chunk",
+            chunk_latency.clone(),
+        );
+        Self {
+            registry,
+            rooms,
+            chunks,
+            bytes,
+            blocks,
+            failures,
+            session_recoveries,
+            dropped_messages,
+            transfer_latency,
+            chunk_latency,
+        }
+    }
+
+    fn label(key: &str, value: &str) -> Labels {
+        vec![(key.to_owned(), value.to_owned())]
+    }
+
+    /// Counts one concluded room.
+    pub fn room_concluded(&self, success: bool) {
+        let result = if success { "success" } else { "failed" };
+        self.rooms
+            .get_or_create(&Self::label("result", result))
+            .inc();
+    }
+
+    /// Counts one failure with a short `reason` word.
+    pub fn failure(&self, reason: &str) {
+        self.failures
+            .get_or_create(&Self::label("reason", reason))
+            .inc();
+    }
+
+    /// Counts one dropped peer message of `kind`.
+    pub fn dropped(&self, kind: &str) {
+        self.dropped_messages
+            .get_or_create(&Self::label("kind", kind))
+            .inc();
+    }
+
+    /// Failures counted for `reason`.
+    pub fn failures_for(&self, reason: &str) -> u64 {
+        self.failures
+            .get_or_create(&Self::label("reason", reason))
+            .get()
+    }
+
+    /// Dropped messages counted for `kind`.
+    pub fn dropped_for(&self, kind: &str) -> u64 {
+        self.dropped_messages
+            .get_or_create(&Self::label("kind", kind))
+            .get()
+    }
+
+    /// The Prometheus text exposition of every metric.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        if encode(&mut out, &self.registry).is_err() {
+            tracing::warn!("metrics encoding failed");
+        }
+        out
+    }
+}
+
+/// Serves `GET /metrics` for a [`Metrics`] until dropped.
+#[derive(Debug)]
+pub struct MetricsServer {
+    addr: SocketAddr,
+    stop: Option<oneshot::Sender<()>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl MetricsServer {
+    /// Binds `addr` (port 0 picks one) and serves on a thread of its own.
+    pub fn start(addr: SocketAddr, metrics: Arc<Metrics>) -> std::io::Result<Self> {
+        let listener = TcpListener::bind(addr)?;
+        listener.set_nonblocking(true)?;
+        let addr = listener.local_addr()?;
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_io()
+            .build()?;
+        let (stop, stopped) = oneshot::channel::<()>();
+        let app = Router::new().route(
+            "/metrics",
+            get(move || {
+                let metrics = metrics.clone();
+                async move { metrics.render() }
+            }),
+        );
+        let thread = std::thread::Builder::new()
+            .name("kvb-metrics".into())
+            .spawn(move || {
+                runtime.block_on(async move {
+                    let Ok(listener) = tokio::net::TcpListener::from_std(listener) else {
+                        tracing::error!("metrics endpoint cannot listen");
+                        return;
+                    };
+                    let _ = axum::serve(listener, app)
+                        .with_graceful_shutdown(async {
+                            let _ = stopped.await;
+                        })
+                        .await;
+                });
+            })?;
+        Ok(Self {
+            addr,
+            stop: Some(stop),
+            thread: Some(thread),
+        })
+    }
+
+    /// Where `/metrics` is served.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+}
+
+impl Drop for MetricsServer {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renders_sglang_counter_name() {
+        let m = Metrics::new();
+        m.session_recoveries.inc();
+        m.failure("engine");
+        m.room_concluded(true);
+        let text = m.render();
+        assert!(
+            text.contains("sglang:failed_session_recoveries_total 1"),
+            "{text}"
+        );
+        assert!(
+            text.contains(r#"kvbridge_transfer_failures_total{reason="engine"} 1"#),
+            "{text}"
+        );
+        assert!(
+            text.contains(r#"kvbridge_rooms_total{result="success"} 1"#),
+            "{text}"
+        );
+        assert_eq!(m.failures_for("engine"), 1);
+    }
+}

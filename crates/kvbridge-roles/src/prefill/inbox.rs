@@ -1,0 +1,175 @@
+//! The prefill bootstrap thread: decode registrations, transfer requests,
+//! aborts and staging control messages arrive on one PULL socket.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use kvbridge_plan::{PreparedPeer, TransferRequest};
+use kvbridge_wire::{Abort, KvPoll, Limits, Register, StagingRsp, ToPrefill, Transfer, Watermark};
+
+use super::Shared;
+use super::state::{AckTarget, Peer, PeerEntry, TransferInfo};
+use crate::control::PullSocket;
+use crate::kv_args::peer_registration;
+
+/// Receives until the manager stops.
+pub(crate) fn run(shared: &Shared, socket: PullSocket) {
+    while !shared.stopped.load(Ordering::SeqCst) {
+        let frames = match socket.recv_timeout(Duration::from_millis(20)) {
+            Ok(Some(f)) => f,
+            Ok(None) => continue,
+            Err(e) => {
+                tracing::error!(error = %e, "prefill socket receive failed");
+                std::thread::sleep(Duration::from_millis(50));
+                continue;
+            }
+        };
+        match ToPrefill::decode(&frames, &Limits::DEFAULT) {
+            Ok(ToPrefill::Register(r)) => on_register(shared, &r),
+            Ok(ToPrefill::Transfer(t)) => on_transfer(shared, &t),
+            Ok(ToPrefill::Abort(a)) => on_abort(shared, &a),
+            Ok(ToPrefill::Watermark(w)) => on_watermark(shared, &w),
+            Ok(ToPrefill::StagingRsp(s)) => on_staging_rsp(shared, &s),
+            Err(e) => {
+                shared.metrics.dropped("malformed");
+                tracing::warn!(error = %e, frames = frames.len(), "dropping malformed message");
+            }
+        }
+    }
+}
+
+/// A decode rank (re-)registers: prepare it for planning now, so a layout
+/// that cannot work is rejected here, loudly, not at the first transfer. A
+/// re-registration is a new incarnation: its old state is replaced and any
+/// blacklisting lifted.
+fn on_register(shared: &Shared, r: &Register<'_>) {
+    let session = r.mooncake_session_id.to_string();
+    let peer = match PreparedPeer::new(&shared.kv_args.layout, peer_registration(r)) {
+        Ok(p) => {
+            if r.dst_aux_ptrs.len() != shared.kv_args.layout.aux_data_ptrs.len() {
+                tracing::error!(
+                    %session,
+                    decode = r.dst_aux_ptrs.len(),
+                    prefill = shared.kv_args.layout.aux_data_ptrs.len(),
+                    "decode registered a different number of aux buffers"
+                );
+            }
+            tracing::info!(%session, endpoint = %r.endpoint, port = r.dst_port, "decode registered");
+            Peer::Ready(p)
+        }
+        Err(e) => {
+            shared.metrics.failure("registration");
+            tracing::error!(%session, error = %e, "rejecting decode registration");
+            Peer::Rejected(format!("decode registration from {session} rejected: {e}"))
+        }
+    };
+    let generation = shared.next_generation.fetch_add(1, Ordering::SeqCst);
+    shared.peers.write().insert(
+        session.clone(),
+        Arc::new(PeerEntry {
+            generation,
+            incarnation: r.incarnation.unwrap_or(0),
+            peer,
+        }),
+    );
+    shared.health.lock().recovered(&session);
+}
+
+fn on_transfer(shared: &Shared, t: &Transfer<'_>) {
+    let request = t.pages.as_ref().map(|p| TransferRequest {
+        dst_kv_indices: p.dst_kv_indices.to_vec(),
+        dst_aux_index: p.dst_aux_index,
+        dst_state_indices: p
+            .dst_state_indices
+            .iter()
+            .map(|l| l.iter().map(i64::from).collect())
+            .collect(),
+        decode_prefix_len: t.decode_prefix_len,
+    });
+    let session = t.mooncake_session_id.to_string();
+    let registration = shared
+        .peers
+        .read()
+        .get(&session)
+        .map_or(0, |p| p.generation);
+    let info = Arc::new(TransferInfo {
+        endpoint: t.endpoint.to_string(),
+        dst_port: t.dst_port,
+        session,
+        request,
+        required_dst_info_num: t.required_dst_info_num,
+        decode_prefix_len: t.decode_prefix_len,
+        registration,
+    });
+    let room = t.room;
+    let mut rooms = shared.rooms.lock();
+    let infos = rooms.infos.entry(room).or_default();
+    infos.retain(|i| i.session != info.session);
+    infos.push(info);
+    let complete = infos.len() as u64 == t.required_dst_info_num;
+    if complete {
+        let prefix = infos.iter().find_map(|i| i.decode_prefix_len).unwrap_or(0);
+        rooms.prefix_len.insert(room, prefix);
+        rooms.table.update(room, KvPoll::WaitingForInput);
+        tracing::debug!(room, "all decode destinations known");
+    }
+}
+
+/// Mark the room Failed first (no new chunk is accepted after this), then
+/// acknowledge once nothing of the room is in flight, so no write lands
+/// after the ACK.
+fn on_abort(shared: &Shared, a: &Abort<'_>) {
+    let room = a.room;
+    let target = AckTarget {
+        ip: a.decode_ip.to_string(),
+        port: a.decode_port,
+        generation: a.generation,
+    };
+    {
+        let mut rooms = shared.rooms.lock();
+        let active = rooms.table.get(room).is_some_and(|s| s != KvPoll::Success);
+        if active {
+            rooms
+                .table
+                .record_failure(room, "Aborted by the decode side");
+            rooms.table.update(room, KvPoll::Failed);
+            shared.metrics.failure("aborted");
+        }
+        let targets = rooms.ack_targets.entry(room).or_default();
+        targets.retain(|t| (t.ip.as_str(), t.port) != (target.ip.as_str(), target.port));
+        targets.push(target);
+        tracing::debug!(room, active, "abort received; ACK once drained");
+    }
+    shared.ack_if_drained(room);
+}
+
+fn on_watermark(shared: &Shared, w: &Watermark<'_>) {
+    let mut rooms = shared.rooms.lock();
+    let entry = rooms
+        .staging
+        .watermarks
+        .entry(w.session_id.to_string())
+        .or_insert((0, 0));
+    if (w.wm_round, w.wm_tail) > *entry {
+        *entry = (w.wm_round, w.wm_tail);
+    }
+}
+
+fn on_staging_rsp(shared: &Shared, s: &StagingRsp<'_>) {
+    let mut rooms = shared.rooms.lock();
+    let known = rooms
+        .infos
+        .get(&s.room)
+        .is_some_and(|infos| infos.iter().any(|i| i.session == s.session_id));
+    if !known {
+        tracing::warn!(room = s.room, session = %s.session_id, "STAGING_RSP for an unknown destination");
+        return;
+    }
+    rooms
+        .staging
+        .allocations
+        .entry((s.room, s.session_id.to_string()))
+        .or_default()
+        .push((s.chunk_idx, s.offset, s.round, s.end));
+}

@@ -1,0 +1,454 @@
+//! The prefill role: registers its KV memory, accepts decode registrations
+//! and transfer requests on its zmq socket, and streams chunks through the
+//! transfer engine (sglang `MooncakeKVManager` in PREFILL mode).
+//!
+//! Threads: one inbox thread (the bootstrap socket), one worker per shard
+//! queue (chunks of one room stay in order on one shard), one probe thread
+//! for blacklisted sessions, and optionally a metrics endpoint.
+
+mod inbox;
+mod pipeline;
+mod probe;
+mod sender;
+pub(crate) mod state;
+mod worker;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{Receiver, Sender, unbounded};
+use kvbridge_engine::TransferEngine;
+use kvbridge_plan::TransferChunk;
+use kvbridge_wire::bootstrap::RouteRegistration;
+use kvbridge_wire::{AbortAck, KvPoll, Status};
+use parking_lot::{Mutex, RwLock};
+
+use crate::config::PrefillConfig;
+use crate::control::{PullSocket, PushPool, tcp_endpoint};
+use crate::error::{ConfigError, StartError};
+use crate::health::SessionHealth;
+use crate::kv_args::KvArgs;
+use crate::metrics::{Metrics, MetricsServer};
+use crate::stop::{StopSignal, StopTrigger, stop_pair};
+
+pub use sender::KvSender;
+use state::{AckTarget, PeerEntry, RoomsState};
+
+/// A chunk waiting in a shard queue (sglang `TransferKVChunk`).
+#[derive(Debug)]
+pub(crate) struct QueuedChunk {
+    pub room: u64,
+    pub chunk: TransferChunk,
+}
+
+/// State shared by the prefill manager's threads and its senders.
+#[derive(Debug)]
+pub(crate) struct Shared {
+    pub config: PrefillConfig,
+    pub kv_args: KvArgs,
+    pub engine: Arc<dyn TransferEngine>,
+    pub rooms: Mutex<RoomsState>,
+    pub peers: RwLock<std::collections::HashMap<String, Arc<PeerEntry>>>,
+    pub next_generation: std::sync::atomic::AtomicU64,
+    pub health: Mutex<SessionHealth>,
+    pub push: PushPool,
+    pub metrics: Arc<Metrics>,
+    pub stopped: AtomicBool,
+    pub stop_signal: StopSignal,
+    pub queues: Vec<Sender<Option<QueuedChunk>>>,
+    pub unique_rank: u64,
+    pub in_flight: usize,
+}
+
+impl Shared {
+    /// Sends `[room, status, rank, reason?]` to each target; failures are logged.
+    pub fn send_status(
+        &self,
+        targets: &[(String, u16)],
+        room: u64,
+        status: KvPoll,
+        reason: Option<&str>,
+    ) {
+        let message = Status {
+            room,
+            status,
+            prefill_rank: self.unique_rank,
+            failure_reason: reason.map(std::borrow::Cow::Borrowed),
+        };
+        let frames = message.encode();
+        for (ip, port) in targets {
+            let endpoint = tcp_endpoint(ip, *port);
+            if let Err(e) = self.push.send(&endpoint, frames.iter().map(|f| f.as_ref())) {
+                tracing::warn!(room, %endpoint, error = %e, ?status, "cannot send room status");
+            }
+        }
+    }
+
+    /// Concludes a room (sglang `conclude_transfer`): a recorded failure or
+    /// an earlier `Failed` turns `Success` into `Failed`; the first failure
+    /// reason is kept; the status goes to `targets` (default: every
+    /// non-dummy decode endpoint of the room). Returns the emitted state, or
+    /// `None` for a room that was already cleared.
+    pub fn conclude(
+        &self,
+        room: u64,
+        status: KvPoll,
+        targets: Option<Vec<(String, u16)>>,
+        reason: Option<String>,
+    ) -> Option<KvPoll> {
+        let (status, reason, targets, started) = {
+            let mut rooms = self.rooms.lock();
+            if !rooms.table.contains(room) {
+                return None;
+            }
+            let (mut status, mut reason) = (status, reason);
+            if status == KvPoll::Success {
+                if let Some(recorded) = rooms.table.failure(room) {
+                    reason = Some(recorded.to_owned());
+                    status = KvPoll::Failed;
+                } else if rooms.table.get(room) == Some(KvPoll::Failed) {
+                    status = KvPoll::Failed;
+                    reason =
+                        Some(reason.unwrap_or_else(|| {
+                            "Room marked Failed before the transfer ended".into()
+                        }));
+                }
+            }
+            if status == KvPoll::Failed {
+                let why = reason.unwrap_or_else(|| "KV transfer failed".into());
+                reason = Some(rooms.table.first_failure(room, why));
+            }
+            let targets = targets.unwrap_or_else(|| rooms.notify_targets(room));
+            rooms.table.update(room, status);
+            (status, reason, targets, rooms.started.remove(&room))
+        };
+        self.metrics.room_concluded(status == KvPoll::Success);
+        if let Some(t) = started {
+            self.metrics
+                .transfer_latency
+                .observe(t.elapsed().as_secs_f64());
+        }
+        if status == KvPoll::Failed {
+            tracing::warn!(
+                room,
+                reason = reason.as_deref().unwrap_or(""),
+                "room failed"
+            );
+        }
+        self.send_status(&targets, room, status, reason.as_deref());
+        Some(status)
+    }
+
+    /// Sends the abort ACKs of a room if it has drained.
+    pub fn ack_if_drained(&self, room: u64) {
+        let targets = self.rooms.lock().take_drained_acks(room);
+        for t in targets {
+            self.send_abort_ack(room, &t);
+        }
+    }
+
+    /// One ABORT_ACK: the ranked form (with the generation when the abort
+    /// carried one) under deferred release, the seed's 2-frame form otherwise.
+    pub fn send_abort_ack(&self, room: u64, target: &AckTarget) {
+        let ack = if self.config.deferred_release || target.generation.is_some() {
+            AbortAck {
+                room,
+                prefill_rank: Some(self.unique_rank),
+                generation: target.generation,
+            }
+        } else {
+            AbortAck {
+                room,
+                prefill_rank: None,
+                generation: None,
+            }
+        };
+        let endpoint = tcp_endpoint(&target.ip, target.port);
+        match self
+            .push
+            .send(&endpoint, ack.encode().iter().map(|f| f.as_ref()))
+        {
+            Ok(()) => tracing::debug!(room, %endpoint, "sent ABORT_ACK"),
+            Err(e) => tracing::debug!(room, %endpoint, error = %e, "cannot send ABORT_ACK"),
+        }
+    }
+}
+
+/// A running prefill role.
+pub struct PrefillManager {
+    shared: Arc<Shared>,
+    threads: Vec<JoinHandle<()>>,
+    rank_port: u16,
+    metrics_server: Option<MetricsServer>,
+    stop: StopTrigger,
+    context: Option<zmq::Context>,
+}
+
+impl std::fmt::Debug for PrefillManager {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PrefillManager")
+            .field("session", &self.shared.engine.session_id())
+            .field("rank_port", &self.rank_port)
+            .finish_non_exhaustive()
+    }
+}
+
+impl PrefillManager {
+    /// Registers `kv_args`' buffers with `engine`, binds the zmq socket,
+    /// registers with the bootstrap server and starts the threads.
+    ///
+    /// # Safety
+    /// Every buffer `kv_args` names must stay valid, readable and writable
+    /// until [`PrefillManager::teardown`] returns (or the manager is dropped),
+    /// as for [`TransferEngine::batch_register`].
+    pub unsafe fn start(
+        config: PrefillConfig,
+        kv_args: KvArgs,
+        engine: Arc<dyn TransferEngine>,
+    ) -> Result<Self, StartError> {
+        kv_args.validate()?;
+        let (queues, in_flight) = config.worker_layout().map_err(ConfigError::Setting)?;
+        let regions = kv_args.registerable_regions();
+        // SAFETY: the caller promises (this function's contract) that every
+        // buffer in `kv_args` outlives the manager, which deregisters them in
+        // `teardown` before returning.
+        unsafe { engine.batch_register(&regions)? };
+        let context = zmq::Context::new();
+        let (mut stop, stop_signal) = stop_pair();
+        let started = Self::start_threads(
+            config,
+            kv_args,
+            engine.clone(),
+            &context,
+            (queues, in_flight),
+            (&mut stop, stop_signal),
+        );
+        match started {
+            Ok((shared, threads, rank_port, metrics_server)) => Ok(Self {
+                shared,
+                threads,
+                rank_port,
+                metrics_server,
+                stop,
+                context: Some(context),
+            }),
+            Err(e) => {
+                let addrs: Vec<u64> = regions.iter().map(|r| r.0).collect();
+                let _ = engine.batch_deregister(&addrs);
+                Err(e)
+            }
+        }
+    }
+
+    #[allow(clippy::type_complexity)]
+    fn start_threads(
+        config: PrefillConfig,
+        kv_args: KvArgs,
+        engine: Arc<dyn TransferEngine>,
+        context: &zmq::Context,
+        (queue_count, in_flight): (usize, usize),
+        (stop, stop_signal): (&mut StopTrigger, StopSignal),
+    ) -> Result<(Arc<Shared>, Vec<JoinHandle<()>>, u16, Option<MetricsServer>), StartError> {
+        let pull = PullSocket::bind(context, &config.local_ip, 0)?;
+        let rank_port = pull.port();
+        let mut senders = Vec::with_capacity(queue_count);
+        let mut receivers: Vec<Receiver<Option<QueuedChunk>>> = Vec::with_capacity(queue_count);
+        for _ in 0..queue_count {
+            let (tx, rx) = unbounded();
+            senders.push(tx);
+            receivers.push(rx);
+        }
+        let metrics = Arc::new(Metrics::new());
+        let metrics_server = match config.metrics_addr {
+            Some(addr) => Some(MetricsServer::start(addr, metrics.clone())?),
+            None => None,
+        };
+        let probe = config.probe;
+        let shared = Arc::new(Shared {
+            unique_rank: config.rank.unique_rank(),
+            push: PushPool::new(context.clone(), config.zmq_send_timeout),
+            health: Mutex::new(SessionHealth::new(
+                probe.interval,
+                probe.max_interval,
+                probe.idle_timeout,
+            )),
+            config,
+            kv_args,
+            engine,
+            rooms: Mutex::new(RoomsState::default()),
+            peers: RwLock::new(Default::default()),
+            next_generation: std::sync::atomic::AtomicU64::new(1),
+            metrics,
+            stopped: AtomicBool::new(false),
+            stop_signal,
+            queues: senders,
+            in_flight,
+        });
+        let mut threads = Vec::new();
+        let spawn = |name: String, f: Box<dyn FnOnce() + Send>| {
+            std::thread::Builder::new().name(name).spawn(f)
+        };
+        let s = shared.clone();
+        threads.push(spawn(
+            "kvb-prefill-inbox".into(),
+            Box::new(move || inbox::run(&s, pull)),
+        )?);
+        for (i, rx) in receivers.into_iter().enumerate() {
+            let s = shared.clone();
+            threads.push(spawn(
+                format!("kvb-prefill-w{i}"),
+                Box::new(move || worker::run(&s, &rx)),
+            )?);
+        }
+        if shared.config.probe.enabled {
+            let s = shared.clone();
+            threads.push(spawn(
+                "kvb-prefill-probe".into(),
+                Box::new(move || probe::run(&s)),
+            )?);
+        }
+        let mut stop_all = |threads: Vec<JoinHandle<()>>| {
+            shared.stopped.store(true, Ordering::SeqCst);
+            stop.trigger();
+            for q in &shared.queues {
+                let _ = q.send(None);
+            }
+            for t in threads {
+                let _ = t.join();
+            }
+        };
+        if let Err(e) = register_with_bootstrap(&shared, rank_port) {
+            stop_all(threads);
+            return Err(e);
+        }
+        Ok((shared, threads, rank_port, metrics_server))
+    }
+
+    /// A sender for one request's room (sglang `MooncakeKVSender`).
+    pub fn sender(&self, room: u64) -> KvSender {
+        KvSender::new(self.shared.clone(), room)
+    }
+
+    /// The port of this rank's zmq bootstrap socket.
+    pub fn rank_port(&self) -> u16 {
+        self.rank_port
+    }
+
+    /// The transfer engine's session id.
+    pub fn session_id(&self) -> &str {
+        self.shared.engine.session_id()
+    }
+
+    /// This rank's metrics.
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        &self.shared.metrics
+    }
+
+    /// Where the metrics endpoint listens, when enabled.
+    pub fn metrics_addr(&self) -> Option<std::net::SocketAddr> {
+        self.metrics_server.as_ref().map(MetricsServer::local_addr)
+    }
+
+    /// Whether transfers to `session` currently fail fast.
+    pub fn is_blacklisted(&self, session: &str) -> bool {
+        self.shared.health.lock().is_blacklisted(session)
+    }
+
+    /// The room's state, if it exists.
+    pub fn room_status(&self, room: u64) -> Option<KvPoll> {
+        self.shared.rooms.lock().table.get(room)
+    }
+
+    /// Stops every thread (parked workers wake), closes every socket and
+    /// deregisters memory; the process can then start the other role.
+    pub fn teardown(mut self) {
+        self.stop();
+    }
+
+    fn stop(&mut self) {
+        if self.shared.stopped.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        self.stop.trigger();
+        for q in &self.shared.queues {
+            let _ = q.send(None);
+        }
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+        self.shared.push.close_all();
+        self.metrics_server = None;
+        let addrs: Vec<u64> = self
+            .shared
+            .kv_args
+            .registerable_regions()
+            .iter()
+            .map(|r| r.0)
+            .collect();
+        if let Err(e) = self.shared.engine.batch_deregister(&addrs) {
+            tracing::warn!(error = %e, "deregistering memory at teardown");
+        }
+        // Every socket is closed now (the inbox thread owned the PULL socket),
+        // so terminating the context cannot block.
+        drop(self.context.take());
+        tracing::info!("prefill manager torn down");
+    }
+}
+
+impl Drop for PrefillManager {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// `PUT /route` with retries and backoff, as sglang's `register_to_bootstrap`.
+fn register_with_bootstrap(shared: &Shared, rank_port: u16) -> Result<(), StartError> {
+    let c = &shared.config;
+    let r = &c.rank;
+    let body = RouteRegistration {
+        attn_tp_size: r.attn_tp_size,
+        attn_tp_rank: r.attn_tp_rank,
+        attn_cp_size: r.attn_cp_size,
+        attn_cp_rank: r.attn_cp_rank,
+        attn_dp_size: r.attn_dp_size,
+        attn_dp_rank: r.attn_dp_rank,
+        pp_size: r.pp_size,
+        pp_rank: r.pp_rank,
+        system_dp_size: r.system_dp_size,
+        system_dp_rank: r.system_dp_rank,
+        rank_ip: c.local_ip.clone(),
+        rank_port,
+        page_size: shared.kv_args.layout.page_size,
+        kv_cache_dtype: Some(c.kv_cache_dtype.clone()),
+        kv_layout: None,
+        dsv41_spec_layout: None,
+        load_balance_method: Some("follow_bootstrap_room".into()),
+        enable_dsa_cache_layer_split: Some(false),
+        enable_kv_cache_sharding: Some(false),
+        prefill_http_port: None,
+        decode_allocation_policy: Some("early".into()),
+    };
+    let url = format!("http://{}/route", c.bootstrap_addr);
+    let agent = crate::http::agent(Duration::from_secs(5));
+    let mut delay = Duration::from_millis(200);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let attempt = agent.put(&url).send_json(&body);
+        let reason = match attempt {
+            Ok(resp) if resp.status() == 200 => return Ok(()),
+            Ok(resp) => format!("status {}", resp.status()),
+            Err(e) => e.to_string(),
+        };
+        if Instant::now() + delay > deadline || shared.stopped.load(Ordering::SeqCst) {
+            return Err(StartError::Bootstrap {
+                addr: c.bootstrap_addr.clone(),
+                reason,
+            });
+        }
+        tracing::warn!(url, reason, "bootstrap registration failed; retrying");
+        std::thread::sleep(delay);
+        delay = (delay * 2).min(Duration::from_secs(5));
+    }
+}

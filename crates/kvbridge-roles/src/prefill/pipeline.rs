@@ -1,0 +1,192 @@
+//! A worker's batches in flight across chunks and rooms.
+//!
+//! A chunk's KV batches are submitted without waiting, so the engine always
+//! has work while the worker plans the next chunk; a chunk is finished (its
+//! room's `outstanding` count drops, a drained abort is acknowledged) only
+//! when the last of its batches completed. Before a room's last chunk sends
+//! states, aux and the status, every earlier batch of that room is waited
+//! for: a room never reports `Success` before all its bytes are written.
+
+use std::collections::{HashMap, VecDeque};
+
+use kvbridge_engine::BatchHandle;
+use kvbridge_plan::Block;
+use kvbridge_wire::KvPoll;
+
+use super::Shared;
+
+/// One chunk being sent: how many of its batches are still in flight.
+#[derive(Debug)]
+struct Ticket {
+    room: u64,
+    is_last: bool,
+    remaining: usize,
+    open: bool,
+    failed: bool,
+}
+
+#[derive(Debug)]
+struct Pending {
+    ticket: u64,
+    handle: BatchHandle,
+    bytes: u64,
+    blocks: u64,
+    session: String,
+    host_port: String,
+}
+
+/// Where a batch goes: the session and the incarnation that registered the
+/// destination addresses (0: not announced).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Target<'a> {
+    pub session: &'a str,
+    pub incarnation: u64,
+    pub host_port: &'a str,
+}
+
+/// The in-flight batches of one worker.
+#[derive(Debug)]
+pub(crate) struct Pipeline {
+    depth: usize,
+    pending: VecDeque<Pending>,
+    tickets: HashMap<u64, Ticket>,
+    next: u64,
+}
+
+impl Pipeline {
+    /// At most `depth` batches in flight.
+    pub fn new(depth: usize) -> Self {
+        Self {
+            depth: depth.max(1),
+            pending: VecDeque::new(),
+            tickets: HashMap::new(),
+            next: 0,
+        }
+    }
+
+    /// Whether nothing is in flight.
+    pub fn is_empty(&self) -> bool {
+        self.pending.is_empty()
+    }
+
+    /// Starts a chunk of `room`.
+    pub fn open(&mut self, room: u64, is_last: bool) -> u64 {
+        self.next += 1;
+        self.tickets.insert(
+            self.next,
+            Ticket {
+                room,
+                is_last,
+                remaining: 0,
+                open: true,
+                failed: false,
+            },
+        );
+        self.next
+    }
+
+    /// Whether a batch of the chunk failed.
+    pub fn failed(&self, ticket: u64) -> bool {
+        self.tickets.get(&ticket).is_some_and(|t| t.failed)
+    }
+
+    /// Submits one batch of the chunk, first waiting for the oldest batch
+    /// while `depth` are in flight.
+    pub fn submit(&mut self, shared: &Shared, ticket: u64, target: Target<'_>, blocks: &[Block]) {
+        while self.pending.len() >= self.depth {
+            self.complete_oldest(shared);
+        }
+        let bytes = blocks.iter().map(|b| b.len).sum();
+        let engine_blocks = bytemuck::cast_slice(blocks);
+        let handle = if target.incarnation == 0 {
+            shared.engine.submit(target.session, engine_blocks)
+        } else {
+            shared
+                .engine
+                .submit_to(target.session, target.incarnation, engine_blocks)
+        };
+        if let Some(t) = self.tickets.get_mut(&ticket) {
+            t.remaining += 1;
+        }
+        self.pending.push_back(Pending {
+            ticket,
+            handle,
+            bytes,
+            blocks: blocks.len() as u64,
+            session: target.session.to_owned(),
+            host_port: target.host_port.to_owned(),
+        });
+    }
+
+    /// Ends the chunk's submissions; it finishes once its batches completed.
+    pub fn close(&mut self, shared: &Shared, ticket: u64) {
+        if let Some(t) = self.tickets.get_mut(&ticket) {
+            t.open = false;
+        }
+        self.maybe_finish(shared, ticket);
+    }
+
+    /// Waits for the oldest batch and accounts for it.
+    pub fn complete_oldest(&mut self, shared: &Shared) {
+        let Some(p) = self.pending.pop_front() else {
+            return;
+        };
+        let result = p.handle.wait();
+        let Some(t) = self.tickets.get_mut(&p.ticket) else {
+            return;
+        };
+        t.remaining = t.remaining.saturating_sub(1);
+        match result {
+            Ok(()) => {
+                shared.metrics.bytes.inc_by(p.bytes);
+                shared.metrics.blocks.inc_by(p.blocks);
+            }
+            Err(e) => {
+                let first = !t.failed;
+                t.failed = true;
+                let room = t.room;
+                if first {
+                    super::worker::engine_failure(shared, &p.session, &e);
+                    shared.conclude(
+                        room,
+                        KvPoll::Failed,
+                        None,
+                        Some(format!(
+                            "Failed to send kv chunk of {room} to {}: {e}",
+                            p.host_port
+                        )),
+                    );
+                }
+            }
+        }
+        self.maybe_finish(shared, p.ticket);
+    }
+
+    /// Waits until no batch of `room` is in flight.
+    pub fn wait_room(&mut self, shared: &Shared, room: u64) {
+        while self
+            .pending
+            .iter()
+            .any(|p| self.tickets.get(&p.ticket).is_some_and(|t| t.room == room))
+        {
+            self.complete_oldest(shared);
+        }
+    }
+
+    /// Waits for every batch in flight.
+    pub fn drain(&mut self, shared: &Shared) {
+        while !self.pending.is_empty() {
+            self.complete_oldest(shared);
+        }
+    }
+
+    fn maybe_finish(&mut self, shared: &Shared, ticket: u64) {
+        let done = self
+            .tickets
+            .get(&ticket)
+            .is_some_and(|t| !t.open && t.remaining == 0);
+        if done && let Some(t) = self.tickets.remove(&ticket) {
+            super::worker::finish(shared, t.room, t.is_last);
+        }
+    }
+}

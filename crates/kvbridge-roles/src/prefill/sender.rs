@@ -1,0 +1,218 @@
+//! `KvSender`: one request's sending side (sglang `MooncakeKVSender`).
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use kvbridge_plan::TransferChunk;
+use kvbridge_wire::KvPoll;
+
+use super::{QueuedChunk, Shared};
+use crate::error::{KvTransferError, SendError};
+
+/// The prefill side of one room: announce the pages, send them in chunks,
+/// poll until `Success` or `Failed`.
+#[derive(Debug)]
+pub struct KvSender {
+    shared: Arc<Shared>,
+    room: u64,
+    total_pages: Option<u64>,
+    aux_index: Option<u64>,
+    sent_pages: u64,
+    conclude_state: Option<KvPoll>,
+    init_time: Instant,
+}
+
+impl KvSender {
+    pub(crate) fn new(shared: Arc<Shared>, room: u64) -> Self {
+        {
+            let mut rooms = shared.rooms.lock();
+            if !rooms.table.contains(room) {
+                // A new lifecycle of this room id drops what an earlier
+                // request that used it left behind.
+                rooms.ack_targets.remove(&room);
+                rooms.outstanding.remove(&room);
+            }
+            rooms.table.update(room, KvPoll::Bootstrapping);
+        }
+        Self {
+            shared,
+            room,
+            total_pages: None,
+            aux_index: None,
+            sent_pages: 0,
+            conclude_state: None,
+            init_time: Instant::now(),
+        }
+    }
+
+    /// The room.
+    pub fn room(&self) -> u64 {
+        self.room
+    }
+
+    /// Announces how many pages the request has and its aux slot.
+    pub fn init(&mut self, num_kv_indices: u64, aux_index: Option<u64>) {
+        self.total_pages = Some(num_kv_indices);
+        self.aux_index = aux_index;
+    }
+
+    /// Queues the next chunk of pages; the chunk that completes the announced
+    /// page count is the last one and also carries states and aux.
+    pub fn send(
+        &mut self,
+        kv_indices: &[i32],
+        state_indices: Option<Vec<Option<Vec<i64>>>>,
+        num_kv_tokens: Option<u64>,
+    ) -> Result<(), SendError> {
+        let room = self.room;
+        let total = self.total_pages.ok_or(SendError::NotInitialized(room))?;
+        if matches!(self.conclude_state, Some(KvPoll::Success | KvPoll::Failed)) {
+            return Ok(());
+        }
+        let start = self.sent_pages;
+        let end = start + kv_indices.len() as u64;
+        if end > total {
+            return Err(SendError::TooManyPages {
+                room,
+                sent: end,
+                total,
+            });
+        }
+        let is_last = end == total;
+        if is_last
+            && self.aux_index.is_none()
+            && !self.shared.kv_args.layout.aux_data_ptrs.is_empty()
+        {
+            return Err(SendError::MissingAuxIndex(room));
+        }
+        if self.shared.stopped.load(Ordering::SeqCst) {
+            return Err(SendError::Stopped(room));
+        }
+        self.sent_pages = end;
+        let shard = {
+            let mut rooms = self.shared.rooms.lock();
+            match rooms.table.get(room) {
+                None | Some(KvPoll::Failed) => return Ok(()),
+                Some(_) => {}
+            }
+            let Some(infos) = rooms.infos.get(&room) else {
+                // No destination: this rank is a dummy for the room and has
+                // nothing to send.
+                return Ok(());
+            };
+            // Same destinations → same shard, so a failed session fails its
+            // rooms in order (sglang's port-sum sharding).
+            let port_sum: u64 = infos
+                .iter()
+                .map(|i| {
+                    i.session
+                        .rsplit(':')
+                        .next()
+                        .and_then(|p| p.parse::<u64>().ok())
+                        .unwrap_or(0)
+                })
+                .sum();
+            rooms.started.entry(room).or_insert_with(Instant::now);
+            rooms.table.update(room, KvPoll::Transferring);
+            (port_sum % self.shared.queues.len().max(1) as u64) as usize
+        };
+        let chunk = TransferChunk {
+            prefill_kv_indices: kv_indices.to_vec(),
+            index_slice_start: start,
+            index_slice_end: Some(end),
+            is_last_chunk: is_last,
+            prefill_aux_index: if is_last { self.aux_index } else { None },
+            state_indices: if is_last { state_indices } else { None },
+            num_kv_tokens,
+        };
+        if let Some(queue) = self.shared.queues.get(shard)
+            && queue.send(Some(QueuedChunk { room, chunk })).is_err()
+        {
+            return Err(SendError::Stopped(room));
+        }
+        Ok(())
+    }
+
+    /// The room's state; a room stuck bootstrapping past the timeout fails.
+    pub fn poll(&mut self) -> KvPoll {
+        if let Some(state) = self.conclude_state {
+            return state;
+        }
+        let mut rooms = self.shared.rooms.lock();
+        let status = rooms.table.get(self.room).unwrap_or(KvPoll::Failed);
+        let status = if status == KvPoll::Bootstrapping
+            && self.init_time.elapsed() >= self.shared.config.bootstrap_timeout
+        {
+            let reason = format!(
+                "Request {} timed out after {:.1}s in KVPoll.Bootstrapping",
+                self.room,
+                self.init_time.elapsed().as_secs_f64()
+            );
+            rooms.table.record_failure(self.room, reason);
+            rooms.table.update(self.room, KvPoll::Failed);
+            KvPoll::Failed
+        } else {
+            status
+        };
+        if status.is_terminal() {
+            self.conclude_state = Some(status);
+        }
+        status
+    }
+
+    /// Tokens the decode already holds for this room (once its destinations
+    /// are known), consumed once.
+    pub fn pop_decode_prefix_len(&self) -> u64 {
+        self.shared
+            .rooms
+            .lock()
+            .prefix_len
+            .remove(&self.room)
+            .unwrap_or(0)
+    }
+
+    /// Aborts the room from the prefill side.
+    pub fn abort(&mut self) {
+        let mut rooms = self.shared.rooms.lock();
+        rooms
+            .table
+            .record_failure(self.room, "Aborted by AbortReq.");
+        rooms.table.update(self.room, KvPoll::Failed);
+        self.conclude_state = Some(KvPoll::Failed);
+    }
+
+    /// Clears the room and returns its failure: the recorded reason, or a
+    /// generic one marked as coming from another rank.
+    pub fn failure_exception(&mut self) -> KvTransferError {
+        self.conclude_state = Some(KvPoll::Failed);
+        self.clear();
+        let reason = self.shared.rooms.lock().table.take_failure(self.room);
+        KvTransferError {
+            room: self.room,
+            is_from_another_rank: reason.is_none(),
+            reason: reason
+                .unwrap_or_else(|| "Failed due to an unknown reason from another rank".into()),
+        }
+    }
+
+    /// Forgets the room (its transfer state is dropped once nothing of it is
+    /// in flight; a pending abort ACK still goes out when it drains).
+    pub fn clear(&mut self) {
+        if self.conclude_state.is_none() {
+            let status = self.shared.rooms.lock().table.get(self.room);
+            if let Some(s) = status.filter(|s| s.is_terminal()) {
+                self.conclude_state = Some(s);
+            }
+        }
+        {
+            let mut rooms = self.shared.rooms.lock();
+            rooms.table.remove(self.room);
+            rooms.prefix_len.remove(&self.room);
+            if rooms.outstanding.get(&self.room).copied().unwrap_or(0) == 0 {
+                rooms.infos.remove(&self.room);
+            }
+        }
+        self.shared.ack_if_drained(self.room);
+    }
+}

@@ -1,0 +1,485 @@
+//! Synthetic KV pools shaped like real models, filled with a pattern that
+//! every byte's position determines, so a receiver can verify every byte it
+//! got. The demo, the benches and the tests use these; production callers
+//! register their own pools.
+//!
+//! A byte's value derives from `(room, layer, K/V, token, global head,
+//! byte)`, so a decode rank holding a different head slice (TP M→N), a
+//! different PP split or different page numbers checks exactly the bytes it
+//! should have received.
+
+use kvbridge_mem::{HostBuffer, MemError};
+use kvbridge_plan::PrefillLayout;
+use serde::{Deserialize, Serialize};
+
+use crate::kv_args::KvArgs;
+
+/// The shape of a model's KV cache.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ModelSpec {
+    /// Preset name.
+    pub name: String,
+    /// Transformer layers.
+    pub layers: u64,
+    /// KV heads of the whole model (MHA/GQA); ignored for MLA.
+    pub kv_heads: u64,
+    /// Bytes of one head of one token (head_dim × dtype size), or of one
+    /// token's latent for MLA.
+    pub head_bytes: u64,
+    /// MLA pool (one latent per token and layer, replicated across TP).
+    pub mla: bool,
+    /// Tokens per page.
+    pub page_size: u64,
+    /// Bytes of each aux (metadata) slot, one entry per aux buffer.
+    pub aux_item_lens: Vec<u64>,
+}
+
+impl ModelSpec {
+    /// A Llama-3-8B-like MHA/GQA model: 32 layers, 8 KV heads of 128 bf16.
+    pub fn llama3_8b() -> Self {
+        Self {
+            name: "llama3-8b".into(),
+            layers: 32,
+            kv_heads: 8,
+            head_bytes: 128 * 2,
+            mla: false,
+            page_size: 16,
+            aux_item_lens: vec![64, 1024],
+        }
+    }
+
+    /// A DeepSeek-V3-like MLA model: 61 layers, 576-dim bf16 latent.
+    pub fn deepseek_v3() -> Self {
+        Self {
+            name: "deepseek-v3".into(),
+            layers: 61,
+            kv_heads: 1,
+            head_bytes: 576 * 2,
+            mla: true,
+            page_size: 64,
+            aux_item_lens: vec![64, 1024],
+        }
+    }
+
+    /// A preset by name (`llama3-8b`, `deepseek-v3`).
+    pub fn preset(name: &str) -> Option<Self> {
+        match name {
+            "llama3-8b" | "llama" => Some(Self::llama3_8b()),
+            "deepseek-v3" | "deepseek" | "mla" => Some(Self::deepseek_v3()),
+            _ => None,
+        }
+    }
+
+    /// KV heads one rank holds at attention TP `tp` (GQA replication when
+    /// the model has fewer heads than ranks).
+    pub fn local_heads(&self, tp: u64) -> u64 {
+        if self.mla {
+            1
+        } else {
+            (self.kv_heads / tp.max(1)).max(1)
+        }
+    }
+
+    /// The global head index of a rank's local head `h`.
+    pub fn global_head(&self, tp: u64, rank: u64, h: u64) -> u64 {
+        if self.mla {
+            return 0;
+        }
+        let tp = tp.max(1);
+        if self.kv_heads >= tp {
+            rank * (self.kv_heads / tp) + h
+        } else {
+            rank / (tp / self.kv_heads.max(1))
+        }
+    }
+
+    /// Bytes of one page of one buffer on a rank at TP `tp`.
+    pub fn item_len(&self, tp: u64) -> u64 {
+        self.page_size * self.local_heads(tp) * self.head_bytes
+    }
+
+    /// KV bytes of one token across all layers, K and V, whole model.
+    pub fn token_bytes(&self) -> u64 {
+        let kv = if self.mla { 1 } else { 2 };
+        self.layers * kv * self.kv_heads.max(1) * self.head_bytes
+    }
+}
+
+/// Where one rank sits in the parallel layout.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RankSpec {
+    /// Attention TP size.
+    pub tp_size: u64,
+    /// Attention TP rank.
+    pub tp_rank: u64,
+    /// PP size.
+    pub pp_size: u64,
+    /// PP rank.
+    pub pp_rank: u64,
+}
+
+impl RankSpec {
+    /// This stage's layers `[start, end)` of `layers`.
+    pub fn layer_range(&self, layers: u64) -> (u64, u64) {
+        let pp = self.pp_size.max(1);
+        let per = layers / pp;
+        let extra = layers % pp;
+        let start = self.pp_rank * per + self.pp_rank.min(extra);
+        let len = per + u64::from(self.pp_rank < extra);
+        (start, start + len)
+    }
+}
+
+/// One rank's KV and aux pools in host memory.
+#[derive(Debug)]
+pub struct RankPools {
+    model: ModelSpec,
+    rank: RankSpec,
+    pages: u64,
+    aux_slots: u64,
+    /// K buffers of this stage's layers, then V buffers (MLA: one per layer).
+    kv: Vec<HostBuffer>,
+    aux: Vec<HostBuffer>,
+}
+
+/// Bytes checked and bytes wrong in a verification.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Verified {
+    /// Bytes compared.
+    pub bytes: u64,
+    /// Bytes that differed from the expected pattern.
+    pub mismatched: u64,
+}
+
+impl std::ops::AddAssign for Verified {
+    fn add_assign(&mut self, rhs: Self) {
+        self.bytes += rhs.bytes;
+        self.mismatched += rhs.mismatched;
+    }
+}
+
+fn mix(mut x: u64) -> u64 {
+    x ^= x >> 30;
+    x = x.wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x ^= x >> 27;
+    x = x.wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
+}
+
+const STEP: u64 = 0x9e37_79b9_7f4a_7c15;
+
+/// The first word of one head slice's pattern, from `(room, layer, kv, token, head)`.
+fn slice_seed(room: u64, layer: u64, kv: u64, token: u64, head: u64) -> u64 {
+    mix(room ^ mix((layer << 1 | kv) ^ mix(token.wrapping_mul(0x1_0000_0001) ^ (head << 40))))
+}
+
+/// The pattern of one head slice: words `seed + j * STEP`, little-endian.
+fn slice_pattern(seed: u64, out: &mut [u8]) {
+    for (j, chunk) in out.chunks_mut(8).enumerate() {
+        let word = seed
+            .wrapping_add((j as u64).wrapping_mul(STEP))
+            .to_le_bytes();
+        chunk.copy_from_slice(&word[..chunk.len()]);
+    }
+}
+
+/// Bytes of `got` that differ from the pattern with `seed`.
+fn slice_mismatches(seed: u64, got: &[u8]) -> u64 {
+    let mut words = got.chunks_exact(8);
+    let mut bad = 0u64;
+    let mut j = 0u64;
+    for w in &mut words {
+        let want = seed.wrapping_add(j.wrapping_mul(STEP));
+        let have = u64::from_le_bytes(w.try_into().unwrap_or([0; 8]));
+        if have != want {
+            bad += (have ^ want)
+                .to_le_bytes()
+                .iter()
+                .filter(|b| **b != 0)
+                .count() as u64;
+        }
+        j += 1;
+    }
+    let tail = words.remainder();
+    if !tail.is_empty() {
+        let want = seed.wrapping_add(j.wrapping_mul(STEP)).to_le_bytes();
+        bad += tail.iter().zip(want).filter(|(a, b)| **a != *b).count() as u64;
+    }
+    bad
+}
+
+fn aux_pattern(room: u64, buffer: u64, out: &mut [u8]) {
+    let base = mix(room.wrapping_mul(31) ^ buffer ^ 0xa0a0);
+    for (j, chunk) in out.chunks_mut(8).enumerate() {
+        let word = mix(base.wrapping_add(j as u64)).to_le_bytes();
+        chunk.copy_from_slice(&word[..chunk.len()]);
+    }
+}
+
+fn page_offset(page: i32, item: u64) -> Option<usize> {
+    usize::try_from(u64::try_from(page).ok()?.checked_mul(item)?).ok()
+}
+
+impl RankPools {
+    /// Allocates `pages` pages per KV buffer and `aux_slots` slots per aux buffer.
+    pub fn new(
+        model: ModelSpec,
+        rank: RankSpec,
+        pages: u64,
+        aux_slots: u64,
+    ) -> Result<Self, MemError> {
+        let (start, end) = rank.layer_range(model.layers);
+        let halves = if model.mla { 1 } else { 2 };
+        let item = model.item_len(rank.tp_size);
+        let kv = (0..halves * (end - start))
+            .map(|_| HostBuffer::new_resident(usize::try_from(item * pages).unwrap_or(usize::MAX)))
+            .collect::<Result<Vec<_>, _>>()?;
+        let aux = model
+            .aux_item_lens
+            .iter()
+            .map(|len| {
+                HostBuffer::new_resident(usize::try_from(len * aux_slots).unwrap_or(usize::MAX))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Self {
+            model,
+            rank,
+            pages,
+            aux_slots,
+            kv,
+            aux,
+        })
+    }
+
+    /// Pages per KV buffer.
+    pub fn pages(&self) -> u64 {
+        self.pages
+    }
+
+    /// Aux slots per aux buffer.
+    pub fn aux_slots(&self) -> u64 {
+        self.aux_slots
+    }
+
+    /// The model.
+    pub fn model(&self) -> &ModelSpec {
+        &self.model
+    }
+
+    /// `(layer, kv)` of buffer `b`.
+    fn buffer_layer(&self, b: usize) -> (u64, u64) {
+        let (start, end) = self.rank.layer_range(self.model.layers);
+        let n = end - start;
+        let b = b as u64;
+        if self.model.mla {
+            (start + b, 0)
+        } else {
+            (start + b % n, b / n)
+        }
+    }
+
+    /// The registration for these pools (layer ids published, so PP stages
+    /// pair by layer).
+    pub fn kv_args(&self) -> KvArgs {
+        let (start, end) = self.rank.layer_range(self.model.layers);
+        let item = self.model.item_len(self.rank.tp_size);
+        let mut layer_ids: Vec<i64> = (start..end).map(|l| l as i64).collect();
+        if !self.model.mla {
+            layer_ids.extend((start..end).map(|l| l as i64));
+        }
+        KvArgs {
+            layout: PrefillLayout {
+                engine_rank: self.rank.tp_rank,
+                attn_tp_size: self.rank.tp_size,
+                pp_size: self.rank.pp_size,
+                page_size: self.model.page_size,
+                is_mla_backend: self.model.mla,
+                kv_data_ptrs: self.kv.iter().map(HostBuffer::addr).collect(),
+                kv_item_lens: vec![item; self.kv.len()],
+                kv_layer_ids: layer_ids,
+                kv_head_num: self.model.local_heads(self.rank.tp_size),
+                total_kv_head_num: if self.model.mla {
+                    0
+                } else {
+                    self.model.kv_heads
+                },
+                prefill_start_layer: start,
+                prefill_end_layer: Some(end),
+                aux_data_ptrs: self.aux.iter().map(HostBuffer::addr).collect(),
+                aux_item_lens: self.model.aux_item_lens.clone(),
+                ..PrefillLayout::default()
+            },
+            kv_data_lens: self.kv.iter().map(|b| b.len() as u64).collect(),
+            aux_data_lens: self.aux.iter().map(|b| b.len() as u64).collect(),
+            state_data_lens: Vec::new(),
+        }
+    }
+
+    /// Visits every head slice of the request's pages: `(buffer, page offset
+    /// of the slice, layer, kv, token, global head)`.
+    fn for_each_slice(&self, pages: &[i32], mut f: impl FnMut(usize, usize, u64, u64, u64, u64)) {
+        let tp = self.rank.tp_size;
+        let heads = self.model.local_heads(tp);
+        let hb = self.model.head_bytes;
+        let item = self.model.item_len(tp);
+        for b in 0..self.kv.len() {
+            let (layer, kv) = self.buffer_layer(b);
+            for (k, &page) in pages.iter().enumerate() {
+                let Some(base) = page_offset(page, item) else {
+                    continue;
+                };
+                for slot in 0..self.model.page_size {
+                    let token = k as u64 * self.model.page_size + slot;
+                    for h in 0..heads {
+                        let off = base + ((slot * heads + h) * hb) as usize;
+                        let head = self.model.global_head(tp, self.rank.tp_rank, h);
+                        f(b, off, layer, kv, token, head);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Writes the request's pattern into its pages and aux slot.
+    pub fn fill(&mut self, room: u64, pages: &[i32], aux_slot: u64) {
+        let hb = self.model.head_bytes as usize;
+        let mut writes = Vec::new();
+        self.for_each_slice(pages, |b, off, layer, kv, token, head| {
+            writes.push((b, off, layer, kv, token, head))
+        });
+        for (b, off, layer, kv, token, head) in writes {
+            if let Some(dst) = self.kv[b].as_mut_slice().get_mut(off..off + hb) {
+                slice_pattern(slice_seed(room, layer, kv, token, head), dst);
+            }
+        }
+        for (i, len) in self.model.aux_item_lens.clone().into_iter().enumerate() {
+            let start = (aux_slot * len) as usize;
+            if let Some(dst) = self.aux[i]
+                .as_mut_slice()
+                .get_mut(start..start + len as usize)
+            {
+                aux_pattern(room, i as u64, dst);
+            }
+        }
+    }
+
+    /// Checks every byte of the request's pages and aux slot.
+    pub fn verify(&self, room: u64, pages: &[i32], aux_slot: u64) -> Verified {
+        let mut v = self.verify_kv(room, pages);
+        v += self.verify_aux(room, aux_slot);
+        v
+    }
+
+    /// Checks every byte of the request's pages.
+    pub fn verify_kv(&self, room: u64, pages: &[i32]) -> Verified {
+        let hb = self.model.head_bytes as usize;
+        let mut v = Verified::default();
+        self.for_each_slice(pages, |b, off, layer, kv, token, head| {
+            match self.kv[b].as_slice().get(off..off + hb) {
+                Some(got) => {
+                    v.bytes += hb as u64;
+                    v.mismatched += slice_mismatches(slice_seed(room, layer, kv, token, head), got);
+                }
+                None => v.mismatched += hb as u64,
+            }
+        });
+        v
+    }
+
+    /// Checks every byte of the request's aux slot.
+    pub fn verify_aux(&self, room: u64, aux_slot: u64) -> Verified {
+        let mut v = Verified::default();
+        for (i, len) in self.model.aux_item_lens.iter().enumerate() {
+            let mut want = vec![0u8; *len as usize];
+            aux_pattern(room, i as u64, &mut want);
+            let start = (aux_slot * len) as usize;
+            match self.aux[i].as_slice().get(start..start + *len as usize) {
+                Some(got) => {
+                    v.bytes += *len;
+                    v.mismatched += got.iter().zip(&want).filter(|(a, b)| a != b).count() as u64;
+                }
+                None => v.mismatched += *len,
+            }
+        }
+        v
+    }
+
+    /// Overwrites the request's pages with `byte` (e.g. after an abort, to
+    /// detect any late write).
+    pub fn poison(&mut self, pages: &[i32], byte: u8) {
+        let item = self.model.item_len(self.rank.tp_size);
+        for buf in &mut self.kv {
+            for &page in pages {
+                if let Some(off) = page_offset(page, item)
+                    && let Some(dst) = buf.as_mut_slice().get_mut(off..off + item as usize)
+                {
+                    dst.fill(byte);
+                }
+            }
+        }
+    }
+
+    /// Whether the request's pages still hold only `byte`.
+    pub fn still_poisoned(&self, pages: &[i32], byte: u8) -> bool {
+        let item = self.model.item_len(self.rank.tp_size);
+        self.kv.iter().all(|buf| {
+            pages.iter().all(|&page| {
+                page_offset(page, item)
+                    .and_then(|off| buf.as_slice().get(off..off + item as usize))
+                    .is_some_and(|s| s.iter().all(|b| *b == byte))
+            })
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rank(tp_size: u64, tp_rank: u64) -> RankSpec {
+        RankSpec {
+            tp_size,
+            tp_rank,
+            pp_size: 1,
+            pp_rank: 0,
+        }
+    }
+
+    #[test]
+    fn pp_stages_cover_every_layer_once() {
+        let ranges: Vec<_> = (0..3)
+            .map(|r| {
+                RankSpec {
+                    pp_size: 3,
+                    pp_rank: r,
+                    ..rank(1, 0)
+                }
+                .layer_range(61)
+            })
+            .collect();
+        assert_eq!(ranges, vec![(0, 21), (21, 41), (41, 61)]);
+    }
+
+    #[test]
+    fn gqa_heads_replicate() {
+        let m = ModelSpec::llama3_8b();
+        assert_eq!(m.local_heads(16), 1);
+        assert_eq!(m.global_head(16, 5, 0), 2);
+        assert_eq!(m.global_head(2, 1, 3), 7);
+    }
+
+    #[test]
+    fn fill_then_verify_and_detect_corruption() {
+        let mut m = ModelSpec::llama3_8b();
+        m.layers = 2;
+        let mut p = RankPools::new(m, rank(2, 1), 8, 2).unwrap();
+        p.fill(42, &[3, 5], 1);
+        let v = p.verify(42, &[3, 5], 1);
+        assert_eq!(v.mismatched, 0);
+        assert_eq!(v.bytes, 2 * 2 * 2 * 16 * 4 * 256 + 64 + 1024);
+        assert!(p.verify(43, &[3, 5], 1).mismatched > 0);
+        p.poison(&[5], 0xee);
+        assert!(p.still_poisoned(&[5], 0xee));
+        assert!(p.verify(42, &[3, 5], 1).mismatched > 0);
+    }
+}

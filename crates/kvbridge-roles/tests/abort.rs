@@ -1,0 +1,100 @@
+//! Aborts racing in-flight transfers: once every prefill rank has
+//! acknowledged an abort, no byte of the room lands any more.
+// Test code: a failed unwrap is a failed test.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+use kvbridge_roles::KvPoll;
+use rand::{Rng, SeedableRng};
+
+#[test]
+fn no_write_lands_after_abort_ack() {
+    let mut model = tiny_model(false, 8);
+    model.head_bytes = 512;
+    let mut cluster = Cluster::new(model, 1, 1, 1, 512);
+    let addr = cluster.bootstrap.local_addr().to_string();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+    let mut aborted_mid_flight = 0;
+    for iteration in 0..20u64 {
+        let room = 1000 + iteration;
+        let n = 64;
+        let base = ((iteration % 4) * 120) as i32;
+        let src: Vec<i32> = (0..n).map(|i| base + i).collect();
+        let dst: Vec<i32> = (0..n).map(|i| 500 - base - i).collect();
+        let (decode, dpools) = &mut cluster.decode[0];
+        let mut rx = decode.receiver(&addr, room);
+        assert_eq!(rx.init(0), KvPoll::WaitingForInput);
+        rx.send_metadata(&dst, 1, &[], None);
+        let (prefill, ppools) = &mut cluster.prefill[0];
+        ppools.fill(room, &src, 1);
+        let mut tx = prefill.sender(room);
+        tx.init(n as u64, Some(1));
+        wait_for(Duration::from_secs(10), KvPoll::WaitingForInput, || {
+            tx.poll()
+        });
+        for pages in src.chunks(8) {
+            tx.send(pages, None, None).unwrap();
+        }
+        std::thread::sleep(Duration::from_micros(rng.gen_range(0..4000)));
+        rx.abort();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !rx.abort_acknowledged() {
+            assert!(Instant::now() < deadline, "room {room}: no ABORT_ACK");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        // The pages may be reused now: poison them and make sure they stay so.
+        dpools.poison(&dst, 0xee);
+        let prefill_state = wait_terminal(Duration::from_secs(10), || tx.poll());
+        std::thread::sleep(Duration::from_millis(20));
+        assert!(
+            dpools.still_poisoned(&dst, 0xee),
+            "room {room}: a write landed after the ABORT_ACK"
+        );
+        if prefill_state == KvPoll::Failed {
+            aborted_mid_flight += 1;
+        }
+        assert_eq!(rx.poll(), KvPoll::Failed);
+        let err = rx.failure_exception();
+        assert_eq!(err.reason, "Aborted by AbortReq.");
+        tx.clear();
+    }
+    // The random delays must actually have hit transfers in flight.
+    assert!(
+        aborted_mid_flight > 3,
+        "only {aborted_mid_flight} aborts hit a live transfer"
+    );
+    cluster.shutdown();
+}
+
+#[test]
+fn abort_before_any_chunk_fails_the_prefill_room() {
+    let mut cluster = Cluster::new(tiny_model(true, 2), 1, 1, 1, 32);
+    let addr = cluster.bootstrap.local_addr().to_string();
+    let (decode, _) = &mut cluster.decode[0];
+    let mut rx = decode.receiver(&addr, 5);
+    rx.init(0);
+    rx.send_metadata(&[1, 2], 0, &[], None);
+    let (prefill, _) = &mut cluster.prefill[0];
+    let mut tx = prefill.sender(5);
+    tx.init(2, Some(0));
+    wait_for(Duration::from_secs(10), KvPoll::WaitingForInput, || {
+        tx.poll()
+    });
+    rx.abort();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !rx.abort_acknowledged() {
+        assert!(Instant::now() < deadline);
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!(tx.poll(), KvPoll::Failed);
+    // Chunks after the abort are not sent; the failure carries the reason.
+    tx.send(&[1, 2], None, None).unwrap();
+    let err = tx.failure_exception();
+    assert!(err.reason.contains("Aborted"), "{err}");
+    assert!(!err.is_from_another_rank);
+    cluster.shutdown();
+}

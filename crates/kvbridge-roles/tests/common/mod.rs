@@ -1,0 +1,323 @@
+//! A small in-process cluster for role tests: a bootstrap server, prefill
+//! and decode managers over TCP engines, host-memory KV pools filled with a
+//! recognisable pattern.
+#![allow(dead_code)]
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvbridge_engine::{EngineConfig, TcpEngine, TransferEngine};
+use kvbridge_mem::HostBuffer;
+use kvbridge_plan::PrefillLayout;
+use kvbridge_roles::bootstrap::BootstrapServer;
+use kvbridge_roles::{
+    DecodeConfig, DecodeManager, KvArgs, KvPoll, ParallelRank, PrefillConfig, PrefillManager,
+};
+
+/// KV pools of one rank: `layers` K buffers then `layers` V buffers of
+/// `pages` pages of `item` bytes, plus one aux buffer of `aux_slots` slots.
+pub struct Pools {
+    pub kv: Vec<HostBuffer>,
+    pub aux: HostBuffer,
+    pub item: u64,
+    pub aux_item: u64,
+}
+
+impl Pools {
+    pub fn new(layers: usize, pages: usize, item: u64, aux_slots: usize, aux_item: u64) -> Self {
+        let kv = (0..2 * layers)
+            .map(|_| HostBuffer::new(pages * item as usize).expect("alloc"))
+            .collect();
+        let aux = HostBuffer::new(aux_slots * aux_item as usize).expect("alloc");
+        Self {
+            kv,
+            aux,
+            item,
+            aux_item,
+        }
+    }
+
+    pub fn kv_args(&self, page_size: u64, tp_size: u64, tp_rank: u64, heads: u64) -> KvArgs {
+        KvArgs {
+            layout: PrefillLayout {
+                engine_rank: tp_rank,
+                attn_tp_size: tp_size,
+                page_size,
+                kv_head_num: heads,
+                kv_data_ptrs: self.kv.iter().map(HostBuffer::addr).collect(),
+                kv_item_lens: vec![self.item; self.kv.len()],
+                aux_data_ptrs: vec![self.aux.addr()],
+                aux_item_lens: vec![self.aux_item],
+                ..PrefillLayout::default()
+            },
+            kv_data_lens: self.kv.iter().map(|b| b.len() as u64).collect(),
+            aux_data_lens: vec![self.aux.len() as u64],
+            state_data_lens: Vec::new(),
+        }
+    }
+
+    /// Fills page `page` of every buffer with bytes derived from `(seed, buffer, page)`.
+    pub fn fill_page(&mut self, seed: u64, page: usize) {
+        let item = self.item as usize;
+        for (b, buf) in self.kv.iter_mut().enumerate() {
+            for (i, byte) in buf.as_mut_slice()[page * item..(page + 1) * item]
+                .iter_mut()
+                .enumerate()
+            {
+                *byte = pattern(seed, b as u64, i as u64);
+            }
+        }
+    }
+
+    pub fn fill_aux(&mut self, seed: u64, slot: usize) {
+        let item = self.aux_item as usize;
+        for (i, byte) in self.aux.as_mut_slice()[slot * item..(slot + 1) * item]
+            .iter_mut()
+            .enumerate()
+        {
+            *byte = pattern(seed, 99, i as u64);
+        }
+    }
+
+    pub fn page_matches(&self, seed: u64, page: usize) -> bool {
+        let item = self.item as usize;
+        self.kv.iter().enumerate().all(|(b, buf)| {
+            buf.as_slice()[page * item..(page + 1) * item]
+                .iter()
+                .enumerate()
+                .all(|(i, byte)| *byte == pattern(seed, b as u64, i as u64))
+        })
+    }
+
+    pub fn aux_matches(&self, seed: u64, slot: usize) -> bool {
+        let item = self.aux_item as usize;
+        self.aux.as_slice()[slot * item..(slot + 1) * item]
+            .iter()
+            .enumerate()
+            .all(|(i, byte)| *byte == pattern(seed, 99, i as u64))
+    }
+}
+
+pub fn pattern(seed: u64, buffer: u64, i: u64) -> u8 {
+    let x = seed
+        .wrapping_mul(0x9e37_79b9_7f4a_7c15)
+        .wrapping_add(buffer.wrapping_mul(0xbf58_476d_1ce4_e5b9))
+        .wrapping_add(i.wrapping_mul(0x94d0_49bb_1331_11eb));
+    (x ^ (x >> 29)) as u8
+}
+
+pub fn tcp_engine() -> Arc<dyn TransferEngine> {
+    Arc::new(TcpEngine::new(EngineConfig::default()).expect("tcp engine"))
+}
+
+pub fn bootstrap() -> BootstrapServer {
+    BootstrapServer::start(
+        "127.0.0.1:0".parse::<SocketAddr>().unwrap(),
+        Duration::from_secs(120),
+    )
+    .expect("bootstrap server")
+}
+
+pub fn prefill_config(addr: SocketAddr, tp_size: u64, tp_rank: u64) -> PrefillConfig {
+    PrefillConfig {
+        bootstrap_addr: addr.to_string(),
+        rank: ParallelRank {
+            attn_tp_size: tp_size,
+            attn_tp_rank: tp_rank,
+            ..ParallelRank::default()
+        },
+        queue_size: 2,
+        thread_pool_size: Some(4),
+        ..PrefillConfig::default()
+    }
+}
+
+pub fn decode_config(tp_size: u64) -> DecodeConfig {
+    DecodeConfig {
+        attn_tp_size: tp_size,
+        heartbeat_interval: Duration::from_millis(300),
+        bootstrap_timeout: Duration::from_secs(10),
+        waiting_timeout: Duration::from_secs(20),
+        ..DecodeConfig::default()
+    }
+}
+
+pub fn start_prefill(
+    config: PrefillConfig,
+    args: KvArgs,
+    engine: Arc<dyn TransferEngine>,
+) -> PrefillManager {
+    // SAFETY: the tests keep every pool alive until the manager is torn down.
+    unsafe { PrefillManager::start(config, args, engine) }.expect("prefill starts")
+}
+
+pub fn start_decode(
+    config: DecodeConfig,
+    args: KvArgs,
+    engine: Arc<dyn TransferEngine>,
+) -> DecodeManager {
+    // SAFETY: as above.
+    unsafe { DecodeManager::start(config, args, engine) }.expect("decode starts")
+}
+
+/// Polls `f` until it returns a terminal state or `timeout` passes.
+pub fn wait_terminal(timeout: Duration, mut f: impl FnMut() -> KvPoll) -> KvPoll {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let s = f();
+        if s.is_terminal() || Instant::now() >= deadline {
+            return s;
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+/// Polls `f` until it returns `want` (or a terminal state) or `timeout` passes.
+pub fn wait_for(timeout: Duration, want: KvPoll, mut f: impl FnMut() -> KvPoll) -> KvPoll {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let s = f();
+        if s == want || s.is_terminal() || Instant::now() >= deadline {
+            return s;
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+use kvbridge_roles::synthetic::{ModelSpec, RankPools, RankSpec, Verified};
+
+/// A small model for tests: `layers` layers, 8 KV heads (or MLA), tiny heads.
+pub fn tiny_model(mla: bool, layers: u64) -> ModelSpec {
+    ModelSpec {
+        name: "tiny".into(),
+        layers,
+        kv_heads: 8,
+        head_bytes: 64,
+        mla,
+        page_size: 4,
+        aux_item_lens: vec![16, 40],
+    }
+}
+
+/// Prefill ranks (TP × PP) and decode ranks (TP) on one bootstrap server.
+pub struct Cluster {
+    pub bootstrap: BootstrapServer,
+    pub prefill: Vec<(PrefillManager, RankPools)>,
+    pub decode: Vec<(DecodeManager, RankPools)>,
+    pub model: ModelSpec,
+}
+
+impl Cluster {
+    pub fn new(
+        model: ModelSpec,
+        prefill_tp: u64,
+        prefill_pp: u64,
+        decode_tp: u64,
+        pages: u64,
+    ) -> Self {
+        let bootstrap = bootstrap();
+        let mut prefill = Vec::new();
+        for pp in 0..prefill_pp {
+            for tp in 0..prefill_tp {
+                let rank = RankSpec {
+                    tp_size: prefill_tp,
+                    tp_rank: tp,
+                    pp_size: prefill_pp,
+                    pp_rank: pp,
+                };
+                let pools = RankPools::new(model.clone(), rank, pages, 8).expect("pools");
+                let mut config = prefill_config(bootstrap.local_addr(), prefill_tp, tp);
+                config.rank.pp_size = prefill_pp;
+                config.rank.pp_rank = pp;
+                let manager = start_prefill(config, pools.kv_args(), tcp_engine());
+                prefill.push((manager, pools));
+            }
+        }
+        let mut decode = Vec::new();
+        for tp in 0..decode_tp {
+            let rank = RankSpec {
+                tp_size: decode_tp,
+                tp_rank: tp,
+                pp_size: 1,
+                pp_rank: 0,
+            };
+            let pools = RankPools::new(model.clone(), rank, pages, 8).expect("pools");
+            let manager = start_decode(decode_config(decode_tp), pools.kv_args(), tcp_engine());
+            decode.push((manager, pools));
+        }
+        Self {
+            bootstrap,
+            prefill,
+            decode,
+            model,
+        }
+    }
+
+    /// Runs one request end to end: `pages` source pages on every prefill
+    /// rank, `dst` destination pages on every decode rank, sent in chunks of
+    /// `chunk` pages. Returns each decode rank's verification.
+    pub fn run(
+        &mut self,
+        room: u64,
+        src: &[i32],
+        dst: &[i32],
+        chunk: usize,
+    ) -> Vec<(KvPoll, Verified)> {
+        let addr = self.bootstrap.local_addr().to_string();
+        let mut receivers = Vec::new();
+        for (manager, _) in &self.decode {
+            let mut rx = manager.receiver(&addr, room);
+            assert_eq!(
+                rx.init(0),
+                KvPoll::WaitingForInput,
+                "room {room}: decode init"
+            );
+            rx.send_metadata(dst, 3, &[], None);
+            receivers.push(rx);
+        }
+        let mut senders = Vec::new();
+        for (manager, pools) in &mut self.prefill {
+            pools.fill(room, src, 1);
+            let mut tx = manager.sender(room);
+            tx.init(src.len() as u64, Some(1));
+            senders.push(tx);
+        }
+        for tx in &mut senders {
+            let s = wait_for(Duration::from_secs(20), KvPoll::WaitingForInput, || {
+                tx.poll()
+            });
+            assert!(
+                s >= KvPoll::WaitingForInput,
+                "room {room}: prefill stuck in {s:?}"
+            );
+        }
+        for pages in src.chunks(chunk) {
+            for tx in &mut senders {
+                tx.send(pages, None, None).expect("send");
+            }
+        }
+        for tx in &mut senders {
+            let s = wait_terminal(Duration::from_secs(20), || tx.poll());
+            assert_eq!(s, KvPoll::Success, "room {room}: prefill ended {s:?}");
+            tx.clear();
+        }
+        let mut out = Vec::new();
+        for (rx, (_, pools)) in receivers.iter_mut().zip(&self.decode) {
+            let s = wait_terminal(Duration::from_secs(20), || rx.poll());
+            out.push((s, pools.verify(room, dst, 3)));
+            rx.clear();
+        }
+        out
+    }
+
+    pub fn shutdown(self) {
+        for (m, _) in self.prefill {
+            m.teardown();
+        }
+        for (m, _) in self.decode {
+            m.teardown();
+        }
+        self.bootstrap.shutdown();
+    }
+}
