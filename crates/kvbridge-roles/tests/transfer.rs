@@ -64,3 +64,43 @@ fn one_room_in_chunks_arrives_byte_exact() {
     prefill.teardown();
     decode.teardown();
 }
+
+#[test]
+fn a_long_prompt_in_many_single_page_chunks() {
+    let bs = bootstrap();
+    let mut p_pools = Pools::new(2, 256, 512, 2, 64);
+    let d_pools = Pools::new(2, 256, 512, 2, 64);
+    let src: Vec<i32> = (0..240).collect();
+    let dst: Vec<i32> = (0..240).rev().map(|p| p + 8).collect();
+    for &p in &src {
+        p_pools.fill_page(p as u64 ^ 0x55, p as usize);
+    }
+    let prefill = start_prefill(
+        prefill_config(bs.local_addr(), 1, 0),
+        p_pools.kv_args(16, 1, 0, 8),
+        tcp_engine(),
+    );
+    let decode = start_decode(decode_config(1), d_pools.kv_args(16, 1, 0, 8), tcp_engine());
+    let mut rx = decode.receiver(&bs.local_addr().to_string(), 7);
+    assert_eq!(rx.init(0), KvPoll::WaitingForInput);
+    rx.send_metadata(&dst, 1, &[], None);
+    let mut tx = prefill.sender(7);
+    tx.init(src.len() as u64, Some(0));
+    wait_for(T, KvPoll::WaitingForInput, || tx.poll());
+    // 240 chunks of one page each, as a chunked prefill with a tiny chunk size.
+    for page in src.chunks(1) {
+        tx.send(page, None, Some(16)).unwrap();
+        assert_ne!(tx.poll(), KvPoll::Failed);
+    }
+    assert_eq!(wait_terminal(T, || tx.poll()), KvPoll::Success);
+    assert_eq!(wait_terminal(T, || rx.poll()), KvPoll::Success);
+    for (s, d) in src.iter().zip(&dst) {
+        assert!(
+            d_pools.page_matches(*s as u64 ^ 0x55, *d as usize),
+            "page {s} -> {d}"
+        );
+    }
+    assert_eq!(prefill.metrics().chunks.get(), 240);
+    prefill.teardown();
+    decode.teardown();
+}

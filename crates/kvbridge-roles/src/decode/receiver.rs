@@ -78,6 +78,7 @@ impl KvReceiver {
     /// buffers with each of them once, and moves the room to
     /// `WaitingForInput`. Returns the room's state.
     pub fn init(&mut self, prefill_dp_rank: u64) -> KvPoll {
+        let _span = tracing::debug_span!("room", room = self.room, side = "decode").entered();
         if self.conclude_state == Some(KvPoll::Failed) {
             return KvPoll::Failed;
         }
@@ -252,6 +253,7 @@ impl KvReceiver {
         state_indices: &[Vec<i32>],
         decode_prefix_len: Option<u64>,
     ) -> KvPoll {
+        let _span = tracing::debug_span!("room", room = self.room, side = "decode").entered();
         let Some(infos) = self.infos.clone() else {
             return self.fail(format!(
                 "Could not fetch prefill parallel info from bootstrap_addr: {}",

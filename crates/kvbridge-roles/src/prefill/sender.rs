@@ -66,6 +66,7 @@ impl KvSender {
         num_kv_tokens: Option<u64>,
     ) -> Result<(), SendError> {
         let room = self.room;
+        let _span = tracing::debug_span!("room", room, side = "prefill").entered();
         let total = self.total_pages.ok_or(SendError::NotInitialized(room))?;
         if matches!(self.conclude_state, Some(KvPoll::Success | KvPoll::Failed)) {
             return Ok(());
