@@ -2,9 +2,10 @@
 //!
 //! Code above this crate never asks CUDA what a pointer is: it calls
 //! [`probe_kind`] (or a [`KindProber`] it was handed) and moves bytes through
-//! [`access_for`]. This build knows host memory only; the `cuda` feature (GPU
-//! issue) adds a cudarc-backed prober and a device [`MemoryAccess`] that
-//! stages through host memory, without changing any caller.
+//! [`access_for`]. Without the `cuda` feature everything is host memory;
+//! with it, [`default_prober`] asks the CUDA driver (when one is there) and
+//! device memory is read and written through copies staged in pinned host
+//! memory, without changing any caller.
 
 use std::fmt;
 
@@ -62,11 +63,22 @@ impl KindProber for HostOnlyProber {
     }
 }
 
+#[cfg_attr(feature = "cuda", allow(dead_code))]
 static HOST_ONLY: HostOnlyProber = HostOnlyProber;
 
-/// The process-wide prober of this build (host-only until the `cuda` feature lands).
+/// The process-wide prober of this build: CUDA's when the `cuda` feature is
+/// on (it answers host for everything when no driver or GPU is there),
+/// host-only otherwise.
 pub fn default_prober() -> &'static dyn KindProber {
-    &HOST_ONLY
+    #[cfg(feature = "cuda")]
+    {
+        static CUDA: crate::cuda::CudaProber = crate::cuda::CudaProber;
+        &CUDA
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        &HOST_ONLY
+    }
 }
 
 /// Probe the kind of the memory at `addr` with [`default_prober`].
@@ -92,6 +104,18 @@ pub trait MemoryAccess: Send + Sync + fmt::Debug {
     /// `[addr, addr + data.len())` must be valid, writable memory of this kind
     /// that nothing else accesses during the call.
     unsafe fn write(&self, addr: u64, data: &[u8]) -> Result<(), MemError>;
+
+    /// Copy each `(addr, data)`; device kinds batch the copies (one wait).
+    ///
+    /// # Safety
+    /// As for [`MemoryAccess::write`], for every item.
+    unsafe fn write_many(&self, writes: &[(u64, &[u8])]) -> Result<(), MemError> {
+        for (addr, data) in writes {
+            // SAFETY: forwarded caller contract.
+            unsafe { self.write(*addr, data) }?;
+        }
+        Ok(())
+    }
 }
 
 /// Plain CPU copies, for every host-accessible kind.
@@ -118,6 +142,7 @@ impl MemoryAccess for HostAccess {
 
 /// Device memory in a build without a device runtime: every access is refused.
 #[derive(Debug, Clone, Copy, Default)]
+#[cfg_attr(feature = "cuda", allow(dead_code))]
 struct NoDeviceAccess;
 
 impl MemoryAccess for NoDeviceAccess {
@@ -135,6 +160,7 @@ impl MemoryAccess for NoDeviceAccess {
 }
 
 static HOST_ACCESS: HostAccess = HostAccess;
+#[cfg(not(feature = "cuda"))]
 static NO_DEVICE_ACCESS: NoDeviceAccess = NoDeviceAccess;
 
 /// The byte access for memory of `kind`.
@@ -142,7 +168,14 @@ pub fn access_for(kind: MemoryKind) -> &'static dyn MemoryAccess {
     if kind.is_host_accessible() {
         &HOST_ACCESS
     } else {
-        &NO_DEVICE_ACCESS
+        #[cfg(feature = "cuda")]
+        {
+            &crate::cuda::DEVICE_ACCESS
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            &NO_DEVICE_ACCESS
+        }
     }
 }
 
@@ -162,7 +195,7 @@ mod tests {
     fn device_access_is_refused_without_cuda() {
         let mut out = [0u8; 4];
         // SAFETY: NoDeviceAccess never dereferences the address.
-        let r = unsafe { access_for(MemoryKind::Device { ordinal: 0 }).read(8, &mut out) };
+        let r = unsafe { NoDeviceAccess.read(8, &mut out) };
         assert!(matches!(r, Err(MemError::Unsupported { .. })));
     }
 

@@ -7,7 +7,8 @@
 //! exact duplicates kept once, overlaps refused, `O(log n)` containment
 //! lookups), [`MemoryKind`] and the one probing entry point [`probe_kind`],
 //! the per-kind [`MemoryAccess`] used to read and write registered memory
-//! (host now, device staging once the `cuda` feature lands), and
+//! (host copies, and device copies staged through pinned host memory with
+//! the `cuda` feature, whose [`cuda`] module is the crate's driver layer), and
 //! [`HostBuffer`], an owned page-aligned host allocation for tests, benches
 //! and demos.
 //!
@@ -37,6 +38,8 @@
 //! reg.deregister(&[buf.addr()]).unwrap();
 //! ```
 
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod host;
 pub mod kind;
 pub mod registry;
@@ -99,6 +102,22 @@ pub enum MemError {
     Unsupported {
         /// The kind that was asked for.
         kind: MemoryKind,
+    },
+    /// A device runtime call failed (copy, allocation, ...).
+    #[error("device memory access failed: {reason}")]
+    Device {
+        /// The driver's error.
+        reason: String,
+    },
+    /// A transport refused to register the region (e.g. `ucp_mem_map` failed).
+    #[error("registering {addr:#x}+{len} with the transport failed: {reason}")]
+    Registration {
+        /// Start of the region.
+        addr: u64,
+        /// Length of the region.
+        len: u64,
+        /// The transport's error text.
+        reason: String,
     },
     /// A host allocation failed.
     #[error("allocation of {len} bytes failed: {reason}")]

@@ -221,6 +221,37 @@ impl RegionRegistry {
         unsafe { access_for(region.kind).write(addr, data) }
     }
 
+    /// Write many `(addr, data)` items; each must fit inside one region.
+    /// Items for device memory are staged together and copied with one
+    /// wait, instead of one synchronous copy each. Returns each item's result.
+    pub fn write_batch(&self, writes: &[(u64, &[u8])]) -> Vec<Result<(), MemError>> {
+        let mut results: Vec<Result<(), MemError>> = Vec::with_capacity(writes.len());
+        let mut device: Vec<(usize, MemoryKind)> = Vec::new();
+        for (i, (addr, data)) in writes.iter().enumerate() {
+            match self.check(*addr, data.len() as u64) {
+                Err(e) => results.push(Err(e)),
+                Ok(r) if r.kind.is_host_accessible() => {
+                    // SAFETY: inside a registered host-accessible region (checked).
+                    results.push(unsafe { access_for(r.kind).write(*addr, data) });
+                }
+                Ok(r) => {
+                    device.push((i, r.kind));
+                    results.push(Ok(()));
+                }
+            }
+        }
+        if let Some((_, kind)) = device.first() {
+            let items: Vec<(u64, &[u8])> = device.iter().map(|(i, _)| writes[*i]).collect();
+            // SAFETY: every item lies inside a registered device region (checked).
+            if let Err(e) = unsafe { access_for(*kind).write_many(&items) } {
+                for (i, _) in &device {
+                    results[*i] = Err(e.clone());
+                }
+            }
+        }
+        results
+    }
+
     /// Read `len` registered bytes at `addr` into a new vector.
     pub fn read_vec(&self, addr: u64, len: usize) -> Result<Vec<u8>, MemError> {
         let mut out = vec![0u8; len];
