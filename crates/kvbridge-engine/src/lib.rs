@@ -42,12 +42,15 @@
 mod batch;
 mod config;
 mod error;
+pub mod ipc;
 mod loopback;
 pub mod tcp;
 
 pub use batch::BatchHandle;
 pub use config::EngineConfig;
 pub use error::{ErrorKind, Side, TransferError};
+#[cfg(feature = "cuda")]
+pub use ipc::IpcEngine;
 pub use kvbridge_mem::{MemError, MemoryKind, Region};
 pub use loopback::LoopbackEngine;
 pub use tcp::{EngineStats, TcpEngine};
@@ -124,6 +127,14 @@ pub trait TransferEngine: Send + Sync + std::fmt::Debug {
 
     /// The regions registered with this engine.
     fn registered_regions(&self) -> Vec<Region>;
+
+    /// Whether the engine moves host memory. The intra-node CUDA IPC
+    /// engine does not (as Mooncake's `nvlink_intra` transport): its users
+    /// register only device regions and ship host-resident blocks over the
+    /// control plane instead (`STATE_DATA`).
+    fn moves_host_memory(&self) -> bool {
+        true
+    }
 
     /// Copy `out.len()` bytes of local registered memory at `addr` into `out`
     /// (e.g. aux data to ship over the control plane); bounds-checked.

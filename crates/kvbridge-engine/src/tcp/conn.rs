@@ -29,8 +29,14 @@ pub(crate) struct Conn {
 }
 
 impl Conn {
-    fn fd(&self) -> RawFd {
+    pub(crate) fn fd(&self) -> RawFd {
         self.stream.as_raw_fd()
+    }
+
+    /// The incarnation of the peer process this connection reached.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn incarnation(&self) -> u64 {
+        self.incarnation
     }
 }
 
@@ -330,6 +336,10 @@ fn ack_result(item: &Item, ack: &Ack) -> Result<(), TransferError> {
             "peer failed to write into its memory",
         )),
         Status::ShuttingDown => Err(item.error(ErrorKind::Refused, "peer is shutting down")),
+        Status::Revoked => Err(item.error(
+            ErrorKind::Refused,
+            "peer sent a revoke on a data connection",
+        )),
     }
 }
 

@@ -152,6 +152,35 @@ pub(crate) fn wait_readable(fd: RawFd, timeout_ms: i32) -> io::Result<bool> {
     }
 }
 
+/// Wait up to `timeout_ms` for `a` or `b` to become readable (or hung up).
+pub(crate) fn wait_readable2(a: RawFd, b: RawFd, timeout_ms: i32) -> io::Result<(bool, bool)> {
+    let ev = libc::POLLIN | libc::POLLRDHUP;
+    let mut p = [
+        libc::pollfd {
+            fd: a,
+            events: ev,
+            revents: 0,
+        },
+        libc::pollfd {
+            fd: b,
+            events: ev,
+            revents: 0,
+        },
+    ];
+    loop {
+        // SAFETY: two valid pollfds, borrowed for the call.
+        let r = unsafe { libc::poll(p.as_mut_ptr(), 2, timeout_ms) };
+        if r < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        return Ok((p[0].revents != 0, p[1].revents != 0));
+    }
+}
+
 /// On a connection where the peer never speaks unprompted: has it closed or reset?
 pub(crate) fn idle_peer_gone(fd: RawFd) -> bool {
     wait_readable(fd, 0).unwrap_or(true)

@@ -19,8 +19,11 @@
 //!
 //! See `docs/engines.md` for the framing and the reasoning.
 
-mod auth;
+pub(crate) mod auth;
 mod conn;
+#[cfg(feature = "cuda")]
+pub(crate) mod control;
+mod holds;
 mod io;
 mod request;
 mod server;
@@ -99,6 +102,10 @@ struct Inner {
     freeze_after: AtomicU64,
     peers: Mutex<HashMap<String, Arc<Peer>>>,
     accepted: Mutex<HashMap<u64, TcpStream>>,
+    /// What an `Exports` request answers (the CUDA IPC engine's handle table).
+    exports: RwLock<Vec<u8>>,
+    /// Regions that peers hold through `Lease` (CUDA IPC copies may be in flight).
+    holds: holds::Holds,
     next_id: AtomicU64,
     stats: Stats,
 }
@@ -217,6 +224,8 @@ impl TcpEngine {
             freeze_after: AtomicU64::new(u64::MAX),
             peers: Mutex::new(HashMap::new()),
             accepted: Mutex::new(HashMap::new()),
+            exports: RwLock::new(Vec::new()),
+            holds: holds::Holds::default(),
             next_id: AtomicU64::new(1),
             stats: Stats::default(),
         });
@@ -318,7 +327,35 @@ impl TransferEngine for TcpEngine {
     }
 
     fn batch_deregister(&self, addrs: &[u64]) -> Result<(), MemError> {
-        self.inner.regions.write().deregister(addrs)
+        let (removed, r) = {
+            let mut regions = self.inner.regions.write();
+            let removed: Vec<(u64, u64)> = regions
+                .regions()
+                .filter(|r| addrs.contains(&r.addr))
+                .map(|r| (r.addr, r.len))
+                .collect();
+            (removed, regions.deregister(addrs))
+        };
+        // Peers holding a removed region (CUDA IPC) may be copying into it:
+        // revoke their holds and wait for their copies to finish.
+        let stuck = self
+            .inner
+            .holds
+            .revoke_and_wait(&removed, self.inner.cfg.io_timeout());
+        if !stuck.is_empty() {
+            tracing::warn!(
+                connections = stuck.len(),
+                "a peer did not release a revoked hold in time; dropping its connection"
+            );
+            let accepted = self.inner.accepted.lock();
+            for id in stuck {
+                if let Some(s) = accepted.get(&id) {
+                    let _ = s.shutdown(std::net::Shutdown::Both);
+                }
+                self.inner.holds.release(id);
+            }
+        }
+        r
     }
 
     fn incarnation(&self) -> u64 {

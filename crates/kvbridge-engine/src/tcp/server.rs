@@ -3,7 +3,7 @@
 //! regions, and scatters payloads straight into them.
 
 use std::net::{TcpListener, TcpStream};
-use std::os::fd::{AsRawFd, RawFd};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -11,7 +11,7 @@ use std::time::Duration;
 use kvbridge_mem::{MemoryKind, RegionRegistry, access_for};
 
 use super::wire::{self, Ack, Challenge, Header, Hello, Op, Status};
-use super::{Inner, auth, io};
+use super::{Inner, auth, holds, io};
 
 /// Size of a connection's bounce buffer for short (or staged) blocks.
 const BOUNCE_CAP: usize = 1 << 20;
@@ -68,6 +68,7 @@ struct Registered<'a> {
 
 impl Drop for Registered<'_> {
     fn drop(&mut self) {
+        self.inner.holds.release(self.id);
         self.inner.accepted.lock().remove(&self.id);
     }
 }
@@ -111,8 +112,11 @@ fn serve(inner: Arc<Inner>, stream: TcpStream) {
     let mut conn = ServerConn {
         inner: &inner,
         fd,
+        id,
         descs: Vec::new(),
         bounce: Vec::new(),
+        wake: None,
+        revoke_sent: false,
     };
     match conn.run() {
         Ok(()) => tracing::debug!(%peer, "data connection closed"),
@@ -170,8 +174,15 @@ fn handshake(inner: &Inner, fd: RawFd) -> std::io::Result<bool> {
 struct ServerConn<'a> {
     inner: &'a Inner,
     fd: RawFd,
+    /// The connection's id (its holds are keyed by it).
+    id: u64,
     descs: Vec<u8>,
     bounce: Vec<u8>,
+    /// Wakes this thread when a hold of the connection is revoked (made at
+    /// the first lease).
+    wake: Option<Arc<OwnedFd>>,
+    /// A `Revoke` was sent and its `Release` is still to come.
+    revoke_sent: bool,
 }
 
 impl ServerConn<'_> {
@@ -192,6 +203,36 @@ impl ServerConn<'_> {
             };
             let (status, index) = match h.op {
                 Op::Ping => (Status::Ok, 0),
+                Op::Exports => {
+                    if h.count != 0 || h.payload != 0 {
+                        return self.bad_frame("exports request with a body", Some(h.seq));
+                    }
+                    let table = self.inner.exports.read().clone();
+                    let ack = Ack {
+                        seq: h.seq,
+                        status: Status::Ok,
+                        index: 0,
+                    };
+                    let mut out = ack.encode().to_vec();
+                    out.extend_from_slice(&(table.len() as u64).to_le_bytes());
+                    out.extend_from_slice(&table);
+                    io::write_all(self.fd, &out)?;
+                    continue;
+                }
+                Op::Lease => {
+                    if h.payload != 0 || h.count > wire::MAX_LEASE_REGIONS {
+                        return self.bad_frame("malformed lease request", Some(h.seq));
+                    }
+                    self.lease(h.count)?
+                }
+                Op::Release => {
+                    if h.count != 0 || h.payload != 0 {
+                        return self.bad_frame("release request with a body", Some(h.seq));
+                    }
+                    self.inner.holds.release(self.id);
+                    self.revoke_sent = false;
+                    (Status::Ok, 0)
+                }
                 Op::Check => {
                     if h.payload != 0 {
                         return self.bad_frame("check request with payload", Some(h.seq));
@@ -217,8 +258,9 @@ impl ServerConn<'_> {
         }
     }
 
-    /// Wait for the next request header; `false` on shutdown or peer close.
-    fn wait_request(&self) -> std::io::Result<bool> {
+    /// Wait for the next request header; `false` on shutdown or peer
+    /// close. Sends the `Revoke` of a revoked hold meanwhile.
+    fn wait_request(&mut self) -> std::io::Result<bool> {
         loop {
             if self.inner.is_shutdown() {
                 return Ok(false);
@@ -227,7 +269,26 @@ impl ServerConn<'_> {
                 std::thread::sleep(Duration::from_millis(10));
                 continue;
             }
-            if io::wait_readable(self.fd, IDLE_TICK_MS)? {
+            let Some(wake) = self.wake.clone() else {
+                if io::wait_readable(self.fd, IDLE_TICK_MS)? {
+                    return Ok(true);
+                }
+                continue;
+            };
+            if !self.revoke_sent && self.inner.holds.revoking(self.id) {
+                let revoke = Ack {
+                    seq: 0,
+                    status: Status::Revoked,
+                    index: 0,
+                };
+                io::write_all(self.fd, &revoke.encode())?;
+                self.revoke_sent = true;
+            }
+            let (request, woken) = io::wait_readable2(self.fd, wake.as_raw_fd(), IDLE_TICK_MS)?;
+            if woken {
+                holds::drain(wake.as_raw_fd());
+            }
+            if request {
                 return Ok(true);
             }
         }
@@ -246,6 +307,34 @@ impl ServerConn<'_> {
             let _ = io::write_all(self.fd, &ack.encode());
         }
         Ok(())
+    }
+
+    /// A lease: check that every named region is registered and add them
+    /// to the connection's hold (see [`holds`]) before the read guard is
+    /// dropped, so a deregistration racing with it sees the hold.
+    fn lease(&mut self, count: u32) -> std::io::Result<(Status, u32)> {
+        let n = count as usize;
+        self.descs.resize(n * wire::DESC_LEN, 0);
+        io::read_exact(self.fd, &mut self.descs)?;
+        let wake = match &self.wake {
+            Some(w) => w.clone(),
+            None => {
+                let w = holds::eventfd()?;
+                self.wake = Some(w.clone());
+                w
+            }
+        };
+        let regions = self.inner.regions.read_recursive();
+        let leased: Vec<(u64, u64)> = (0..n).map(|i| wire::desc_at(&self.descs, i)).collect();
+        if let Some(bad) = leased
+            .iter()
+            .position(|&(start, len)| regions.find(start, len).is_none())
+        {
+            return Ok((Status::OutOfRegion, bad as u32));
+        }
+        self.inner.holds.add(self.id, &wake, &leased);
+        drop(regions);
+        Ok((Status::Ok, 0))
     }
 
     /// Validate every destination of a batch, streaming the descriptors.

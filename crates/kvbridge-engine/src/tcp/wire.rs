@@ -12,7 +12,17 @@
 //!        Write: count x (dst u64, len u64), then the payload (the blocks' bytes in order)
 //!        Check: count x (dst u64, len u64), no payload (destinations of a whole batch)
 //!        Ping:  nothing
+//!        Exports: nothing; the ack is followed by len u64 and the
+//!               receiver's export table (CUDA IPC handles, see `ipc`)
+//!        Lease: count x (region start u64, region len u64), no payload; on an
+//!               Ok ack the connection *holds* those regions (added to what
+//!               it held): a deregistration of a held region on the
+//!               receiver first revokes the hold and waits for its Release
+//!        Release: nothing; drops every hold of the connection (acked)
 //!   S->C Ack        seq u64 | status u32 | block index u32
+//!   S->C Revoke     an ack with seq 0 and status Revoked, sent unprompted
+//!                   between acks on a connection holding regions: the
+//!                   client waits for its copies in flight, then Releases
 //! ```
 
 /// First bytes of both handshake messages.
@@ -49,7 +59,16 @@ pub(crate) enum Op {
     Write = 1,
     Check = 2,
     Ping = 3,
+    Exports = 4,
+    Lease = 5,
+    Release = 6,
 }
+
+/// Longest export table a receiver sends (bytes).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) const MAX_EXPORTS_BYTES: u64 = 16 << 20;
+/// Most regions one lease names.
+pub(crate) const MAX_LEASE_REGIONS: u32 = 1 << 16;
 
 /// Ack statuses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -59,6 +78,8 @@ pub(crate) enum Status {
     BadRequest = 2,
     Memory = 3,
     ShuttingDown = 4,
+    /// Unprompted (seq 0): the receiver revokes the connection's holds.
+    Revoked = 5,
 }
 
 impl Status {
@@ -69,6 +90,7 @@ impl Status {
             2 => Status::BadRequest,
             3 => Status::Memory,
             4 => Status::ShuttingDown,
+            5 => Status::Revoked,
             _ => return None,
         })
     }
@@ -195,6 +217,9 @@ impl Header {
             1 => Op::Write,
             2 => Op::Check,
             3 => Op::Ping,
+            4 => Op::Exports,
+            5 => Op::Lease,
+            6 => Op::Release,
             _ => return None,
         };
         if b[1..4] != [0, 0, 0] {

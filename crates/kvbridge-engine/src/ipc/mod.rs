@@ -1,0 +1,47 @@
+//! The CUDA IPC engine: intra-node transfers between processes on the same
+//! node (same GPU, or GPUs linked by NVLink / PCIe peer access), the role
+//! Mooncake's `nvlink_intra` transport plays for sglang.
+//!
+//! * Control plane: an embedded [`TcpEngine`] gives the listening port,
+//!   session id, authenticated handshake (cluster secret), incarnation and
+//!   registry. On top of its framing: `Exports` (the receiver's table of
+//!   registered device regions with the CUDA IPC handle of the allocation
+//!   holding each), `Lease` / `Release` / `Revoke`: a session *holds* the
+//!   peer's regions it copies into across batches; a deregistration on the
+//!   receiver revokes the holds on the region and waits until each peer
+//!   released, which it does once its copies in flight finished.
+//! * Only device memory can be registered (host regions are refused, as by
+//!   Mooncake's NVLink transport); host-resident blocks travel over the
+//!   roles' zmq channel instead (`STATE_DATA`, see `kvbridge-roles`).
+//! * Per peer session: state (control connection, export table, opened IPC
+//!   mappings, holds, streams), descriptor slots and a completion thread.
+//!   Mappings are opened on first use and cached; closed when the peer
+//!   deregisters their region, when the peer restarts (new incarnation:
+//!   everything is dropped and fetched again) and at teardown.
+//! * A batch is checked (sources in our device regions, destinations in
+//!   the peer's table), translated into this process's view of the peer's
+//!   memory and packed in one pass ([`plan::prepare`], on several threads
+//!   for large batches), uploaded as it is packed and launched on the
+//!   session's streams once all of it checked out: large blocks with
+//!   `cuMemcpyAsync`, the others with one batched copy kernel ([`plan`]
+//!   decides, [`kernel`] holds the source). Submission returns while the
+//!   copy runs; several batches can be in flight.
+//!
+//! [`TcpEngine`]: crate::TcpEngine
+
+pub mod kernel;
+pub mod plan;
+pub mod table;
+
+#[cfg(feature = "cuda")]
+mod copier;
+#[cfg(feature = "cuda")]
+mod engine;
+#[cfg(feature = "cuda")]
+mod peer;
+
+#[cfg(feature = "cuda")]
+pub use copier::{Copier, CopyStats, copy_kernel};
+#[cfg(feature = "cuda")]
+pub use engine::IpcEngine;
+pub use plan::{CopyMode, CopyTuning};

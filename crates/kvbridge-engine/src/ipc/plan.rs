@@ -1,0 +1,812 @@
+//! Pure planning of the IPC engine's copies (no CUDA here, tested on CI):
+//! address translation through range maps, the per-batch choice between
+//! one batched copy kernel and one `cuMemcpyAsync` per block, and the
+//! kernel's packed descriptors.
+
+use crate::Block;
+
+/// Addresses at or above this do not fit a packed descriptor.
+pub const ADDR_LIMIT: u64 = 1 << 48;
+
+/// How blocks of one batch are copied.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum CopyMode {
+    /// Per block: at least `memcpy_min_block` bytes by `cuMemcpyAsync`, the
+    /// rest by the batched kernel.
+    #[default]
+    Auto,
+    /// Everything by the batched kernel (long blocks cut into pieces).
+    Kernel,
+    /// One `cuMemcpyAsync` per block.
+    PerBlock,
+}
+
+/// Tuning of the copy path.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct CopyTuning {
+    /// Blocks of at least this many bytes take `cuMemcpyAsync` in `Auto` mode.
+    pub memcpy_min_block: u64,
+    /// Longest piece one kernel descriptor covers; longer blocks are cut.
+    pub piece: u64,
+    /// The choice of copy path.
+    pub mode: CopyMode,
+}
+
+impl Default for CopyTuning {
+    fn default() -> Self {
+        Self {
+            // Measured on an H200 (`kvbridge bench ipc`): the kernel beats one
+            // cuMemcpyAsync per block up to 16 MiB blocks (1940 vs 1505 GB/s);
+            // only blocks far past that amortize the per-call gaps.
+            memcpy_min_block: 64 << 20,
+            piece: 64 << 10,
+            mode: CopyMode::Auto,
+        }
+    }
+}
+
+/// One batch split between the two copy paths.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Split {
+    /// Blocks for the kernel, none longer than the piece size.
+    pub kernel: Vec<Block>,
+    /// Blocks for one `cuMemcpyAsync` each.
+    pub memcpy: Vec<Block>,
+}
+
+impl CopyTuning {
+    /// Whether `b` goes to `cuMemcpyAsync` under this tuning.
+    pub fn wants_memcpy(&self, b: &Block) -> bool {
+        match self.mode {
+            CopyMode::PerBlock => true,
+            CopyMode::Kernel => !fits_descriptor(b),
+            CopyMode::Auto => b.len >= self.memcpy_min_block || !fits_descriptor(b),
+        }
+    }
+
+    /// Whether every block can go to the kernel as it is (no cutting, no memcpy).
+    pub fn all_kernel_as_is(&self, blocks: &[Block]) -> bool {
+        let piece = self.piece.max(16);
+        blocks
+            .iter()
+            .all(|b| b.len <= piece && !self.wants_memcpy(b))
+    }
+
+    /// Split a batch: memcpy blocks, and kernel blocks cut into pieces.
+    pub fn split(&self, blocks: &[Block]) -> Split {
+        let piece = self.piece.max(16);
+        let mut s = Split::default();
+        for b in blocks.iter().filter(|b| b.len > 0) {
+            if self.wants_memcpy(b) {
+                s.memcpy.push(*b);
+                continue;
+            }
+            let mut off = 0;
+            while off < b.len {
+                let n = (b.len - off).min(piece);
+                s.kernel.push(Block {
+                    src: b.src + off,
+                    dst: b.dst + off,
+                    len: n,
+                });
+                off += n;
+            }
+        }
+        s
+    }
+}
+
+/// Whether a block fits one packed descriptor (48-bit addresses, 32-bit length).
+pub fn fits_descriptor(b: &Block) -> bool {
+    b.src < ADDR_LIMIT && b.dst < ADDR_LIMIT && b.len <= u64::from(u32::MAX)
+}
+
+/// The kernel's descriptor: `[src | len low 16 bits << 48, dst | len high 16 bits << 48]`.
+pub fn pack(b: &Block) -> [u64; 2] {
+    [
+        b.src | ((b.len & 0xffff) << 48),
+        b.dst | (((b.len >> 16) & 0xffff) << 48),
+    ]
+}
+
+/// The inverse of [`pack`].
+pub fn unpack(d: [u64; 2]) -> Block {
+    let mask = ADDR_LIMIT - 1;
+    Block {
+        src: d[0] & mask,
+        dst: d[1] & mask,
+        len: (d[0] >> 48) | ((d[1] >> 48) << 16),
+    }
+}
+
+/// log2 of the threads that copy one descriptor together: about one
+/// 16-byte word per thread for the batch's mean length, 4 to 256 threads.
+pub fn group_shift(blocks: &[Block]) -> u32 {
+    if blocks.is_empty() {
+        return 5;
+    }
+    let total: u64 = blocks.iter().map(|b| b.len).sum();
+    group_for_words((total / blocks.len() as u64).div_ceil(16))
+}
+
+/// `log2` of the threads per descriptor for descriptors of `words` 16-byte
+/// words: one word per thread up to 1 KiB; from 4 KiB each thread moves
+/// four words or more, up to 512 threads for a 64 KiB piece (the launch
+/// shapes `bench ipc --kernel-sweep` measured fastest on the H200: 64
+/// threads for 4 KiB, 512 for 64 KiB, 5–12% over one word per thread).
+fn group_for_words(words: u64) -> u32 {
+    let words = words.max(1).next_power_of_two();
+    let threads = if words >= 256 { words / 4 } else { words };
+    threads.clamp(4, 512).trailing_zeros()
+}
+
+/// Threads per CTA of the copy kernel.
+pub const BLOCK_THREADS: u32 = 256;
+
+/// Grid size for `n` descriptors with groups of `1 << shift` threads on
+/// `sms` multiprocessors (grid-stride beyond 32 CTAs per multiprocessor).
+pub fn grid_size(n: usize, shift: u32, sms: u32) -> u32 {
+    let threads = (n as u64) << shift;
+    let ctas = threads.div_ceil(u64::from(BLOCK_THREADS)).max(1);
+    ctas.min(u64::from(sms.max(1)) * 32) as u32
+}
+
+/// Why a block cannot be mapped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Miss {
+    /// The source is outside the local device regions.
+    Source,
+    /// The destination is outside the peer's exported regions.
+    Destination,
+}
+
+/// Sorted, disjoint ranges `[start, end)` with an address delta each;
+/// lookups remember the last hit (batches walk memory in runs).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RangeMap {
+    ranges: Vec<(u64, u64, i64)>,
+}
+
+impl RangeMap {
+    /// A map of `(start, len, delta)` ranges (sorted here).
+    pub fn new(mut ranges: Vec<(u64, u64, i64)>) -> Self {
+        ranges.sort_unstable_by_key(|r| r.0);
+        Self {
+            ranges: ranges
+                .into_iter()
+                .map(|(s, l, d)| (s, s.saturating_add(l), d))
+                .collect(),
+        }
+    }
+
+    /// Index of the range holding `[addr, addr + len)`, trying `hint` first.
+    pub fn find(&self, addr: u64, len: u64, hint: &mut usize) -> Option<usize> {
+        let end = addr.checked_add(len)?;
+        let inside = |r: &(u64, u64, i64)| addr >= r.0 && end <= r.1;
+        if let Some(r) = self.ranges.get(*hint)
+            && inside(r)
+        {
+            return Some(*hint);
+        }
+        let i = self
+            .ranges
+            .partition_point(|r| r.0 <= addr)
+            .checked_sub(1)?;
+        inside(&self.ranges[i]).then(|| {
+            *hint = i;
+            i
+        })
+    }
+
+    /// The delta of range `i`.
+    pub fn delta(&self, i: usize) -> i64 {
+        self.ranges.get(i).map_or(0, |r| r.2)
+    }
+
+    /// Number of ranges.
+    pub fn len(&self) -> usize {
+        self.ranges.len()
+    }
+
+    /// Whether the map is empty.
+    pub fn is_empty(&self) -> bool {
+        self.ranges.is_empty()
+    }
+}
+
+/// A lookup cursor over a [`RangeMap`]: the last range hit, in registers.
+#[derive(Debug, Clone, Copy)]
+struct Cursor<'a> {
+    map: &'a RangeMap,
+    lo: u64,
+    hi: u64,
+    delta: i64,
+    idx: usize,
+}
+
+impl<'a> Cursor<'a> {
+    fn new(map: &'a RangeMap) -> Self {
+        Self {
+            map,
+            lo: 1,
+            hi: 0,
+            delta: 0,
+            idx: usize::MAX,
+        }
+    }
+
+    /// The range holding `[addr, addr + len)` (`len > 0`) and its delta.
+    #[inline(always)]
+    fn find(&mut self, addr: u64, len: u64) -> Option<(usize, i64)> {
+        let end = addr.wrapping_add(len);
+        if addr >= self.lo && end <= self.hi && end > addr {
+            return Some((self.idx, self.delta));
+        }
+        self.miss(addr, len)
+    }
+
+    #[cold]
+    fn miss(&mut self, addr: u64, len: u64) -> Option<(usize, i64)> {
+        let mut hint = 0;
+        let i = self.map.find(addr, len, &mut hint)?;
+        let r = self.map.ranges[i];
+        (self.lo, self.hi, self.delta, self.idx) = (r.0, r.1, r.2, i);
+        Some((i, r.2))
+    }
+}
+
+/// Batches of at least this many blocks are prepared on several threads.
+pub const PAR_MIN_BLOCKS: usize = 16 << 10;
+/// Fewest blocks one thread prepares at a time.
+const PAR_CHUNK_MIN: usize = 8 << 10;
+
+/// What preparing a batch (or several slices of it) found; accumulates.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Prepared {
+    /// Kernel descriptors beyond the one per block: the pieces of blocks
+    /// longer than the piece size (their own slot holds a placeholder).
+    pub pieces: Vec<[u64; 2]>,
+    /// Blocks for one `cuMemcpyAsync` each, translated.
+    pub memcpy: Vec<Block>,
+    /// Bytes the kernel copies.
+    pub kernel_bytes: u64,
+    /// Indices of the remote ranges touched, sorted, without duplicates.
+    pub used: Vec<usize>,
+}
+
+impl Prepared {
+    /// Forget everything (keeps the allocations).
+    pub fn clear(&mut self) {
+        self.pieces.clear();
+        self.memcpy.clear();
+        self.kernel_bytes = 0;
+        self.used.clear();
+    }
+}
+
+/// The placeholder descriptor: copies nothing.
+pub const EMPTY: [u64; 2] = [0, 0];
+
+/// Store one descriptor. On x86-64 with non-temporal stores: the
+/// descriptors are not read back by the CPU (the GPU uploads them), and
+/// streaming them saves reading the destination's cache lines first.
+#[inline(always)]
+fn put<const NT: bool>(o: &mut [u64; 2], v: [u64; 2]) {
+    #[cfg(target_arch = "x86_64")]
+    if NT {
+        use std::arch::x86_64::_mm_stream_si64;
+        let p = o.as_mut_ptr().cast::<i64>();
+        // SAFETY: `p` points at two writable, 8-byte aligned u64 (the
+        // array `o` borrows mutably); `fence` orders the stores before the
+        // chunk is handed back.
+        unsafe {
+            _mm_stream_si64(p, v[0] as i64);
+            _mm_stream_si64(p.add(1), v[1] as i64);
+        }
+        return;
+    }
+    *o = v;
+}
+
+/// Make [`put`]'s stores visible before anything that follows.
+#[inline(always)]
+fn fence() {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: a store fence has no preconditions.
+    unsafe {
+        std::arch::x86_64::_mm_sfence();
+    }
+}
+
+/// What one thread's share of a batch found.
+#[derive(Debug, Default)]
+struct Chunk {
+    err: Option<(usize, Miss)>,
+    irregular: Vec<Block>,
+    bytes: u64,
+    used: Vec<usize>,
+}
+
+/// One pass over `blocks`: check the source, find and translate the
+/// destination, write the block's descriptor (or a placeholder, noting the
+/// block as irregular when it is long, memcpy-bound or does not fit).
+fn prepare_chunk<const NT: bool>(
+    blocks: &[Block],
+    local: &RangeMap,
+    remote: &RangeMap,
+    piece: u64,
+    memcpy_from: u64,
+    out: &mut [[u64; 2]],
+) -> Chunk {
+    let mut c = Chunk::default();
+    let (mut src, mut dst) = (Cursor::new(local), Cursor::new(remote));
+    let mut last = usize::MAX;
+    for (i, (b, o)) in blocks.iter().zip(out.iter_mut()).enumerate() {
+        if b.len == 0 {
+            put::<NT>(o, EMPTY);
+            continue;
+        }
+        if src.find(b.src, b.len).is_none() {
+            c.err = Some((i, Miss::Source));
+            break;
+        }
+        let Some((r, delta)) = dst.find(b.dst, b.len) else {
+            c.err = Some((i, Miss::Destination));
+            break;
+        };
+        if r != last {
+            c.used.push(r);
+            last = r;
+        }
+        let t = Block {
+            src: b.src,
+            dst: b.dst.wrapping_add_signed(delta),
+            len: b.len,
+        };
+        if b.len <= piece && b.len < memcpy_from && fits_descriptor(&t) {
+            put::<NT>(o, pack(&t));
+            c.bytes += b.len;
+        } else {
+            put::<NT>(o, EMPTY);
+            c.irregular.push(t);
+        }
+    }
+    fence();
+    c
+}
+
+/// Check every source against `local`, translate every destination
+/// through `remote` and write one kernel descriptor per block into
+/// `out[..blocks.len()]`, in one pass (on `pool`'s threads for large
+/// batches). Long blocks are cut into pieces (`acc.pieces`), blocks for
+/// `cuMemcpyAsync` go to `acc.memcpy`; both leave a placeholder.
+/// `written(at, n)` is called (on the thread that wrote them) as soon as
+/// the descriptors of blocks `[at, at + n)` are in `out`, e.g. to upload
+/// them while the rest is prepared. Returns the first failing block.
+#[allow(clippy::too_many_arguments)]
+pub fn prepare(
+    blocks: &[Block],
+    local: &RangeMap,
+    remote: &RangeMap,
+    tuning: &CopyTuning,
+    pool: Option<&rayon::ThreadPool>,
+    out: &mut [[u64; 2]],
+    acc: &mut Prepared,
+    written: &(dyn Fn(usize, usize) + Sync),
+) -> Result<(), (usize, Miss)> {
+    prepare_impl::<true>(blocks, local, remote, tuning, pool, out, acc, written)
+}
+
+/// [`prepare`], with non-temporal descriptor stores or not.
+#[allow(clippy::too_many_arguments)]
+fn prepare_impl<const NT: bool>(
+    blocks: &[Block],
+    local: &RangeMap,
+    remote: &RangeMap,
+    tuning: &CopyTuning,
+    pool: Option<&rayon::ThreadPool>,
+    out: &mut [[u64; 2]],
+    acc: &mut Prepared,
+    written: &(dyn Fn(usize, usize) + Sync),
+) -> Result<(), (usize, Miss)> {
+    use rayon::prelude::*;
+    let out = &mut out[..blocks.len()];
+    let piece = tuning.piece.max(16);
+    let memcpy_from = match tuning.mode {
+        CopyMode::Auto => tuning.memcpy_min_block,
+        CopyMode::Kernel => u64::MAX,
+        CopyMode::PerBlock => 0,
+    };
+    let chunks: Vec<(usize, Chunk)> = match pool {
+        Some(pool) if blocks.len() >= PAR_MIN_BLOCKS => {
+            let per = blocks
+                .len()
+                .div_ceil(pool.current_num_threads().max(1) * 4)
+                .max(PAR_CHUNK_MIN);
+            pool.install(|| {
+                blocks
+                    .par_chunks(per)
+                    .zip(out.par_chunks_mut(per))
+                    .enumerate()
+                    .map(|(k, (b, o))| {
+                        let c = prepare_chunk::<NT>(b, local, remote, piece, memcpy_from, o);
+                        if c.err.is_none() {
+                            written(k * per, b.len());
+                        }
+                        (k * per, c)
+                    })
+                    .collect()
+            })
+        }
+        _ => {
+            let c = prepare_chunk::<NT>(blocks, local, remote, piece, memcpy_from, out);
+            if c.err.is_none() {
+                written(0, blocks.len());
+            }
+            vec![(0, c)]
+        }
+    };
+    let first = acc.used.len();
+    for (at, c) in chunks {
+        if let Some((i, m)) = c.err {
+            return Err((at + i, m));
+        }
+        acc.kernel_bytes += c.bytes;
+        acc.used.extend_from_slice(&c.used);
+        for t in c.irregular {
+            if tuning.wants_memcpy(&t) {
+                acc.memcpy.push(t);
+                continue;
+            }
+            acc.kernel_bytes += t.len;
+            let mut off = 0;
+            while off < t.len {
+                let n = (t.len - off).min(piece);
+                acc.pieces.push(pack(&Block {
+                    src: t.src + off,
+                    dst: t.dst + off,
+                    len: n,
+                }));
+                off += n;
+            }
+        }
+    }
+    if acc.used.len() > first {
+        acc.used.sort_unstable();
+        acc.used.dedup();
+    }
+    Ok(())
+}
+
+/// [`group_shift`] from a total and a count of descriptors.
+pub fn shift_for(bytes: u64, descs: usize) -> u32 {
+    if descs == 0 {
+        return 5;
+    }
+    group_for_words((bytes / descs as u64).div_ceil(16))
+}
+
+/// Pack `blocks` (all [`fits_descriptor`]) into `out` on up to `threads` threads.
+pub fn pack_par(blocks: &[Block], out: &mut [[u64; 2]], threads: usize) {
+    let threads = threads.clamp(1, 16);
+    let per = blocks.len().div_ceil(threads).max(1 << 15);
+    if blocks.len() <= per {
+        for (x, y) in blocks.iter().zip(out.iter_mut()) {
+            *y = pack(x);
+        }
+        return;
+    }
+    std::thread::scope(|s| {
+        for (b, o) in blocks.chunks(per).zip(out.chunks_mut(per)) {
+            s.spawn(move || {
+                for (x, y) in b.iter().zip(o.iter_mut()) {
+                    *y = pack(x);
+                }
+            });
+        }
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn b(src: u64, dst: u64, len: u64) -> Block {
+        Block { src, dst, len }
+    }
+
+    #[test]
+    fn pack_round_trips() {
+        for blk in [
+            b(0x7f00_0000_1234, 0x7e00_0000_0001, 1),
+            b(1, 2, 0xffff),
+            b(0xffff_ffff_ffff, 0, u64::from(u32::MAX)),
+            b(0x1000, 0x2000, 0x1_0000),
+        ] {
+            assert!(fits_descriptor(&blk));
+            assert_eq!(unpack(pack(&blk)), blk);
+        }
+        assert!(!fits_descriptor(&b(ADDR_LIMIT, 0, 1)));
+        assert!(!fits_descriptor(&b(0, 0, 1 << 32)));
+    }
+
+    #[test]
+    fn choice_per_block_size() {
+        let t = CopyTuning::default();
+        let small = b(0x1000, 0x2000, 256);
+        let big = b(0x1000, 0x2000, 64 << 20);
+        assert!(!t.wants_memcpy(&small));
+        assert!(t.wants_memcpy(&big));
+        let s = t.split(&[small, big, b(0, 0, 0)]);
+        assert_eq!(s.kernel, vec![small]);
+        assert_eq!(s.memcpy, vec![big]);
+        let k = CopyTuning {
+            mode: CopyMode::Kernel,
+            ..t
+        };
+        let s = k.split(&[b(0x10, 0x0010_0000, 200 << 10)]);
+        assert!(s.memcpy.is_empty());
+        assert_eq!(s.kernel.len(), 4);
+        assert_eq!(s.kernel.iter().map(|x| x.len).sum::<u64>(), 200 << 10);
+        assert_eq!(s.kernel[1].src, 0x10 + (64 << 10));
+        assert!(
+            CopyTuning {
+                mode: CopyMode::PerBlock,
+                ..t
+            }
+            .wants_memcpy(&small)
+        );
+        assert!(t.all_kernel_as_is(&[small]));
+        assert!(!t.all_kernel_as_is(&[big]));
+    }
+
+    #[test]
+    fn group_size_follows_mean_length() {
+        assert_eq!(group_shift(&[b(0, 0, 256); 4]), 4);
+        assert_eq!(group_shift(&[b(0, 0, 1); 4]), 2);
+        assert_eq!(group_shift(&[b(0, 0, 4096)]), 6);
+        assert_eq!(group_shift(&[b(0, 0, 1 << 20)]), 9);
+        assert_eq!(grid_size(1, 8, 132), 1);
+        assert_eq!(grid_size(1 << 22, 4, 132), 132 * 32);
+    }
+
+    type Prep = Result<(Vec<[u64; 2]>, Prepared), (usize, Miss)>;
+
+    fn prep(
+        blocks: &[Block],
+        local: &RangeMap,
+        remote: &RangeMap,
+        tuning: &CopyTuning,
+        pool: Option<&rayon::ThreadPool>,
+    ) -> Prep {
+        let mut out = vec![[9u64; 2]; blocks.len()];
+        let mut acc = Prepared::default();
+        prepare(
+            blocks,
+            local,
+            remote,
+            tuning,
+            pool,
+            &mut out,
+            &mut acc,
+            &|_, _| {},
+        )?;
+        Ok((out, acc))
+    }
+
+    #[test]
+    fn prepare_checks_translates_and_packs() {
+        let local = RangeMap::new(vec![(0x1000, 0x1000, 0)]);
+        let remote = RangeMap::new(vec![
+            (0x10_0000, 0x100, 0x1000),
+            (0x20_0000, 0x100, -0x1000),
+            (0x30_0000, 0x100, 0),
+        ]);
+        let t = CopyTuning::default();
+        let blocks = [
+            b(0x1000, 0x20_00f0, 16),
+            b(0, 0, 0),
+            b(0x1800, 0x10_0010, 16),
+        ];
+        let (out, acc) = prep(&blocks, &local, &remote, &t, None).unwrap();
+        assert_eq!(unpack(out[0]), b(0x1000, 0x1f_f0f0, 16));
+        assert_eq!(out[1], EMPTY);
+        assert_eq!(unpack(out[2]), b(0x1800, 0x10_1010, 16));
+        assert_eq!(acc.used, vec![0, 1]);
+        assert_eq!(acc.kernel_bytes, 32);
+        assert!(acc.pieces.is_empty() && acc.memcpy.is_empty());
+        let bad = [b(0x1000, 0x10_0000, 8), b(0x1000, 0x20_00f8, 16)];
+        assert_eq!(
+            prep(&bad, &local, &remote, &t, None).unwrap_err(),
+            (1, Miss::Destination)
+        );
+        let bad = [b(0x1ff8, 0x20_0000, 16)];
+        assert_eq!(
+            prep(&bad, &local, &remote, &t, None).unwrap_err(),
+            (0, Miss::Source)
+        );
+        // Long blocks: cut into pieces, a placeholder in their slot.
+        let local = RangeMap::new(vec![(0x100_0000, 1 << 30, 0)]);
+        let remote = RangeMap::new(vec![(0x8000_0000, 1 << 30, 0x10)]);
+        let kt = CopyTuning {
+            piece: 4096,
+            memcpy_min_block: 1 << 20,
+            ..t
+        };
+        let blocks = [
+            b(0x100_0000, 0x8000_0000, 10_000),
+            b(0x100_0000, 0x8000_0000 + 20_000, 100),
+            b(0x100_0000, 0x8000_0000 + 40_000, 1 << 20),
+        ];
+        let (out, acc) = prep(&blocks, &local, &remote, &kt, None).unwrap();
+        assert_eq!(out[0], EMPTY);
+        assert_eq!(unpack(out[1]), b(0x100_0000, 0x8000_0000 + 20_016, 100));
+        assert_eq!(out[2], EMPTY);
+        assert_eq!(acc.pieces.len(), 3);
+        assert_eq!(
+            unpack(acc.pieces[2]),
+            b(0x100_2000, 0x8000_2010, 10_000 - 8192)
+        );
+        assert_eq!(
+            acc.memcpy,
+            vec![b(0x100_0000, 0x8000_0000 + 40_016, 1 << 20)]
+        );
+        assert_eq!(acc.kernel_bytes, 10_100);
+    }
+
+    #[test]
+    fn parallel_prepare_matches_sequential() {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(3)
+            .build()
+            .unwrap();
+        let local = RangeMap::new(vec![(1 << 20, 1 << 30, 0), (4 << 30, 1 << 30, 0)]);
+        let remote = RangeMap::new(vec![
+            (8 << 30, 1 << 30, 1 << 12),
+            (16 << 30, 1 << 30, -(1 << 12)),
+        ]);
+        let t = CopyTuning {
+            piece: 1024,
+            ..CopyTuning::default()
+        };
+        let n = 100_000u64;
+        let mut blocks: Vec<Block> = (0..n)
+            .map(|i| {
+                let src = if i % 3 == 0 { 1 << 20 } else { 4 << 30 } + i * 64;
+                let dst = if i % 7 == 0 { 8 << 30 } else { 16 << 30 } + i * 97;
+                b(src, dst, (i * 13) % 1500)
+            })
+            .collect();
+        let seq = prep(&blocks, &local, &remote, &t, None).unwrap();
+        let par = prep(&blocks, &local, &remote, &t, Some(&pool)).unwrap();
+        assert_eq!(seq, par);
+        assert_eq!(seq.1.used, vec![0, 1]);
+        blocks[77_777].dst = 1;
+        blocks[90_000].src = 1;
+        assert_eq!(
+            prep(&blocks, &local, &remote, &t, Some(&pool)).unwrap_err(),
+            (77_777, Miss::Destination)
+        );
+    }
+
+    #[test]
+    #[ignore = "timing, not a check"]
+    fn prepare_speed_long_blocks() {
+        let local = RangeMap::new(vec![(1 << 30, 1 << 30, 0)]);
+        let remote = RangeMap::new(vec![(8 << 30, 1 << 30, 1 << 12)]);
+        let t = CopyTuning::default();
+        for size in [64u64 << 10, 1 << 20, 16 << 20] {
+            let n = (1u64 << 30) / size;
+            let blocks: Vec<Block> = (0..n)
+                .map(|i| b((1 << 30) + i * size, (8 << 30) + ((i * 5) % n) * size, size))
+                .collect();
+            let mut out = vec![[0u64; 2]; n as usize];
+            let mut acc = Prepared::default();
+            for k in 0..4 {
+                acc.clear();
+                let t0 = std::time::Instant::now();
+                let f = if k % 2 == 0 {
+                    prepare_impl::<true>
+                } else {
+                    prepare_impl::<false>
+                };
+                f(
+                    &blocks,
+                    &local,
+                    &remote,
+                    &t,
+                    None,
+                    &mut out,
+                    &mut acc,
+                    &|_, _| {},
+                )
+                .unwrap();
+                println!(
+                    "prepare {n} blocks of {size} (streaming stores {}): {:.1} us ({} pieces)",
+                    k % 2 == 0,
+                    t0.elapsed().as_secs_f64() * 1e6,
+                    acc.pieces.len()
+                );
+            }
+        }
+    }
+
+    /// Host cost of preparing 256-byte blocks (`cargo test --release -- --ignored --nocapture`).
+    #[test]
+    #[ignore = "timing, not a check"]
+    fn prepare_speed() {
+        let pool = rayon::ThreadPoolBuilder::new().build().unwrap();
+        let n = 4u64 << 20;
+        let local = RangeMap::new(vec![(1 << 30, 1 << 30, 0)]);
+        let remote = RangeMap::new(vec![(8 << 30, 1 << 30, 1 << 12)]);
+        let blocks: Vec<Block> = (0..n)
+            .map(|i| {
+                b(
+                    (1 << 30) + i * 256,
+                    (8 << 30) + ((i * 0x9E37_79B9) % n) * 256,
+                    256,
+                )
+            })
+            .collect();
+        let mut out = vec![[0u64; 2]; n as usize];
+        let mut acc = Prepared::default();
+        let t = CopyTuning::default();
+        for _ in 0..3 {
+            use rayon::prelude::*;
+            let t0 = std::time::Instant::now();
+            let sum: u64 = pool.install(|| {
+                blocks
+                    .par_chunks(1 << 16)
+                    .map(|c| c.iter().map(|b| b.len).sum::<u64>())
+                    .sum()
+            });
+            let dt = t0.elapsed();
+            println!(
+                "read {} MiB of blocks on {} threads: {:.2} ms, {:.1} GB/s ({sum})",
+                (n * 24) >> 20,
+                pool.current_num_threads(),
+                dt.as_secs_f64() * 1e3,
+                (n * 24) as f64 / dt.as_secs_f64() / 1e9
+            );
+        }
+        for (nt, p) in [(true, None), (true, Some(&pool)), (false, Some(&pool))] {
+            for _ in 0..3 {
+                acc.clear();
+                let t0 = std::time::Instant::now();
+                let f = if nt {
+                    prepare_impl::<true>
+                } else {
+                    prepare_impl::<false>
+                };
+                f(
+                    &blocks,
+                    &local,
+                    &remote,
+                    &t,
+                    p,
+                    &mut out,
+                    &mut acc,
+                    &|_, _| {},
+                )
+                .unwrap();
+                let dt = t0.elapsed();
+                println!(
+                    "prepare {n} blocks, pool {}, streaming stores {nt}: {:.2} ms, {:.2} ns/block",
+                    p.is_some(),
+                    dt.as_secs_f64() * 1e3,
+                    dt.as_secs_f64() * 1e9 / n as f64
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn parallel_pack_matches() {
+        let blocks: Vec<Block> = (0..100_000u64).map(|i| b(i * 7, i * 13, i % 300)).collect();
+        let mut out = vec![[0u64; 2]; blocks.len()];
+        pack_par(&blocks, &mut out, 4);
+        assert!(blocks.iter().zip(&out).all(|(x, y)| unpack(*y) == *x));
+    }
+}

@@ -1,0 +1,477 @@
+//! GPU-gated engine tests (feature `cuda`): the batched copy kernel on
+//! random descriptor sets, the TCP engine with device memory on both sides,
+//! and the CUDA IPC engine between two processes on one GPU. Run by
+//! `cargo xtask gpu-test --run`; without a GPU each test prints one skip
+//! line and returns.
+#![cfg(feature = "cuda")]
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+
+use kvbridge_engine::ipc::{Copier, CopyMode, CopyTuning};
+use kvbridge_engine::{Block, ErrorKind, IpcEngine, Side, TransferEngine};
+use kvbridge_mem::cuda::{self, DeviceBuffer};
+use kvbridge_mem::{HostBuffer, MemError};
+use rand::{Rng, RngCore, SeedableRng, rngs::StdRng};
+
+fn gpu(test: &str) -> bool {
+    match cuda::unavailable_reason() {
+        None => true,
+        Some(why) => {
+            let _ = writeln!(std::io::stderr(), "SKIP {test}: no GPU ({why})");
+            false
+        }
+    }
+}
+
+fn random_bytes(len: usize, seed: u64) -> Vec<u8> {
+    let mut v = vec![0u8; len];
+    StdRng::seed_from_u64(seed).fill_bytes(&mut v);
+    v
+}
+
+/// Random blocks: lengths from 1 B to `max` (log-uniform), any alignment,
+/// sources free to overlap each other, destinations disjoint but packed
+/// into shared pages and words. Returns the blocks as offsets.
+fn random_set(rng: &mut StdRng, space: u64, max: u64, count: usize) -> Vec<Block> {
+    let mut blocks = Vec::new();
+    let mut dst = rng.gen_range(0..64);
+    for _ in 0..count {
+        let bits = rng.gen_range(0..=max.ilog2());
+        let len = rng.gen_range(1..=(1u64 << bits).min(max));
+        if dst + len > space {
+            break;
+        }
+        let src = rng.gen_range(0..space - len);
+        blocks.push(Block { src, dst, len });
+        // next destination: right after (shared word), or a small gap
+        dst += len
+            + if rng.gen_bool(0.5) {
+                0
+            } else {
+                rng.gen_range(1..40)
+            };
+    }
+    blocks
+}
+
+#[test]
+fn copy_kernel_matches_host_copies_on_random_descriptor_sets() {
+    if !gpu("copy_kernel_matches_host_copies_on_random_descriptor_sets") {
+        return;
+    }
+    let space: u64 = 96 << 20;
+    let src_bytes = random_bytes(space as usize, 7);
+    let src = DeviceBuffer::new(0, space as usize).unwrap();
+    let dst = DeviceBuffer::new(0, space as usize).unwrap();
+    src.write(0, &src_bytes).unwrap();
+    let mut copier = Copier::new(0, CopyTuning::default()).unwrap();
+    let mut rng = StdRng::seed_from_u64(11);
+    let mut checked = 0u64;
+    let cases = [
+        (CopyMode::Kernel, 64u64, 20_000usize),
+        (CopyMode::Kernel, 4096, 5_000),
+        (CopyMode::Kernel, 16 << 20, 12),
+        (CopyMode::Auto, 16 << 20, 24),
+        (CopyMode::Auto, 300, 50_000),
+        (CopyMode::PerBlock, 8192, 500),
+        (CopyMode::Kernel, 1, 3_000),
+        // a large batch: packing on several threads, one upload, one launch
+        (CopyMode::Auto, 48, 700_000),
+    ];
+    for (round, (mode, max, count)) in cases.into_iter().enumerate() {
+        dst.fill(0xa5).unwrap();
+        let set = random_set(&mut rng, space, max, count);
+        let mut want = vec![0xa5u8; space as usize];
+        for b in &set {
+            let (s, d, n) = (b.src as usize, b.dst as usize, b.len as usize);
+            want[d..d + n].copy_from_slice(&src_bytes[s..s + n]);
+        }
+        let abs: Vec<Block> = set
+            .iter()
+            .map(|b| Block {
+                src: src.addr() + b.src,
+                dst: dst.addr() + b.dst,
+                len: b.len,
+            })
+            .collect();
+        copier.set_tuning(CopyTuning {
+            mode,
+            ..CopyTuning::default()
+        });
+        // SAFETY: every range lies inside `src` / `dst`; destinations are disjoint.
+        let stats = unsafe { copier.copy(&abs) }.unwrap();
+        let mut got = vec![0u8; space as usize];
+        dst.read(0, &mut got).unwrap();
+        let first_bad = got.iter().zip(&want).position(|(a, b)| a != b);
+        assert!(
+            first_bad.is_none(),
+            "round {round} ({mode:?}, up to {max} B, {} blocks): first wrong byte at {first_bad:?}",
+            set.len()
+        );
+        checked += set.iter().map(|b| b.len).sum::<u64>();
+        let _ = writeln!(
+            std::io::stderr(),
+            "copy kernel round {round}: {mode:?}, {} blocks of 1..={max} B, kernel {} / memcpy {} / launches {}: ok",
+            set.len(),
+            stats.kernel_blocks,
+            stats.memcpy_blocks,
+            stats.launches
+        );
+    }
+    assert!(checked > 0);
+}
+
+#[test]
+fn tcp_engine_moves_device_memory_on_both_sides() {
+    if !gpu("tcp_engine_moves_device_memory_on_both_sides") {
+        return;
+    }
+    let a = common::tcp(common::cfg());
+    let b = common::tcp(common::cfg());
+    let len = 24 << 20;
+    let src = DeviceBuffer::new(0, len).unwrap();
+    let dst = DeviceBuffer::new(0, len).unwrap();
+    let host_dst = HostBuffer::new(len).unwrap();
+    let data = random_bytes(len, 3);
+    src.write(0, &data).unwrap();
+    // SAFETY: the buffers outlive the engines' use; deregistered below.
+    unsafe {
+        a.batch_register(&[src.region()]).unwrap();
+        b.batch_register(&[dst.region(), host_dst.region()])
+            .unwrap();
+    }
+    let mut blocks = vec![Block {
+        src: src.addr(),
+        dst: dst.addr(),
+        len: 16 << 20,
+    }];
+    for i in 0..2048u64 {
+        blocks.push(Block {
+            src: src.addr() + (16 << 20) + i * 1000,
+            dst: dst.addr() + (16 << 20) + i * 1000,
+            len: 1000,
+        });
+    }
+    blocks.push(Block {
+        src: src.addr() + 5,
+        dst: host_dst.addr() + 7,
+        len: 3 << 20,
+    });
+    a.batch_transfer_sync(b.session_id(), &blocks).unwrap();
+    let mut got = vec![0u8; len];
+    dst.read(0, &mut got).unwrap();
+    let n = (16 << 20) + 2048 * 1000;
+    assert!(got[..n] == data[..n], "device-to-device over TCP differs");
+    assert!(host_dst.as_slice()[7..7 + (3 << 20)] == data[5..5 + (3 << 20)]);
+    a.batch_deregister(&[src.addr()]).unwrap();
+    b.batch_deregister(&[dst.addr(), host_dst.addr()]).unwrap();
+}
+
+/// The other process of the IPC tests: the target (spawned from this test binary).
+struct Peer {
+    child: Child,
+    stdin: ChildStdin,
+    stdout: BufReader<ChildStdout>,
+    session: String,
+    addr: u64,
+    incarnation: u64,
+}
+
+const TARGET_ENV: &str = "KVB_IPC_TEST_TARGET";
+const TARGET_LEN: usize = 8 << 20;
+
+impl Peer {
+    #[allow(clippy::zombie_processes)] // `kill` waits for it
+    fn spawn(port: u16) -> Self {
+        let mut child = Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "ipc_target_process", "--ignored", "--nocapture"])
+            .env(TARGET_ENV, port.to_string())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap();
+        let stdin = child.stdin.take().unwrap();
+        let mut stdout = BufReader::new(child.stdout.take().unwrap());
+        loop {
+            let mut line = String::new();
+            assert!(
+                stdout.read_line(&mut line).unwrap() > 0,
+                "target exited early"
+            );
+            if let Some(rest) = line.strip_prefix("READY ") {
+                let f: Vec<&str> = rest.split_whitespace().collect();
+                return Self {
+                    child,
+                    stdin,
+                    stdout,
+                    session: f[0].to_owned(),
+                    addr: f[1].parse().unwrap(),
+                    incarnation: f[2].parse().unwrap(),
+                };
+            }
+        }
+    }
+
+    fn ask(&mut self, cmd: &str) -> String {
+        writeln!(self.stdin, "{cmd}").unwrap();
+        self.stdin.flush().unwrap();
+        loop {
+            let mut line = String::new();
+            assert!(
+                self.stdout.read_line(&mut line).unwrap() > 0,
+                "target exited"
+            );
+            if let Some(r) = line.strip_prefix("ANSWER ") {
+                return r.trim().to_owned();
+            }
+        }
+    }
+
+    fn kill(mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Not a test of its own: the target process of the IPC tests.
+#[test]
+#[ignore = "spawned by the IPC tests as their peer process"]
+fn ipc_target_process() {
+    let Ok(port) = std::env::var(TARGET_ENV) else {
+        return;
+    };
+    let cfg = kvbridge_engine::EngineConfig {
+        port: port.parse().unwrap(),
+        ..common::cfg()
+    };
+    let engine = IpcEngine::new(cfg, CopyTuning::default()).unwrap();
+    let buf = DeviceBuffer::new(0, TARGET_LEN).unwrap();
+    let mut registered = true;
+    // SAFETY: `buf` lives until the process ends; deregistered on request.
+    unsafe { engine.batch_register(&[buf.region()]) }.unwrap();
+    println!(
+        "READY {} {} {}",
+        engine.session_id(),
+        buf.addr(),
+        engine.incarnation()
+    );
+    for line in std::io::stdin().lock().lines() {
+        let line = line.unwrap();
+        let f: Vec<&str> = line.split_whitespace().collect();
+        let answer = match f.as_slice() {
+            ["SUM", off, len] => {
+                let (off, len): (usize, usize) = (off.parse().unwrap(), len.parse().unwrap());
+                let mut v = vec![0u8; len];
+                buf.read(off, &mut v).unwrap();
+                let h = v.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+                    (h ^ u64::from(*b)).wrapping_mul(0x100_0000_01b3)
+                });
+                h.to_string()
+            }
+            ["FILL", byte] => {
+                buf.fill(byte.parse().unwrap()).unwrap();
+                "ok".into()
+            }
+            ["DEREG"] => {
+                engine.batch_deregister(&[buf.addr()]).unwrap();
+                registered = false;
+                "ok".into()
+            }
+            _ => break,
+        };
+        println!("ANSWER {answer}");
+    }
+    if registered {
+        let _ = engine.batch_deregister(&[buf.addr()]);
+    }
+}
+
+fn fnv(v: &[u8]) -> String {
+    v.iter()
+        .fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+            (h ^ u64::from(*b)).wrapping_mul(0x100_0000_01b3)
+        })
+        .to_string()
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+#[test]
+fn ipc_engine_between_two_processes_on_one_gpu() {
+    if !gpu("ipc_engine_between_two_processes_on_one_gpu") {
+        return;
+    }
+    let port = free_port();
+    let mut peer = Peer::spawn(port);
+    let engine = IpcEngine::new(common::cfg(), CopyTuning::default()).unwrap();
+    let len = 8 << 20;
+    let src = DeviceBuffer::new(0, len).unwrap();
+    let data = random_bytes(len, 5);
+    src.write(0, &data).unwrap();
+    // SAFETY: `src` outlives the engine's use; deregistered below.
+    unsafe { engine.batch_register(&[src.region()]) }.unwrap();
+    // Host memory is refused: the intra-node transport moves device memory only.
+    let host = HostBuffer::new(4096).unwrap();
+    // SAFETY: refused, never used.
+    let refused = unsafe { engine.batch_register(&[host.region()]) };
+    assert!(matches!(refused, Err(MemError::Unsupported { .. })));
+    assert!(!engine.moves_host_memory());
+
+    // Many small head-slice-like blocks and one large one, scattered.
+    let mut rng = StdRng::seed_from_u64(9);
+    let mut blocks = Vec::new();
+    for i in 0..4096u64 {
+        blocks.push(Block {
+            src: src.addr() + rng.gen_range(0..(4 << 20)),
+            dst: peer.addr + i * 512 + 3,
+            len: 509,
+        });
+    }
+    blocks.push(Block {
+        src: src.addr() + (4 << 20),
+        dst: peer.addr + (4 << 20),
+        len: 4 << 20,
+    });
+    peer.ask("FILL 0");
+    engine.batch_transfer_sync(&peer.session, &blocks).unwrap();
+    let mut want = vec![0u8; TARGET_LEN];
+    for b in &blocks {
+        let (s, d) = ((b.src - src.addr()) as usize, (b.dst - peer.addr) as usize);
+        want[d..d + b.len as usize].copy_from_slice(&data[s..s + b.len as usize]);
+    }
+    assert_eq!(peer.ask(&format!("SUM 0 {TARGET_LEN}")), fnv(&want));
+    assert_eq!(
+        engine.mapping_counts(),
+        (1, 0),
+        "one allocation opened, lazily, once"
+    );
+
+    // A large batch (several slices, prepared on several threads): one
+    // destination outside the peer's regions, in the last slice, refuses
+    // the whole batch before anything is written.
+    let n = 300_000u64;
+    let big: Vec<Block> = (0..n)
+        .map(|i| Block {
+            src: src.addr() + rng.gen_range(0..(len as u64 - 16)),
+            dst: peer.addr + i * 16 + 8,
+            len: 16,
+        })
+        .collect();
+    peer.ask("FILL 0");
+    let mut bad_big = big.clone();
+    bad_big[n as usize - 1].dst = peer.addr + TARGET_LEN as u64 - 8;
+    let e = engine
+        .batch_transfer_sync(&peer.session, &bad_big)
+        .unwrap_err();
+    assert_eq!(e.kind, ErrorKind::OutOfRegion(Side::Remote));
+    assert_eq!(e.block, Some(n as usize - 1));
+    assert_eq!(
+        peer.ask(&format!("SUM 0 {TARGET_LEN}")),
+        fnv(&vec![0u8; TARGET_LEN])
+    );
+    // The same blocks in six batches, all in flight at once.
+    let handles: Vec<_> = big
+        .chunks(50_000)
+        .map(|c| engine.submit_to(&peer.session, peer.incarnation, c))
+        .collect();
+    for h in handles {
+        h.wait().unwrap();
+    }
+    let mut want = vec![0u8; TARGET_LEN];
+    for b in &big {
+        let (s, d) = ((b.src - src.addr()) as usize, (b.dst - peer.addr) as usize);
+        want[d..d + 16].copy_from_slice(&data[s..s + 16]);
+    }
+    assert_eq!(peer.ask(&format!("SUM 0 {TARGET_LEN}")), fnv(&want));
+    assert_eq!(engine.mapping_counts(), (1, 0));
+
+    // submit (async) with the right incarnation works too.
+    let h = engine.submit_to(&peer.session, peer.incarnation, &blocks[..10]);
+    h.wait().unwrap();
+
+    // A destination outside the peer's regions: refused, nothing written.
+    peer.ask("FILL 7");
+    let bad = [
+        Block {
+            src: src.addr(),
+            dst: peer.addr,
+            len: 64,
+        },
+        Block {
+            src: src.addr(),
+            dst: peer.addr + TARGET_LEN as u64 - 8,
+            len: 64,
+        },
+    ];
+    let e = engine.batch_transfer_sync(&peer.session, &bad).unwrap_err();
+    assert_eq!(e.kind, ErrorKind::OutOfRegion(Side::Remote));
+    assert_eq!(e.block, Some(1));
+    assert_eq!(peer.ask("SUM 0 64"), fnv(&[7u8; 64]));
+    // A source outside ours.
+    let e = engine
+        .batch_transfer_sync(
+            &peer.session,
+            &[Block {
+                src: src.addr() + len as u64 - 4,
+                dst: peer.addr,
+                len: 8,
+            }],
+        )
+        .unwrap_err();
+    assert_eq!(e.kind, ErrorKind::OutOfRegion(Side::Local));
+
+    // The peer deregisters: its region is gone, our mapping is closed.
+    peer.ask("DEREG");
+    let e = engine
+        .batch_transfer_sync(&peer.session, &blocks[..1])
+        .unwrap_err();
+    assert_eq!(e.kind, ErrorKind::OutOfRegion(Side::Remote));
+    assert_eq!(
+        engine.mapping_counts(),
+        (1, 1),
+        "mapping closed after deregistration"
+    );
+    let old = peer.incarnation;
+    peer.kill();
+
+    // A new incarnation on the same port: batches planned for the old one
+    // are refused; fresh ones reopen the new memory.
+    let mut peer2 = Peer::spawn(port);
+    assert_ne!(peer2.incarnation, old);
+    let e = engine
+        .submit_to(&peer2.session, old, &blocks[..1])
+        .wait()
+        .unwrap_err();
+    assert_eq!(e.kind, ErrorKind::PeerRestarted);
+    peer2.ask("FILL 0");
+    let moved = [Block {
+        src: src.addr(),
+        dst: peer2.addr,
+        len: 4096,
+    }];
+    engine.batch_transfer_sync(&peer2.session, &moved).unwrap();
+    assert_eq!(peer2.ask("SUM 0 4096"), fnv(&data[..4096]));
+    assert_eq!(
+        engine.mapping_counts().0,
+        2,
+        "the new incarnation's memory was opened"
+    );
+    engine.batch_deregister(&[src.addr()]).unwrap();
+    drop(engine);
+    peer2.kill();
+    let _ = writeln!(
+        std::io::stderr(),
+        "ipc: transfer, refusals, deregistration, restart: ok"
+    );
+}
