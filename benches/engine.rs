@@ -1,6 +1,8 @@
 //! In-process cost of moving a batch through the transfer engines: 16 MiB as
-//! 4 KiB or 1 MiB blocks, loopback (memcpy) vs TCP over 127.0.0.1. The
-//! two-process end-to-end numbers come from `kvbridge bench tcp`.
+//! 4 KiB or 1 MiB blocks, loopback (memcpy) vs TCP over 127.0.0.1 vs the UCX
+//! engine over UCX's TCP and shared-memory transports (when libucx is
+//! installed). The two-process end-to-end numbers come from `kvbridge bench
+//! tcp` and `kvbridge bench ucx`.
 #![allow(clippy::unwrap_used)]
 
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
@@ -51,9 +53,27 @@ fn engines(c: &mut Criterion) {
     };
     let (a, b) = (
         TcpEngine::new(cfg.clone()).unwrap(),
-        TcpEngine::new(cfg).unwrap(),
+        TcpEngine::new(cfg.clone()).unwrap(),
     );
     bench_pair(c, "tcp_16MiB", &a, &b);
+    ucx_pairs(c, &cfg);
+}
+
+/// The UCX engine over TCP and over shared memory, if UCX is installed.
+fn ucx_pairs(c: &mut Criterion, cfg: &EngineConfig) {
+    use kvbridge::engine::UcxEngine;
+    if let Err(e) = kvbridge::engine::ucx::available() {
+        eprintln!("skipping the UCX benches: {e}");
+        return;
+    }
+    for (name, tls) in [
+        ("ucx_tcp_16MiB", "tcp"),
+        ("ucx_shm_16MiB", "posix,cma,self"),
+    ] {
+        let new = || UcxEngine::with_ucx_config(cfg.clone(), &[("TLS", tls)]).unwrap();
+        let (a, b) = (new(), new());
+        bench_pair(c, name, &a, &b);
+    }
 }
 
 criterion_group!(benches, engines);

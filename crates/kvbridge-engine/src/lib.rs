@@ -4,8 +4,10 @@
 //! [`TransferEngine`] trait, modelled on what sglang's Mooncake connector asks
 //! of the Mooncake transfer engine (`get_session_id`, `batch_register`,
 //! `batch_deregister`, `batch_transfer_sync`, `send_probe`), and its backends:
-//! [`LoopbackEngine`] (in-process, for tests) and [`TcpEngine`] (the default
-//! on every machine and the cross-node fallback; see `docs/engines.md`).
+//! [`LoopbackEngine`] (in-process, for tests), [`TcpEngine`] (the default
+//! on every machine and the cross-node fallback; see `docs/engines.md`) and,
+//! with the `ucx` feature (on by default; libucp is loaded at run time),
+//! `UcxEngine` (RDMA, shared memory or TCP through UCX).
 //!
 //! **Owns:** sessions (`host:port`), memory registration with the engine,
 //! batches of [`Block`]s, the data-plane sockets, the TCP framing,
@@ -45,6 +47,8 @@ mod error;
 pub mod ipc;
 mod loopback;
 pub mod tcp;
+#[cfg(feature = "ucx")]
+pub mod ucx;
 
 pub use batch::BatchHandle;
 pub use config::EngineConfig;
@@ -54,6 +58,8 @@ pub use ipc::IpcEngine;
 pub use kvbridge_mem::{MemError, MemoryKind, Region};
 pub use loopback::LoopbackEngine;
 pub use tcp::{EngineStats, TcpEngine};
+#[cfg(feature = "ucx")]
+pub use ucx::{UcxEngine, UcxError, UcxStats};
 
 /// One contiguous copy: `len` bytes from local `src` to the peer's `dst`.
 ///

@@ -1,0 +1,488 @@
+//! The UCX engine's side channel: how peers find each other by session id
+//! (`host:port`) and obtain what a one-sided put needs — the target's UCP
+//! worker address and the packed remote keys of the regions it registered —
+//! plus its incarnation, so a restarted peer is told apart.
+//!
+//! One short TCP connection per question, authenticated with the TCP
+//! engine's optional cluster secret (mutual HMAC challenge-response,
+//! [`crate::tcp::auth`]); the server proves itself first, and a client that
+//! did not prove the secret never receives the worker address or a key.
+//!
+//! ```text
+//! C->S Hello      "KVBU" | version u16 | flags u16 | client nonce [32]
+//! S->C Challenge  "KVBU" | version u16 | flags u16 | incarnation u64 | server nonce [32] | server proof [32]
+//! C->S Response   client proof [32] | op u32 (1 info, 2 ping) | 0 u32
+//! S->C Verdict    status u32 (0 ok, 1 auth, 2 bad request) | body bytes u32
+//!      Body (info) worker address bytes u32 | address | regions u32 |
+//!                  regions x (addr u64 | len u64 | rkey bytes u32 | rkey)
+//! ```
+//! Little-endian; the client decodes the body strictly (limits below) and
+//! never trusts a length it has not checked.
+
+use std::collections::BTreeMap;
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Duration;
+
+use parking_lot::RwLock;
+
+use crate::tcp::auth;
+use crate::{ErrorKind, TransferError};
+
+const MAGIC: [u8; 4] = *b"KVBU";
+const VERSION: u16 = 1;
+const FLAG_SECRET: u16 = 1;
+const NONCE: usize = 32;
+const HELLO_LEN: usize = 8 + NONCE;
+const CHALLENGE_LEN: usize = 16 + 2 * NONCE;
+const RESPONSE_LEN: usize = NONCE + 8;
+const VERDICT_LEN: usize = 8;
+const VERDICT_OK: u32 = 0;
+const VERDICT_AUTH: u32 = 1;
+const VERDICT_BAD: u32 = 2;
+/// Limits on what a peer may send us.
+const MAX_BODY: usize = 64 << 20;
+const MAX_WORKER_ADDR: usize = 1 << 20;
+const MAX_RKEY: usize = 64 << 10;
+
+/// What the client asks for after the handshake.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Ask {
+    /// The worker address and the published regions with their keys.
+    Info,
+    /// Only "alive, and which incarnation".
+    Ping,
+}
+
+impl Ask {
+    fn code(self) -> u32 {
+        match self {
+            Ask::Info => 1,
+            Ask::Ping => 2,
+        }
+    }
+}
+
+/// A region a peer published: its length and packed remote key.
+#[derive(Debug, Clone)]
+pub(crate) struct RemoteRegion {
+    pub len: u64,
+    pub rkey: Arc<[u8]>,
+}
+
+/// Everything learnt from one handshake with a peer.
+#[derive(Debug)]
+pub(crate) struct PeerInfo {
+    /// The peer's session id.
+    pub session: String,
+    /// The peer engine's incarnation.
+    pub incarnation: u64,
+    /// The peer's UCP worker address.
+    pub worker: Vec<u8>,
+    /// The peer's published regions, by start address.
+    pub regions: BTreeMap<u64, RemoteRegion>,
+}
+
+impl PeerInfo {
+    /// The region containing all of `[addr, addr + len)`, if published.
+    pub(crate) fn region_of(&self, addr: u64, len: u64) -> Option<(u64, &RemoteRegion)> {
+        let (&start, r) = self.regions.range(..=addr).next_back()?;
+        let end = addr.checked_add(len)?;
+        (end <= start.checked_add(r.len)?).then_some((start, r))
+    }
+}
+
+/// What the side-channel server answers with; shared with the engine.
+#[derive(Debug)]
+pub(crate) struct Published {
+    pub secret: Option<Vec<u8>>,
+    pub incarnation: u64,
+    pub worker: Vec<u8>,
+    pub regions: RwLock<BTreeMap<u64, RemoteRegion>>,
+    pub shutdown: AtomicBool,
+    pub io_timeout: Duration,
+    pub served: AtomicU64,
+    pub auth_failures: AtomicU64,
+}
+
+/// Accept side-channel connections until `published.shutdown` is set.
+pub(crate) fn accept_loop(published: Arc<Published>, listener: TcpListener) {
+    for conn in listener.incoming() {
+        if published.shutdown.load(Ordering::Acquire) {
+            break;
+        }
+        let Ok(stream) = conn else { continue };
+        let p = published.clone();
+        let spawned = std::thread::Builder::new()
+            .name("kvb-ucx-side".into())
+            .spawn(move || {
+                if let Err(e) = serve(&p, stream) {
+                    tracing::debug!(error = %e, "ucx side channel: connection dropped");
+                }
+            });
+        if let Err(e) = spawned {
+            tracing::warn!(error = %e, "ucx side channel: cannot spawn a handler");
+        }
+    }
+}
+
+/// Answer one side-channel connection.
+fn serve(p: &Published, mut s: TcpStream) -> std::io::Result<()> {
+    s.set_nodelay(true)?;
+    s.set_read_timeout(Some(p.io_timeout))?;
+    s.set_write_timeout(Some(p.io_timeout))?;
+    let mut hello = [0u8; HELLO_LEN];
+    s.read_exact(&mut hello)?;
+    if hello[..4] != MAGIC {
+        return Err(std::io::Error::other("not a kvbridge ucx client"));
+    }
+    let client_nonce: [u8; NONCE] = arr(&hello[8..]);
+    let nonce = auth::nonce();
+    let proof = match &p.secret {
+        Some(sec) => auth::server_proof(sec, &client_nonce, &nonce, p.incarnation),
+        None => [0u8; NONCE],
+    };
+    let mut ch = Vec::with_capacity(CHALLENGE_LEN);
+    ch.extend_from_slice(&MAGIC);
+    ch.extend_from_slice(&VERSION.to_le_bytes());
+    let flags = if p.secret.is_some() { FLAG_SECRET } else { 0 };
+    ch.extend_from_slice(&flags.to_le_bytes());
+    ch.extend_from_slice(&p.incarnation.to_le_bytes());
+    ch.extend_from_slice(&nonce);
+    ch.extend_from_slice(&proof);
+    s.write_all(&ch)?;
+    let mut resp = [0u8; RESPONSE_LEN];
+    s.read_exact(&mut resp)?;
+    let client_proof: [u8; NONCE] = arr(&resp);
+    if let Some(sec) = &p.secret
+        && !auth::verify_client(sec, &nonce, &client_nonce, p.incarnation, &client_proof)
+    {
+        p.auth_failures.fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(peer = ?s.peer_addr().ok(), "ucx side channel: client failed authentication");
+        s.write_all(&verdict(VERDICT_AUTH, 0))?;
+        return Ok(());
+    }
+    let op = u32_at(&resp, NONCE);
+    let body = match op {
+        1 => info_body(p),
+        2 => Vec::new(),
+        _ => {
+            s.write_all(&verdict(VERDICT_BAD, 0))?;
+            return Ok(());
+        }
+    };
+    let Ok(n) = u32::try_from(body.len()) else {
+        s.write_all(&verdict(VERDICT_BAD, 0))?;
+        return Ok(());
+    };
+    s.write_all(&verdict(VERDICT_OK, n))?;
+    s.write_all(&body)?;
+    p.served.fetch_add(1, Ordering::Relaxed);
+    Ok(())
+}
+
+fn verdict(status: u32, len: u32) -> [u8; VERDICT_LEN] {
+    let mut v = [0u8; VERDICT_LEN];
+    v[..4].copy_from_slice(&status.to_le_bytes());
+    v[4..].copy_from_slice(&len.to_le_bytes());
+    v
+}
+
+fn info_body(p: &Published) -> Vec<u8> {
+    let regions = p.regions.read();
+    let mut b = Vec::new();
+    b.extend_from_slice(&(p.worker.len() as u32).to_le_bytes());
+    b.extend_from_slice(&p.worker);
+    b.extend_from_slice(&(regions.len() as u32).to_le_bytes());
+    for (addr, r) in regions.iter() {
+        b.extend_from_slice(&addr.to_le_bytes());
+        b.extend_from_slice(&r.len.to_le_bytes());
+        b.extend_from_slice(&(r.rkey.len() as u32).to_le_bytes());
+        b.extend_from_slice(&r.rkey);
+    }
+    b
+}
+
+fn arr<const N: usize>(b: &[u8]) -> [u8; N] {
+    let mut a = [0u8; N];
+    a.copy_from_slice(&b[..N]);
+    a
+}
+
+fn u32_at(b: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes(arr(&b[at..]))
+}
+
+fn u64_at(b: &[u8], at: usize) -> u64 {
+    u64::from_le_bytes(arr(&b[at..]))
+}
+
+/// Strict decoder of an info body: every length is checked before use.
+struct Cursor<'a> {
+    b: &'a [u8],
+    at: usize,
+}
+
+impl<'a> Cursor<'a> {
+    fn take(&mut self, n: usize) -> Option<&'a [u8]> {
+        let end = self.at.checked_add(n)?;
+        let s = self.b.get(self.at..end)?;
+        self.at = end;
+        Some(s)
+    }
+
+    fn u32(&mut self) -> Option<u32> {
+        self.take(4).map(|s| u32_at(s, 0))
+    }
+
+    fn u64(&mut self) -> Option<u64> {
+        self.take(8).map(|s| u64_at(s, 0))
+    }
+}
+
+/// Decode an info body; `None` if it is malformed or over the limits.
+fn decode_info(body: &[u8]) -> Option<(Vec<u8>, BTreeMap<u64, RemoteRegion>)> {
+    let mut c = Cursor { b: body, at: 0 };
+    let wlen = c.u32()? as usize;
+    if wlen == 0 || wlen > MAX_WORKER_ADDR {
+        return None;
+    }
+    let worker = c.take(wlen)?.to_vec();
+    let count = c.u32()? as usize;
+    let mut regions: BTreeMap<u64, RemoteRegion> = BTreeMap::new();
+    for _ in 0..count {
+        let addr = c.u64()?;
+        let len = c.u64()?;
+        let klen = c.u32()? as usize;
+        if len == 0 || addr == 0 || addr.checked_add(len).is_none() || klen > MAX_RKEY {
+            return None;
+        }
+        let rkey: Arc<[u8]> = c.take(klen)?.into();
+        // Regions must be sorted and disjoint, as a registry publishes them.
+        if let Some((&prev, r)) = regions.iter().next_back()
+            && prev.saturating_add(r.len) > addr
+        {
+            return None;
+        }
+        regions.insert(addr, RemoteRegion { len, rkey });
+    }
+    (c.at == body.len()).then_some((worker, regions))
+}
+
+/// Ask the peer at `session`: handshake (authenticating both ways when
+/// `secret` is set), then `ask`. Returns the peer's incarnation and, for
+/// [`Ask::Info`], what it published.
+pub(crate) fn query(
+    session: &str,
+    addr: SocketAddr,
+    secret: Option<&[u8]>,
+    timeout: Duration,
+    ask: Ask,
+) -> Result<(u64, Option<PeerInfo>), TransferError> {
+    let err = |kind, d: String| TransferError::new(session, None, kind, d);
+    let io = |e: std::io::Error| TransferError::from_io(session, None, &e);
+    let mut s = TcpStream::connect_timeout(&addr, timeout)
+        .map_err(|e| err(ErrorKind::Unreachable, format!("connect to {addr}: {e}")))?;
+    s.set_nodelay(true).map_err(io)?;
+    s.set_read_timeout(Some(timeout)).map_err(io)?;
+    s.set_write_timeout(Some(timeout)).map_err(io)?;
+    let my_nonce = auth::nonce();
+    let mut hello = Vec::with_capacity(HELLO_LEN);
+    hello.extend_from_slice(&MAGIC);
+    hello.extend_from_slice(&VERSION.to_le_bytes());
+    let flags = if secret.is_some() { FLAG_SECRET } else { 0 };
+    hello.extend_from_slice(&flags.to_le_bytes());
+    hello.extend_from_slice(&my_nonce);
+    s.write_all(&hello).map_err(io)?;
+    let mut ch = [0u8; CHALLENGE_LEN];
+    s.read_exact(&mut ch).map_err(io)?;
+    if ch[..4] != MAGIC {
+        return Err(err(
+            ErrorKind::Refused,
+            "peer is not a kvbridge ucx engine".into(),
+        ));
+    }
+    let version = u16::from_le_bytes([ch[4], ch[5]]);
+    if version != VERSION {
+        return Err(err(
+            ErrorKind::Refused,
+            format!("peer speaks side-channel version {version}, we speak {VERSION}"),
+        ));
+    }
+    let peer_flags = u16::from_le_bytes([ch[6], ch[7]]);
+    let incarnation = u64_at(&ch, 8);
+    let server_nonce: [u8; NONCE] = arr(&ch[16..]);
+    let server_proof: [u8; NONCE] = arr(&ch[16 + NONCE..]);
+    let proof = match secret {
+        Some(sec) => {
+            if peer_flags & FLAG_SECRET == 0 {
+                return Err(err(ErrorKind::Auth, "peer has no cluster secret".into()));
+            }
+            if !auth::verify_server(sec, &my_nonce, &server_nonce, incarnation, &server_proof) {
+                return Err(err(
+                    ErrorKind::Auth,
+                    "peer failed to prove the cluster secret".into(),
+                ));
+            }
+            auth::client_proof(sec, &server_nonce, &my_nonce, incarnation)
+        }
+        None => [0u8; NONCE],
+    };
+    let mut resp = Vec::with_capacity(RESPONSE_LEN);
+    resp.extend_from_slice(&proof);
+    resp.extend_from_slice(&ask.code().to_le_bytes());
+    resp.extend_from_slice(&0u32.to_le_bytes());
+    s.write_all(&resp).map_err(io)?;
+    let mut v = [0u8; VERDICT_LEN];
+    s.read_exact(&mut v).map_err(io)?;
+    let (status, len) = (u32_at(&v, 0), u32_at(&v, 4) as usize);
+    match status {
+        VERDICT_OK => {}
+        VERDICT_AUTH => {
+            let d = if secret.is_none() {
+                "peer requires a cluster secret"
+            } else {
+                "peer refused our cluster secret proof"
+            };
+            return Err(err(ErrorKind::Auth, d.into()));
+        }
+        other => {
+            return Err(err(
+                ErrorKind::Refused,
+                format!("peer refused the request ({other})"),
+            ));
+        }
+    }
+    if ask == Ask::Ping {
+        return Ok((incarnation, None));
+    }
+    if len > MAX_BODY {
+        return Err(err(ErrorKind::Refused, format!("info of {len} bytes")));
+    }
+    let mut body = vec![0u8; len];
+    s.read_exact(&mut body).map_err(io)?;
+    let (worker, regions) =
+        decode_info(&body).ok_or_else(|| err(ErrorKind::Refused, "malformed peer info".into()))?;
+    Ok((
+        incarnation,
+        Some(PeerInfo {
+            session: session.to_owned(),
+            incarnation,
+            worker,
+            regions,
+        }),
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn server(secret: Option<&str>) -> (Arc<Published>, SocketAddr) {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        let mut regions = BTreeMap::new();
+        regions.insert(
+            0x1000,
+            RemoteRegion {
+                len: 0x1000,
+                rkey: Arc::from(&b"key-one"[..]),
+            },
+        );
+        let p = Arc::new(Published {
+            secret: secret.map(|s| s.as_bytes().to_vec()),
+            incarnation: 77,
+            worker: b"worker-address".to_vec(),
+            regions: RwLock::new(regions),
+            shutdown: AtomicBool::new(false),
+            io_timeout: Duration::from_secs(2),
+            served: AtomicU64::new(0),
+            auth_failures: AtomicU64::new(0),
+        });
+        let p2 = p.clone();
+        std::thread::spawn(move || accept_loop(p2, l));
+        (p, addr)
+    }
+
+    const T: Duration = Duration::from_secs(2);
+
+    #[test]
+    fn info_round_trip_with_and_without_secret() {
+        let (_p, a) = server(None);
+        let (inc, info) = query("s", a, None, T, Ask::Info).unwrap();
+        let info = info.unwrap();
+        assert_eq!((inc, info.incarnation), (77, 77));
+        assert_eq!(info.worker, b"worker-address");
+        assert_eq!(&*info.region_of(0x1800, 0x800).unwrap().1.rkey, b"key-one");
+        assert!(info.region_of(0x1800, 0x801).is_none());
+        assert!(info.region_of(0xfff, 2).is_none());
+        let (_p, a) = server(Some("s3cret"));
+        let (inc, info) = query("s", a, Some(b"s3cret"), T, Ask::Info).unwrap();
+        assert_eq!(inc, 77);
+        assert_eq!(info.unwrap().regions.len(), 1);
+        assert_eq!(query("s", a, Some(b"s3cret"), T, Ask::Ping).unwrap().0, 77);
+    }
+
+    #[test]
+    fn a_client_without_the_secret_never_receives_a_key() {
+        let (p, a) = server(Some("s3cret"));
+        let e = query("s", a, None, T, Ask::Info).unwrap_err();
+        assert_eq!(e.kind, ErrorKind::Auth, "{e}");
+        let e = query("s", a, Some(b"wrong"), T, Ask::Info).unwrap_err();
+        assert_eq!(e.kind, ErrorKind::Auth, "{e}");
+        // Raw: a client that sends a bogus proof gets a bare refusal and EOF.
+        let mut s = TcpStream::connect(a).unwrap();
+        let mut hello = MAGIC.to_vec();
+        hello.extend_from_slice(&VERSION.to_le_bytes());
+        hello.extend_from_slice(&FLAG_SECRET.to_le_bytes());
+        hello.extend_from_slice(&[7u8; NONCE]);
+        s.write_all(&hello).unwrap();
+        let mut ch = [0u8; CHALLENGE_LEN];
+        s.read_exact(&mut ch).unwrap();
+        let mut resp = vec![9u8; NONCE];
+        resp.extend_from_slice(&1u32.to_le_bytes());
+        resp.extend_from_slice(&0u32.to_le_bytes());
+        s.write_all(&resp).unwrap();
+        let mut rest = Vec::new();
+        s.read_to_end(&mut rest).unwrap();
+        assert_eq!(rest, verdict(VERDICT_AUTH, 0));
+        // (The client with the wrong secret gave up before answering: the
+        // server's proof did not verify.)
+        assert_eq!(p.auth_failures.load(Ordering::Relaxed), 2);
+        assert_eq!(p.served.load(Ordering::Relaxed), 0);
+        // A server without a secret is refused by a client that has one.
+        let (_p, a) = server(None);
+        let e = query("s", a, Some(b"s3cret"), T, Ask::Info).unwrap_err();
+        assert_eq!(e.kind, ErrorKind::Auth, "{e}");
+    }
+
+    #[test]
+    fn malformed_info_is_rejected() {
+        let good = {
+            let mut b = Vec::new();
+            b.extend_from_slice(&2u32.to_le_bytes());
+            b.extend_from_slice(b"wa");
+            b.extend_from_slice(&1u32.to_le_bytes());
+            b.extend_from_slice(&0x1000u64.to_le_bytes());
+            b.extend_from_slice(&16u64.to_le_bytes());
+            b.extend_from_slice(&1u32.to_le_bytes());
+            b.push(5);
+            b
+        };
+        assert!(decode_info(&good).is_some());
+        for cut in 0..good.len() {
+            assert!(decode_info(&good[..cut]).is_none(), "prefix {cut}");
+        }
+        let mut trailing = good.clone();
+        trailing.push(0);
+        assert!(decode_info(&trailing).is_none());
+        let mut huge_count = good.clone();
+        huge_count[6..10].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert!(decode_info(&huge_count).is_none());
+        let mut overflow = good.clone();
+        overflow[10..18].copy_from_slice(&u64::MAX.to_le_bytes());
+        assert!(decode_info(&overflow).is_none());
+    }
+}
