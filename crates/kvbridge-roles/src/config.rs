@@ -154,6 +154,11 @@ pub struct PrefillConfig {
     pub max_batch_blocks: usize,
     /// Serve Prometheus metrics here when set.
     pub metrics_addr: Option<SocketAddr>,
+    /// Intra-node transport (`MC_INTRANODE_NVLINK`, `MC_INTRA_NVLINK`,
+    /// `MOONCAKE_PROTOCOL=nvlink_intra`): only device regions go to the
+    /// engine; host-sourced blocks and aux travel over zmq. Also on when
+    /// the engine moves device memory only.
+    pub nvlink_intra: bool,
 }
 
 impl Default for PrefillConfig {
@@ -172,6 +177,7 @@ impl Default for PrefillConfig {
             zmq_send_timeout: Duration::from_secs(30),
             max_batch_blocks: 1 << 16,
             metrics_addr: None,
+            nvlink_intra: false,
         }
     }
 }
@@ -206,6 +212,7 @@ impl PrefillConfig {
         if let Some(v) = env::<f64>("SGLANG_FAILED_SESSION_IDLE_TIMEOUT_S") {
             self.probe.idle_timeout = secs(v);
         }
+        self.nvlink_intra |= crate::local::nvlink_intra_env();
         self
     }
 
@@ -262,6 +269,10 @@ pub struct DecodeConfig {
     pub zmq_send_timeout: Duration,
     /// Serve Prometheus metrics here when set.
     pub metrics_addr: Option<SocketAddr>,
+    /// Intra-node transport: only device regions are registered with the
+    /// engine; host regions receive `STATE_DATA` / `AUX_DATA` over zmq.
+    /// Also on when the engine moves device memory only.
+    pub nvlink_intra: bool,
 }
 
 impl Default for DecodeConfig {
@@ -279,6 +290,7 @@ impl Default for DecodeConfig {
             deferred_release: true,
             zmq_send_timeout: Duration::from_secs(1),
             metrics_addr: None,
+            nvlink_intra: false,
         }
     }
 }
@@ -305,6 +317,7 @@ impl DecodeConfig {
         if let Some(v) = env::<f64>("SGLANG_DISAGGREGATION_ZMQ_SEND_TIMEOUT") {
             self.zmq_send_timeout = secs(v);
         }
+        self.nvlink_intra |= crate::local::nvlink_intra_env();
         self
     }
 }

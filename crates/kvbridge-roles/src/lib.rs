@@ -18,6 +18,7 @@ pub mod error;
 pub mod health;
 mod http;
 pub mod kv_args;
+mod local;
 pub mod metrics;
 pub mod prefill;
 pub mod rooms;
@@ -27,6 +28,7 @@ pub use config::{DecodeConfig, ParallelRank, PrefillConfig, ProbeConfig};
 pub use error::{ConfigError, KvTransferError, SendError, StartError};
 pub use kv_args::KvArgs;
 pub use kvbridge_wire::KvPoll;
+pub use local::nvlink_intra_env;
 pub use prefill::{KvSender, PrefillManager};
 pub mod decode;
 

@@ -130,7 +130,90 @@ impl RankSpec {
     }
 }
 
-/// One rank's KV and aux pools in host memory.
+/// Where a rank's pools live.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Placement {
+    /// GPU for the KV buffers (`None`: host memory). Needs the `cuda` feature.
+    pub device: Option<i32>,
+    /// With a GPU: how many KV buffers (the first ones) stay in host memory
+    /// anyway, so their blocks take the intra-node host path (`STATE_DATA`).
+    pub host_kv_buffers: u64,
+}
+
+/// One pool buffer: host memory, or device memory filled and checked
+/// through host staging copies.
+#[derive(Debug)]
+enum PoolBuf {
+    Host(HostBuffer),
+    #[cfg(feature = "cuda")]
+    Device(kvbridge_mem::cuda::DeviceBuffer),
+}
+
+impl PoolBuf {
+    fn new(len: u64, device: Option<i32>) -> Result<Self, MemError> {
+        let len = usize::try_from(len).unwrap_or(usize::MAX);
+        match device {
+            None => Ok(PoolBuf::Host(HostBuffer::new_resident(len)?)),
+            #[cfg(feature = "cuda")]
+            Some(ordinal) => Ok(PoolBuf::Device(kvbridge_mem::cuda::DeviceBuffer::new(
+                ordinal, len,
+            )?)),
+            #[cfg(not(feature = "cuda"))]
+            Some(ordinal) => Err(MemError::Unsupported {
+                kind: kvbridge_mem::MemoryKind::Device { ordinal },
+            }),
+        }
+    }
+
+    fn addr(&self) -> u64 {
+        match self {
+            PoolBuf::Host(b) => b.addr(),
+            #[cfg(feature = "cuda")]
+            PoolBuf::Device(b) => b.addr(),
+        }
+    }
+
+    fn len(&self) -> usize {
+        match self {
+            PoolBuf::Host(b) => b.len(),
+            #[cfg(feature = "cuda")]
+            PoolBuf::Device(b) => b.len(),
+        }
+    }
+
+    /// Copies `out.len()` bytes at `off` out; false when out of bounds or failed.
+    fn read(&self, off: usize, out: &mut [u8]) -> bool {
+        match self {
+            PoolBuf::Host(b) => match b.as_slice().get(off..off + out.len()) {
+                Some(src) => {
+                    out.copy_from_slice(src);
+                    true
+                }
+                None => false,
+            },
+            #[cfg(feature = "cuda")]
+            PoolBuf::Device(b) => b.read(off, out).is_ok(),
+        }
+    }
+
+    /// Copies `data` to `off`; false when out of bounds or failed.
+    fn write(&mut self, off: usize, data: &[u8]) -> bool {
+        match self {
+            PoolBuf::Host(b) => match b.as_mut_slice().get_mut(off..off + data.len()) {
+                Some(dst) => {
+                    dst.copy_from_slice(data);
+                    true
+                }
+                None => false,
+            },
+            #[cfg(feature = "cuda")]
+            PoolBuf::Device(b) => b.write(off, data).is_ok(),
+        }
+    }
+}
+
+/// One rank's KV and aux pools (host memory, or KV in device memory).
 #[derive(Debug)]
 pub struct RankPools {
     model: ModelSpec,
@@ -138,8 +221,8 @@ pub struct RankPools {
     pages: u64,
     aux_slots: u64,
     /// K buffers of this stage's layers, then V buffers (MLA: one per layer).
-    kv: Vec<HostBuffer>,
-    aux: Vec<HostBuffer>,
+    kv: Vec<PoolBuf>,
+    aux: Vec<PoolBuf>,
 }
 
 /// Bytes checked and bytes wrong in a verification.
@@ -221,25 +304,39 @@ fn page_offset(page: i32, item: u64) -> Option<usize> {
 }
 
 impl RankPools {
-    /// Allocates `pages` pages per KV buffer and `aux_slots` slots per aux buffer.
+    /// Allocates `pages` pages per KV buffer and `aux_slots` slots per aux
+    /// buffer, in host memory.
     pub fn new(
         model: ModelSpec,
         rank: RankSpec,
         pages: u64,
         aux_slots: u64,
     ) -> Result<Self, MemError> {
+        Self::with_placement(model, rank, pages, aux_slots, Placement::default())
+    }
+
+    /// Like [`RankPools::new`], with the KV buffers placed as `placement`
+    /// says (aux buffers stay in host memory, as sglang's metadata buffers).
+    pub fn with_placement(
+        model: ModelSpec,
+        rank: RankSpec,
+        pages: u64,
+        aux_slots: u64,
+        placement: Placement,
+    ) -> Result<Self, MemError> {
         let (start, end) = rank.layer_range(model.layers);
         let halves = if model.mla { 1 } else { 2 };
         let item = model.item_len(rank.tp_size);
         let kv = (0..halves * (end - start))
-            .map(|_| HostBuffer::new_resident(usize::try_from(item * pages).unwrap_or(usize::MAX)))
+            .map(|b| {
+                let device = placement.device.filter(|_| b >= placement.host_kv_buffers);
+                PoolBuf::new(item * pages, device)
+            })
             .collect::<Result<Vec<_>, _>>()?;
         let aux = model
             .aux_item_lens
             .iter()
-            .map(|len| {
-                HostBuffer::new_resident(usize::try_from(len * aux_slots).unwrap_or(usize::MAX))
-            })
+            .map(|len| PoolBuf::new(len * aux_slots, None))
             .collect::<Result<Vec<_>, _>>()?;
         Ok(Self {
             model,
@@ -294,7 +391,7 @@ impl RankPools {
                 pp_size: self.rank.pp_size,
                 page_size: self.model.page_size,
                 is_mla_backend: self.model.mla,
-                kv_data_ptrs: self.kv.iter().map(HostBuffer::addr).collect(),
+                kv_data_ptrs: self.kv.iter().map(PoolBuf::addr).collect(),
                 kv_item_lens: vec![item; self.kv.len()],
                 kv_layer_ids: layer_ids,
                 kv_head_num: self.model.local_heads(self.rank.tp_size),
@@ -305,7 +402,7 @@ impl RankPools {
                 },
                 prefill_start_layer: start,
                 prefill_end_layer: Some(end),
-                aux_data_ptrs: self.aux.iter().map(HostBuffer::addr).collect(),
+                aux_data_ptrs: self.aux.iter().map(PoolBuf::addr).collect(),
                 aux_item_lens: self.model.aux_item_lens.clone(),
                 ..PrefillLayout::default()
             },
@@ -315,27 +412,31 @@ impl RankPools {
         }
     }
 
-    /// Visits every head slice of the request's pages: `(buffer, page offset
-    /// of the slice, layer, kv, token, global head)`.
-    fn for_each_slice(&self, pages: &[i32], mut f: impl FnMut(usize, usize, u64, u64, u64, u64)) {
-        let tp = self.rank.tp_size;
-        let heads = self.model.local_heads(tp);
-        let hb = self.model.head_bytes;
-        let item = self.model.item_len(tp);
+    /// Visits every page of the request in every buffer: `(buffer, byte
+    /// offset of the page, index of the page in the request, layer, kv)`.
+    fn for_each_page(&self, pages: &[i32], mut f: impl FnMut(usize, usize, u64, u64, u64)) {
+        let item = self.model.item_len(self.rank.tp_size);
         for b in 0..self.kv.len() {
             let (layer, kv) = self.buffer_layer(b);
             for (k, &page) in pages.iter().enumerate() {
-                let Some(base) = page_offset(page, item) else {
-                    continue;
-                };
-                for slot in 0..self.model.page_size {
-                    let token = k as u64 * self.model.page_size + slot;
-                    for h in 0..heads {
-                        let off = base + ((slot * heads + h) * hb) as usize;
-                        let head = self.model.global_head(tp, self.rank.tp_rank, h);
-                        f(b, off, layer, kv, token, head);
-                    }
+                if let Some(base) = page_offset(page, item) {
+                    f(b, base, k as u64, layer, kv);
                 }
+            }
+        }
+    }
+
+    /// Visits every head slice of page `k` of a request: `(offset in the
+    /// page, token, global head)`.
+    fn for_each_slice(&self, k: u64, mut f: impl FnMut(usize, u64, u64)) {
+        let tp = self.rank.tp_size;
+        let heads = self.model.local_heads(tp);
+        let hb = self.model.head_bytes;
+        for slot in 0..self.model.page_size {
+            let token = k * self.model.page_size + slot;
+            for h in 0..heads {
+                let off = ((slot * heads + h) * hb) as usize;
+                f(off, token, self.model.global_head(tp, self.rank.tp_rank, h));
             }
         }
     }
@@ -343,23 +444,24 @@ impl RankPools {
     /// Writes the request's pattern into its pages and aux slot.
     pub fn fill(&mut self, room: u64, pages: &[i32], aux_slot: u64) {
         let hb = self.model.head_bytes as usize;
+        let item = self.model.item_len(self.rank.tp_size) as usize;
+        let mut stage = vec![0u8; item];
         let mut writes = Vec::new();
-        self.for_each_slice(pages, |b, off, layer, kv, token, head| {
-            writes.push((b, off, layer, kv, token, head))
+        self.for_each_page(pages, |b, base, k, layer, kv| {
+            writes.push((b, base, k, layer, kv))
         });
-        for (b, off, layer, kv, token, head) in writes {
-            if let Some(dst) = self.kv[b].as_mut_slice().get_mut(off..off + hb) {
-                slice_pattern(slice_seed(room, layer, kv, token, head), dst);
-            }
+        for (b, base, k, layer, kv) in writes {
+            self.for_each_slice(k, |off, token, head| {
+                if let Some(dst) = stage.get_mut(off..off + hb) {
+                    slice_pattern(slice_seed(room, layer, kv, token, head), dst);
+                }
+            });
+            self.kv[b].write(base, &stage);
         }
         for (i, len) in self.model.aux_item_lens.clone().into_iter().enumerate() {
-            let start = (aux_slot * len) as usize;
-            if let Some(dst) = self.aux[i]
-                .as_mut_slice()
-                .get_mut(start..start + len as usize)
-            {
-                aux_pattern(room, i as u64, dst);
-            }
+            let mut slot = vec![0u8; len as usize];
+            aux_pattern(room, i as u64, &mut slot);
+            self.aux[i].write((aux_slot * len) as usize, &slot);
         }
     }
 
@@ -373,15 +475,21 @@ impl RankPools {
     /// Checks every byte of the request's pages.
     pub fn verify_kv(&self, room: u64, pages: &[i32]) -> Verified {
         let hb = self.model.head_bytes as usize;
+        let item = self.model.item_len(self.rank.tp_size) as usize;
+        let mut stage = vec![0u8; item];
         let mut v = Verified::default();
-        self.for_each_slice(pages, |b, off, layer, kv, token, head| {
-            match self.kv[b].as_slice().get(off..off + hb) {
+        self.for_each_page(pages, |b, base, k, layer, kv| {
+            if !self.kv[b].read(base, &mut stage) {
+                v.mismatched += item as u64;
+                return;
+            }
+            self.for_each_slice(k, |off, token, head| match stage.get(off..off + hb) {
                 Some(got) => {
                     v.bytes += hb as u64;
                     v.mismatched += slice_mismatches(slice_seed(room, layer, kv, token, head), got);
                 }
                 None => v.mismatched += hb as u64,
-            }
+            });
         });
         v
     }
@@ -392,13 +500,12 @@ impl RankPools {
         for (i, len) in self.model.aux_item_lens.iter().enumerate() {
             let mut want = vec![0u8; *len as usize];
             aux_pattern(room, i as u64, &mut want);
-            let start = (aux_slot * len) as usize;
-            match self.aux[i].as_slice().get(start..start + *len as usize) {
-                Some(got) => {
-                    v.bytes += *len;
-                    v.mismatched += got.iter().zip(&want).filter(|(a, b)| a != b).count() as u64;
-                }
-                None => v.mismatched += *len,
+            let mut got = vec![0u8; *len as usize];
+            if self.aux[i].read((aux_slot * len) as usize, &mut got) {
+                v.bytes += *len;
+                v.mismatched += got.iter().zip(&want).filter(|(a, b)| a != b).count() as u64;
+            } else {
+                v.mismatched += *len;
             }
         }
         v
@@ -408,12 +515,11 @@ impl RankPools {
     /// detect any late write).
     pub fn poison(&mut self, pages: &[i32], byte: u8) {
         let item = self.model.item_len(self.rank.tp_size);
+        let fill = vec![byte; item as usize];
         for buf in &mut self.kv {
             for &page in pages {
-                if let Some(off) = page_offset(page, item)
-                    && let Some(dst) = buf.as_mut_slice().get_mut(off..off + item as usize)
-                {
-                    dst.fill(byte);
+                if let Some(off) = page_offset(page, item) {
+                    buf.write(off, &fill);
                 }
             }
         }
@@ -422,13 +528,18 @@ impl RankPools {
     /// Whether the request's pages still hold only `byte`.
     pub fn still_poisoned(&self, pages: &[i32], byte: u8) -> bool {
         let item = self.model.item_len(self.rank.tp_size);
+        let mut stage = vec![0u8; item as usize];
         self.kv.iter().all(|buf| {
             pages.iter().all(|&page| {
-                page_offset(page, item)
-                    .and_then(|off| buf.as_slice().get(off..off + item as usize))
-                    .is_some_and(|s| s.iter().all(|b| *b == byte))
+                page_offset(page, item).is_some_and(|off| buf.read(off, &mut stage))
+                    && stage.iter().all(|b| *b == byte)
             })
         })
+    }
+
+    /// Bytes of every KV buffer (for sizing checks).
+    pub fn kv_bytes(&self) -> u64 {
+        self.kv.iter().map(|b| b.len() as u64).sum()
     }
 }
 

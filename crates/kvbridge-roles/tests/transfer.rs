@@ -104,3 +104,78 @@ fn a_long_prompt_in_many_single_page_chunks() {
     prefill.teardown();
     decode.teardown();
 }
+
+/// The intra-node transport mode (`MC_INTRANODE_NVLINK`) with host pools:
+/// nothing is registered with the engine, every block travels as
+/// `STATE_DATA` and the aux as `AUX_DATA` over the ordered zmq channel,
+/// ahead of the status, and still lands byte-exact.
+#[test]
+fn intra_node_mode_ships_host_blocks_over_zmq() {
+    let bs = bootstrap();
+    let mut p_pools = Pools::new(2, 32, 1024, 4, 64);
+    let d_pools = Pools::new(2, 64, 1024, 8, 64);
+    let src_pages: Vec<i32> = vec![1, 2, 3, 7, 8];
+    let dst_pages: Vec<i32> = vec![30, 31, 5, 6, 50];
+    for &p in &src_pages {
+        p_pools.fill_page(p as u64 + 100, p as usize);
+    }
+    p_pools.fill_aux(9, 1);
+    let p_engine = tcp_engine();
+    let d_engine = tcp_engine();
+    let prefill = start_prefill(
+        kvbridge_roles::PrefillConfig {
+            nvlink_intra: true,
+            ..prefill_config(bs.local_addr(), 1, 0)
+        },
+        p_pools.kv_args(16, 1, 0, 8),
+        p_engine.clone(),
+    );
+    let decode = start_decode(
+        kvbridge_roles::DecodeConfig {
+            nvlink_intra: true,
+            ..decode_config(1)
+        },
+        d_pools.kv_args(16, 1, 0, 8),
+        d_engine.clone(),
+    );
+    assert!(
+        p_engine.registered_regions().is_empty(),
+        "host memory stays off the engine"
+    );
+    assert!(
+        d_engine.registered_regions().is_empty(),
+        "host memory stays off the engine"
+    );
+    let room = 0x1a7a;
+    let mut rx = decode.receiver(&bs.local_addr().to_string(), room);
+    assert_eq!(rx.init(0), KvPoll::WaitingForInput);
+    rx.send_metadata(&dst_pages, 3, &[], None);
+    let mut tx = prefill.sender(room);
+    tx.init(src_pages.len() as u64, Some(1));
+    assert_eq!(
+        wait_for(T, KvPoll::WaitingForInput, || tx.poll()),
+        KvPoll::WaitingForInput
+    );
+    for chunk in src_pages.chunks(2) {
+        tx.send(chunk, None, None).unwrap();
+    }
+    assert_eq!(wait_terminal(T, || tx.poll()), KvPoll::Success);
+    assert_eq!(wait_terminal(T, || rx.poll()), KvPoll::Success);
+    let item = 1024usize;
+    for (s, d) in src_pages.iter().zip(&dst_pages) {
+        for b in 0..4 {
+            assert_eq!(
+                &d_pools.kv[b].as_slice()[*d as usize * item..(*d as usize + 1) * item],
+                &p_pools.kv[b].as_slice()[*s as usize * item..(*s as usize + 1) * item]
+            );
+        }
+    }
+    assert_eq!(
+        &d_pools.aux.as_slice()[3 * 64..4 * 64],
+        &p_pools.aux.as_slice()[64..2 * 64]
+    );
+    rx.clear();
+    tx.clear();
+    prefill.teardown();
+    decode.teardown();
+}

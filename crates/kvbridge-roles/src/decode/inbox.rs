@@ -16,22 +16,80 @@ use crate::control::PullSocket;
 const DEFAULT_PREFILL_FAILURE_REASON: &str =
     "Failed to get kvcache from prefill instance, it might be dead";
 
+/// Most `STATE_DATA` bytes held before they are written.
+const STATE_BATCH_BYTES: usize = 16 << 20;
+
+/// `STATE_DATA` blocks received back to back, written together (one wait
+/// for device memory instead of one per block). Flushed before any other
+/// message is handled, so a room's status never overtakes its blocks.
+#[derive(Default)]
+struct StateBatch {
+    items: Vec<(u64, u64, Vec<u8>)>,
+    bytes: usize,
+}
+
+impl StateBatch {
+    fn flush(&mut self, shared: &Shared) {
+        if self.items.is_empty() {
+            return;
+        }
+        let writes: Vec<(u64, &[u8])> = self
+            .items
+            .iter()
+            .map(|(_, dst, data)| (*dst, data.as_slice()))
+            .collect();
+        // Our own registry of every buffer (host ones too, which the
+        // intra-node transport leaves unregistered with the engine):
+        // bounds-checked, and written with host-to-device copies where the
+        // buffer is device memory.
+        let results = shared.local.registry.write_batch(&writes);
+        for ((room, dst, data), r) in self.items.iter().zip(results) {
+            if let Err(e) = r {
+                shared.metrics.dropped("state_data");
+                tracing::error!(
+                    room,
+                    addr = format_args!("{dst:#x}"),
+                    len = data.len(),
+                    error = %e,
+                    "STATE_DATA targets an unknown region; dropping"
+                );
+            }
+        }
+        self.items.clear();
+        self.bytes = 0;
+    }
+}
+
 /// Receives until the manager stops.
 pub(crate) fn run(shared: &Shared, socket: PullSocket) {
+    let mut batch = StateBatch::default();
     while !shared.stopped.load(Ordering::SeqCst) {
-        let frames = match socket.recv_timeout(Duration::from_millis(20)) {
+        let wait = if batch.items.is_empty() { 20 } else { 0 };
+        let frames = match socket.recv_timeout(Duration::from_millis(wait)) {
             Ok(Some(f)) => f,
-            Ok(None) => continue,
+            Ok(None) => {
+                batch.flush(shared);
+                continue;
+            }
             Err(e) => {
                 tracing::error!(error = %e, "decode socket receive failed");
                 std::thread::sleep(Duration::from_millis(50));
                 continue;
             }
         };
-        match ToDecode::decode(&frames, &Limits::DEFAULT) {
+        let message = ToDecode::decode(&frames, &Limits::DEFAULT);
+        if let Ok(ToDecode::StateData(s)) = &message {
+            on_state(shared, s, &mut batch);
+            if batch.bytes >= STATE_BATCH_BYTES {
+                batch.flush(shared);
+            }
+            continue;
+        }
+        batch.flush(shared);
+        match message {
             Ok(ToDecode::Status(s)) => on_status(shared, &s),
             Ok(ToDecode::AuxData(a)) => on_aux(shared, &a),
-            Ok(ToDecode::StateData(s)) => on_state(shared, &s),
+            Ok(ToDecode::StateData(s)) => on_state(shared, &s, &mut batch),
             Ok(ToDecode::ChunkReady(c)) => on_chunk_ready(shared, &c),
             Ok(ToDecode::StagingReq(r)) => on_staging_req(shared, &r),
             Ok(ToDecode::AbortAck(a)) => on_abort_ack(shared, &a),
@@ -74,6 +132,12 @@ fn on_status(shared: &Shared, s: &Status<'_>) {
                 .failure_reason
                 .as_deref()
                 .unwrap_or(DEFAULT_PREFILL_FAILURE_REASON);
+            if rooms.table.get(s.room) == Some(KvPoll::Failed) {
+                // Already failed here (an abort, a timeout): keep that root
+                // cause; the prefill's message is its echo.
+                rooms.table.first_failure(s.room, reason);
+                return;
+            }
             rooms.table.record_failure(s.room, reason);
             rooms.table.update(s.room, KvPoll::Failed);
             drop(rooms);
@@ -116,13 +180,13 @@ fn on_aux(shared: &Shared, a: &AuxData<'_>) {
         tracing::warn!(room = a.room, len = a.data.len(), item, "dropping AUX_DATA");
         return;
     }
-    if let Err(e) = shared.engine.write_local(addr, &a.data) {
+    if let Err(e) = shared.local.registry.write_bytes(addr, &a.data) {
         shared.metrics.dropped("aux_data");
         tracing::error!(room = a.room, error = %e, "AUX_DATA outside our regions; dropping");
     }
 }
 
-fn on_state(shared: &Shared, s: &StateData<'_>) {
+fn on_state(shared: &Shared, s: &StateData<'_>, batch: &mut StateBatch) {
     if !accepts_writes(shared, s.room) {
         shared.metrics.dropped("state_data");
         tracing::warn!(
@@ -131,16 +195,8 @@ fn on_state(shared: &Shared, s: &StateData<'_>) {
         );
         return;
     }
-    if let Err(e) = shared.engine.write_local(s.dst_addr, &s.data) {
-        shared.metrics.dropped("state_data");
-        tracing::error!(
-            room = s.room,
-            addr = format_args!("{:#x}", s.dst_addr),
-            len = s.data.len(),
-            error = %e,
-            "STATE_DATA targets an unknown region; dropping"
-        );
-    }
+    batch.bytes += s.data.len();
+    batch.items.push((s.room, s.dst_addr, s.data.to_vec()));
 }
 
 fn on_chunk_ready(shared: &Shared, c: &ChunkReady<'_>) {

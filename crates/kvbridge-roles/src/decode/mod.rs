@@ -43,6 +43,9 @@ pub(crate) struct Shared {
     pub stop_signal: StopSignal,
     pub rank_port: u16,
     pub http: ureq::Agent,
+    /// Our buffers for local writes (`AUX_DATA`, `STATE_DATA`), and what
+    /// the engine has registered.
+    pub local: crate::local::LocalMemory,
 }
 
 impl Shared {
@@ -118,9 +121,11 @@ impl DecodeManager {
         engine: Arc<dyn TransferEngine>,
     ) -> Result<Self, StartError> {
         kv_args.validate()?;
-        let regions = kv_args.registerable_regions();
-        // SAFETY: the caller promises the buffers outlive the manager, which
-        // deregisters them in `teardown`.
+        let intra = config.nvlink_intra || !engine.moves_host_memory();
+        // SAFETY: the caller promises the buffers outlive the manager.
+        let local = unsafe { crate::local::LocalMemory::new(&kv_args, intra)? };
+        let regions = local.engine_regions.clone();
+        // SAFETY: as above; the manager deregisters them in `teardown`.
         unsafe { engine.batch_register(&regions)? };
         let context = zmq::Context::new();
         let deregister = |engine: &Arc<dyn TransferEngine>| {
@@ -158,6 +163,7 @@ impl DecodeManager {
             metrics,
             stopped: AtomicBool::new(false),
             stop_signal,
+            local,
         });
         let mut threads = Vec::new();
         let s = shared.clone();
@@ -232,13 +238,7 @@ impl DecodeManager {
         }
         self.shared.push.close_all();
         self.metrics_server = None;
-        let addrs: Vec<u64> = self
-            .shared
-            .kv_args
-            .registerable_regions()
-            .iter()
-            .map(|r| r.0)
-            .collect();
+        let addrs = self.shared.local.engine_addrs();
         if let Err(e) = self.shared.engine.batch_deregister(&addrs) {
             tracing::warn!(error = %e, "deregistering memory at teardown");
         }

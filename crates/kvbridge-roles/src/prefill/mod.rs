@@ -60,6 +60,8 @@ pub(crate) struct Shared {
     pub queues: Vec<Sender<Option<QueuedChunk>>>,
     pub unique_rank: u64,
     pub in_flight: usize,
+    /// Our buffers for local reads, and what the engine has registered.
+    pub local: crate::local::LocalMemory,
 }
 
 impl Shared {
@@ -210,16 +212,20 @@ impl PrefillManager {
     ) -> Result<Self, StartError> {
         kv_args.validate()?;
         let (queues, in_flight) = config.worker_layout().map_err(ConfigError::Setting)?;
-        let regions = kv_args.registerable_regions();
+        let intra = config.nvlink_intra || !engine.moves_host_memory();
         // SAFETY: the caller promises (this function's contract) that every
-        // buffer in `kv_args` outlives the manager, which deregisters them in
-        // `teardown` before returning.
+        // buffer in `kv_args` outlives the manager.
+        let local = unsafe { crate::local::LocalMemory::new(&kv_args, intra)? };
+        let regions = local.engine_regions.clone();
+        // SAFETY: as above; the manager deregisters them in `teardown`
+        // before returning.
         unsafe { engine.batch_register(&regions)? };
         let context = zmq::Context::new();
         let (mut stop, stop_signal) = stop_pair();
         let started = Self::start_threads(
             config,
             kv_args,
+            local,
             engine.clone(),
             &context,
             (queues, in_flight),
@@ -246,6 +252,7 @@ impl PrefillManager {
     fn start_threads(
         config: PrefillConfig,
         kv_args: KvArgs,
+        local: crate::local::LocalMemory,
         engine: Arc<dyn TransferEngine>,
         context: &zmq::Context,
         (queue_count, in_flight): (usize, usize),
@@ -285,6 +292,7 @@ impl PrefillManager {
             stop_signal,
             queues: senders,
             in_flight,
+            local,
         });
         let mut threads = Vec::new();
         let spawn = |name: String, f: Box<dyn FnOnce() + Send>| {
@@ -380,13 +388,7 @@ impl PrefillManager {
         }
         self.shared.push.close_all();
         self.metrics_server = None;
-        let addrs: Vec<u64> = self
-            .shared
-            .kv_args
-            .registerable_regions()
-            .iter()
-            .map(|r| r.0)
-            .collect();
+        let addrs = self.shared.local.engine_addrs();
         if let Err(e) = self.shared.engine.batch_deregister(&addrs) {
             tracing::warn!(error = %e, "deregistering memory at teardown");
         }

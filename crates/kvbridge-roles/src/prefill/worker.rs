@@ -10,7 +10,7 @@ use std::time::Instant;
 use crossbeam_channel::{Receiver, TryRecvError};
 use kvbridge_engine::{BatchHandle, ErrorKind, TransferError};
 use kvbridge_plan::{Block, Planner, TransferChunk};
-use kvbridge_wire::{AuxData, KvPoll};
+use kvbridge_wire::{AuxData, KvPoll, StateData};
 
 use super::pipeline::{Pipeline, Target};
 use super::state::{Peer, TransferInfo};
@@ -223,7 +223,17 @@ fn send_chunk(
                     aborted = true;
                     break 'kv;
                 }
-                pipe.submit(shared, ticket, target, piece);
+                let piece = match ship_host_blocks(shared, room, info, piece) {
+                    Ok(rest) => rest,
+                    Err(reason) => {
+                        fail(shared, room, reason);
+                        aborted = true;
+                        break 'kv;
+                    }
+                };
+                if !piece.is_empty() {
+                    pipe.submit(shared, ticket, target, &piece);
+                }
             }
         }
         if aborted {
@@ -242,7 +252,14 @@ fn send_chunk(
         if pipe.failed(ticket) || room_failed(shared, room) {
             break;
         }
-        match transfer(shared, room, &target, std::iter::once(plan.state_blocks())) {
+        let states = match ship_host_blocks(shared, room, info, plan.state_blocks()) {
+            Ok(rest) => rest,
+            Err(reason) => {
+                fail(shared, room, reason);
+                break;
+            }
+        };
+        match transfer(shared, room, &target, std::iter::once(&*states)) {
             Ok(()) => {}
             Err(Stop::Aborted) => break,
             Err(Stop::Engine(e)) => {
@@ -258,7 +275,8 @@ fn send_chunk(
                 break;
             }
         }
-        let aux_ok = if shared.config.send_aux_tcp {
+        // The intra-node transport sends aux over zmq, as the seed does.
+        let aux_ok = if shared.config.send_aux_tcp || shared.local.intra {
             send_aux_tcp(shared, room, chunk, info, request.dst_aux_index)
         } else {
             match transfer(shared, room, &target, std::iter::once(plan.aux_blocks())) {
@@ -401,7 +419,7 @@ fn send_aux_tcp(
             return false;
         };
         let mut data = vec![0u8; usize::try_from(*len).unwrap_or(0)];
-        if let Err(e) = shared.engine.read_local(src, &mut data) {
+        if let Err(e) = shared.local.registry.read_bytes(src, &mut data) {
             tracing::error!(room, error = %e, "cannot read aux slot");
             return false;
         }
@@ -420,4 +438,49 @@ fn send_aux_tcp(
         }
     }
     true
+}
+
+/// With the intra-node transport active, sends the blocks whose source is
+/// host memory as `STATE_DATA` over the decode's ordered zmq socket (the
+/// seed's `_send_host_blocks_tcp`: read locally, with a device-to-host copy
+/// where needed) and returns the rest for the engine. Without it, returns
+/// every block.
+fn ship_host_blocks<'a>(
+    shared: &Shared,
+    room: u64,
+    info: &TransferInfo,
+    blocks: &'a [Block],
+) -> Result<std::borrow::Cow<'a, [Block]>, String> {
+    let local = &shared.local;
+    if !local.intra || !blocks.iter().any(|b| local.ships_over_zmq(b.src, b.len)) {
+        return Ok(std::borrow::Cow::Borrowed(blocks));
+    }
+    let endpoint = info.zmq_endpoint();
+    let mut rest = Vec::with_capacity(blocks.len());
+    for b in blocks {
+        if b.len == 0 {
+            continue;
+        }
+        if !local.ships_over_zmq(b.src, b.len) {
+            rest.push(*b);
+            continue;
+        }
+        let len = usize::try_from(b.len).map_err(|_| format!("block of {} bytes", b.len))?;
+        let data = local
+            .registry
+            .read_vec(b.src, len)
+            .map_err(|e| format!("cannot read host block of room {room}: {e}"))?;
+        let message = StateData {
+            room,
+            dst_addr: b.dst,
+            data: data.into(),
+        };
+        shared
+            .push
+            .send(&endpoint, message.encode().iter().map(|f| f.as_ref()))
+            .map_err(|e| format!("cannot send STATE_DATA of room {room} to {endpoint}: {e}"))?;
+        shared.metrics.bytes.inc_by(b.len);
+        shared.metrics.blocks.inc();
+    }
+    Ok(std::borrow::Cow::Owned(rest))
 }
