@@ -3,21 +3,27 @@
 //! - `cargo xtask ci`: installs the system packages the build needs (when
 //!   missing and running as root), then runs what CI runs: formatting check,
 //!   clippy with warnings denied, and the whole test suite.
+//! - `cargo xtask gpu-test [--run] [--bench]`: bundles the GPU-gated tests
+//!   and runs them where a GPU is (see `gpu.rs`).
+
+mod gpu;
 
 use std::process::{Command, ExitCode};
 
 use anyhow::{Context, Result, bail};
 
 /// Debian packages the workspace needs to build and test.
-const SYSTEM_PACKAGES: &[&str] = &["build-essential", "pkg-config"];
+/// `libucx0`: the UCX engine's tests (loaded at run time, not linked).
+const SYSTEM_PACKAGES: &[&str] = &["build-essential", "pkg-config", "libucx0"];
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let result = match args.first().map(String::as_str) {
         Some("ci") => ci(),
         Some("install-deps") => install_system_packages(),
+        Some("gpu-test") => gpu::gpu_test(&args[1..]),
         _ => {
-            eprintln!("usage: cargo xtask <ci|install-deps>");
+            eprintln!("usage: cargo xtask <ci|install-deps|gpu-test [--run] [--bench]>");
             return ExitCode::from(2);
         }
     };
@@ -90,5 +96,15 @@ fn ci() -> Result<()> {
             "warnings",
         ],
     )?;
-    run("cargo", &["test", "--workspace"])
+    // libucx0 is installed above, so the UCX tests must run, not skip.
+    eprintln!("xtask: running cargo test --workspace (KVBRIDGE_REQUIRE_UCX=1)");
+    let status = Command::new("cargo")
+        .args(["test", "--workspace"])
+        .env("KVBRIDGE_REQUIRE_UCX", "1")
+        .status()
+        .context("cannot start cargo")?;
+    if !status.success() {
+        bail!("cargo test --workspace failed with {status}");
+    }
+    Ok(())
 }

@@ -230,3 +230,24 @@ fn demo_fault_flags_fail_some_rooms_with_reasons_while_others_succeed() {
         assert!(f["room"].as_u64().is_some());
     }
 }
+
+/// Without CUDA (forced here with `KVBRIDGE_NO_CUDA`, as on a GPU-less
+/// machine) the GPU options stop with one clear "no CUDA" line.
+#[test]
+fn gpu_options_say_no_cuda_without_a_gpu() {
+    for args in [
+        &["demo", "--engine", "ipc", "--requests", "1"][..],
+        &["demo", "--device", "--requests", "1"][..],
+        &["bench", "ipc"][..],
+    ] {
+        let out = Command::new(BIN)
+            .args(args)
+            .env("KVBRIDGE_NO_CUDA", "1")
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?} must fail without CUDA");
+        assert!(stderr.contains("no CUDA"), "{args:?}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
+    }
+}

@@ -77,7 +77,7 @@ impl TcpArgs {
 }
 
 /// Fill `buf` with the pattern of `seed` (a SplitMix64 stream per 8-byte word).
-fn fill(buf: &mut [u8], seed: u64) {
+pub(super) fn fill(buf: &mut [u8], seed: u64) {
     for (w, chunk) in buf.chunks_mut(8).enumerate() {
         let v = splitmix(seed ^ (w as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)).to_le_bytes();
         chunk.copy_from_slice(&v[..chunk.len()]);
@@ -85,7 +85,7 @@ fn fill(buf: &mut [u8], seed: u64) {
 }
 
 /// First offset in `buf` that differs from the pattern of `seed`.
-fn first_mismatch(buf: &[u8], seed: u64) -> Option<usize> {
+pub(super) fn first_mismatch(buf: &[u8], seed: u64) -> Option<usize> {
     for (w, chunk) in buf.chunks(8).enumerate() {
         let v = splitmix(seed ^ (w as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)).to_le_bytes();
         if chunk != &v[..chunk.len()] {
@@ -96,7 +96,8 @@ fn first_mismatch(buf: &[u8], seed: u64) -> Option<usize> {
     None
 }
 
-fn splitmix(x: u64) -> u64 {
+/// SplitMix64's output function.
+pub(super) fn splitmix(x: u64) -> u64 {
     let mut z = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
@@ -111,7 +112,8 @@ pub fn run(args: TcpArgs) -> Result<()> {
     initiate(&args)
 }
 
-fn buffer(bytes: u64) -> Result<HostBuffer> {
+/// A zeroed host buffer of `bytes`, its pages faulted in.
+pub(super) fn buffer(bytes: u64) -> Result<HostBuffer> {
     let len = usize::try_from(bytes).context("--bytes too large")?;
     let mut b = HostBuffer::new(len).context("allocating the buffer")?;
     // Fault the pages in now, not during the first timed run.
@@ -223,14 +225,14 @@ impl Drop for Target {
 
 /// One block size's best run.
 #[derive(Debug, serde::Serialize)]
-struct Row {
-    block_size: u64,
-    bytes: u64,
-    seconds: f64,
-    gbps: f64,
-    blocks_per_s: f64,
-    runs_gbps: Vec<f64>,
-    verified: bool,
+pub(super) struct Row {
+    pub block_size: u64,
+    pub bytes: u64,
+    pub seconds: f64,
+    pub gbps: f64,
+    pub blocks_per_s: f64,
+    pub runs_gbps: Vec<f64>,
+    pub verified: bool,
 }
 
 fn initiate(args: &TcpArgs) -> Result<()> {
@@ -293,11 +295,12 @@ fn initiate(args: &TcpArgs) -> Result<()> {
     }
     engine.batch_deregister(&[base])?;
     drop(target);
-    print_rows(args, &rows)?;
+    print_rows(args.json, &rows)?;
     Ok(())
 }
 
-fn print_rows(args: &TcpArgs, rows: &[Row]) -> Result<()> {
+/// The table on stderr; with `json`, one object per row on stdout.
+pub(super) fn print_rows(json: bool, rows: &[Row]) -> Result<()> {
     eprintln!(
         "{:>10} {:>12} {:>9} {:>8} {:>12}  runs (GB/s)",
         "block", "bytes", "best s", "GB/s", "blocks/s"
@@ -314,7 +317,7 @@ fn print_rows(args: &TcpArgs, rows: &[Row]) -> Result<()> {
             runs.join(" ")
         );
     }
-    if args.json {
+    if json {
         let mut out = std::io::stdout().lock();
         for r in rows {
             writeln!(out, "{}", serde_json::to_string(r)?)?;

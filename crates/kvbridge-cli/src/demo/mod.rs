@@ -20,7 +20,7 @@ use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use kvbridge_engine::EngineConfig;
 use kvbridge_roles::bootstrap::{BootstrapServer, DEFAULT_ENTRY_CLEANUP_INTERVAL};
-use kvbridge_roles::synthetic::{ModelSpec, RankSpec};
+use kvbridge_roles::synthetic::{ModelSpec, Placement, RankSpec};
 use kvbridge_roles::{DecodeConfig, PrefillConfig};
 
 use crate::rank::events::Event;
@@ -80,6 +80,17 @@ pub struct DemoArgs {
     /// Shared cluster secret for the engines' connections.
     #[arg(long)]
     secret: Option<String>,
+    /// KV pools in GPU memory (`--device` = GPU 0, `--device N`).
+    #[arg(long, num_args = 0..=1, default_missing_value = "0", value_name = "GPU")]
+    device: Option<i32>,
+    /// With `--device`: keep the first N KV buffers of each prefill rank in
+    /// host memory, so their blocks take the intra-node host path (STATE_DATA).
+    #[arg(long, default_value_t = 0)]
+    host_kv_buffers: u64,
+    /// Intra-node transport mode (as `MC_INTRANODE_NVLINK`): only device
+    /// memory goes to the engine, host blocks over zmq. On with `--engine ipc`.
+    #[arg(long)]
+    nvlink_intra: bool,
     /// Give up on the whole run after this many seconds.
     #[arg(long, default_value_t = 600)]
     timeout_s: u64,
@@ -122,7 +133,24 @@ struct Plan {
     decode_files: Vec<RankFile>,
 }
 
+/// Refuses GPU options on a machine without CUDA, with one clear line.
+fn check_gpu(args: &DemoArgs) -> Result<()> {
+    let wants_gpu = args.device.is_some() || args.engine == EngineKind::Ipc;
+    if !wants_gpu {
+        return Ok(());
+    }
+    #[cfg(feature = "cuda")]
+    if let Some(why) = kvbridge_mem::cuda::unavailable_reason() {
+        bail!("no CUDA ({why}): --device and --engine ipc need a GPU");
+    }
+    #[cfg(not(feature = "cuda"))]
+    bail!("no CUDA: this build has no `cuda` feature; --device and --engine ipc need it");
+    #[cfg(feature = "cuda")]
+    Ok(())
+}
+
 fn plan(args: &DemoArgs, bootstrap: SocketAddr) -> Result<Plan> {
+    check_gpu(args)?;
     let mut model = ModelSpec::preset(&args.model)
         .with_context(|| format!("unknown model {:?}", args.model))?;
     if let Some(p) = args.page_size {
@@ -180,6 +208,7 @@ fn plan(args: &DemoArgs, bootstrap: SocketAddr) -> Result<Plan> {
         for tp in 0..args.prefill_tp {
             let mut prefill = PrefillConfig {
                 bootstrap_addr: bootstrap.to_string(),
+                nvlink_intra: args.nvlink_intra,
                 ..PrefillConfig::default()
             };
             timeouts(&mut prefill);
@@ -196,6 +225,10 @@ fn plan(args: &DemoArgs, bootstrap: SocketAddr) -> Result<Plan> {
                 aux_slots: requests.len() as u64 + workload.concurrency as u64 + 1,
                 engine_kind: args.engine,
                 engine: engine.clone(),
+                placement: Placement {
+                    device: args.device,
+                    host_kv_buffers: args.host_kv_buffers,
+                },
                 prefill,
                 decode: DecodeConfig::default(),
                 bootstrap_addr: None,
@@ -217,11 +250,16 @@ fn plan(args: &DemoArgs, bootstrap: SocketAddr) -> Result<Plan> {
             aux_slots: workload.concurrency as u64 + 1,
             engine_kind: args.engine,
             engine: engine.clone(),
+            placement: Placement {
+                device: args.device,
+                host_kv_buffers: 0,
+            },
             prefill: PrefillConfig::default(),
             decode: DecodeConfig {
                 heartbeat_interval: Duration::from_secs(2),
                 bootstrap_timeout: Duration::from_secs(60),
                 waiting_timeout: Duration::from_secs(120),
+                nvlink_intra: args.nvlink_intra,
                 ..DecodeConfig::default()
             },
             bootstrap_addr: Some(bootstrap.to_string()),
@@ -498,12 +536,19 @@ fn summarize(
     Summary {
         model: plan.model.name.clone(),
         topology: format!(
-            "prefill TP{} PP{} -> decode TP{}, {} engine",
+            "prefill TP{} PP{} -> decode TP{}, {} engine{}",
             args.prefill_tp,
             args.prefill_pp,
             args.decode_tp,
             match args.engine {
                 EngineKind::Tcp => "tcp",
+                EngineKind::Ipc => "ipc",
+                EngineKind::Ucx => "ucx",
+            },
+            match (args.device, args.host_kv_buffers) {
+                (None, _) => String::new(),
+                (Some(d), 0) => format!(", KV on GPU {d}"),
+                (Some(d), n) => format!(", KV on GPU {d} ({n} prefill buffers in host memory)"),
             }
         ),
         requests: requests.len() as u64,

@@ -32,8 +32,14 @@ pub fn run(file: &RankFile) -> Result<bool> {
     let Some(addr) = file.bootstrap_addr.clone() else {
         bail!("a decode rank needs `bootstrap_addr` (the prefill's bootstrap server)");
     };
-    let mut pools = RankPools::new(model.clone(), file.rank, file.pages, file.aux_slots)
-        .context("allocating KV pools")?;
+    let mut pools = RankPools::with_placement(
+        model.clone(),
+        file.rank,
+        file.pages,
+        file.aux_slots,
+        file.placement,
+    )
+    .context("allocating KV pools")?;
     let mut config = file.decode.clone();
     config.attn_tp_size = file.rank.tp_size;
     let engine = file.engine()?;

@@ -17,7 +17,7 @@ use std::sync::Arc;
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use kvbridge_engine::{EngineConfig, TcpEngine, TransferEngine};
-use kvbridge_roles::synthetic::{ModelSpec, RankSpec};
+use kvbridge_roles::synthetic::{ModelSpec, Placement, RankSpec};
 use kvbridge_roles::{DecodeConfig, PrefillConfig};
 use serde::{Deserialize, Serialize};
 
@@ -52,6 +52,10 @@ pub enum EngineKind {
     /// The TCP engine (any machine).
     #[default]
     Tcp,
+    /// The CUDA IPC engine (intra-node, device memory; `cuda` feature).
+    Ipc,
+    /// The UCX engine (RDMA, shared memory or TCP, as `UCX_TLS` says; `ucx` feature).
+    Ucx,
 }
 
 /// Everything one rank process needs.
@@ -76,6 +80,9 @@ pub struct RankFile {
     /// Transfer engine settings.
     #[serde(default)]
     pub engine: EngineConfig,
+    /// Where the KV pools live (host by default, or a GPU).
+    #[serde(default)]
+    pub placement: Placement,
     /// Prefill settings (prefill ranks).
     #[serde(default)]
     pub prefill: PrefillConfig,
@@ -113,6 +120,20 @@ impl RankFile {
             EngineKind::Tcp => Ok(Arc::new(
                 TcpEngine::new(self.engine.clone()).context("starting the TCP engine")?,
             )),
+            #[cfg(feature = "cuda")]
+            EngineKind::Ipc => Ok(Arc::new(
+                kvbridge_engine::IpcEngine::new(self.engine.clone(), Default::default())
+                    .context("starting the CUDA IPC engine")?,
+            )),
+            #[cfg(not(feature = "cuda"))]
+            EngineKind::Ipc => bail!("the ipc engine needs the `cuda` feature"),
+            #[cfg(feature = "ucx")]
+            EngineKind::Ucx => Ok(Arc::new(
+                kvbridge_engine::UcxEngine::new(self.engine.clone())
+                    .context("starting the UCX engine")?,
+            )),
+            #[cfg(not(feature = "ucx"))]
+            EngineKind::Ucx => bail!("the ucx engine needs the `ucx` feature"),
         }
     }
 }
@@ -152,6 +173,10 @@ pub struct RankArgs {
     /// Shared cluster secret for engine connections.
     #[arg(long)]
     secret: Option<String>,
+    /// Transfer engine (overrides the file's `engine_kind`); the UCX engine
+    /// takes its transports from UCX's environment (`UCX_TLS`, ...).
+    #[arg(long, value_enum)]
+    engine: Option<EngineKind>,
     /// Serve Prometheus metrics on this address.
     #[arg(long)]
     metrics_addr: Option<std::net::SocketAddr>,
@@ -180,6 +205,7 @@ impl RankArgs {
                 aux_slots: default_aux_slots(),
                 engine_kind: EngineKind::Tcp,
                 engine: EngineConfig::default(),
+                placement: Placement::default(),
                 prefill: PrefillConfig::default(),
                 decode: DecodeConfig::default(),
                 bootstrap_addr: None,
@@ -216,6 +242,9 @@ impl RankArgs {
         }
         if self.secret.is_some() {
             file.engine.secret = self.secret;
+        }
+        if let Some(kind) = self.engine {
+            file.engine_kind = kind;
         }
         if let Some(m) = self.metrics_addr {
             file.prefill.metrics_addr = Some(m);

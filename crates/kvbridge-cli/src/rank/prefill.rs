@@ -23,8 +23,14 @@ struct Active {
 /// Runs the rank; `Ok(true)` when every room concluded (successfully or not).
 pub fn run(file: &RankFile) -> Result<bool> {
     let model = file.model()?;
-    let mut pools = RankPools::new(model.clone(), file.rank, file.pages, file.aux_slots)
-        .context("allocating KV pools")?;
+    let mut pools = RankPools::with_placement(
+        model.clone(),
+        file.rank,
+        file.pages,
+        file.aux_slots,
+        file.placement,
+    )
+    .context("allocating KV pools")?;
     let mut config = file.prefill.clone();
     config.rank.attn_tp_size = file.rank.tp_size;
     config.rank.attn_tp_rank = file.rank.tp_rank;

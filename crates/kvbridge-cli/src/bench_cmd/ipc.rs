@@ -1,0 +1,524 @@
+//! `kvbridge bench ipc`: the CUDA IPC engine between two processes on one GPU.
+//!
+//! The initiator spawns the target (`current_exe() bench ipc --serve`),
+//! which allocates and registers one device buffer, prints `READY <session>
+//! <addr>` and answers `VERIFY <seed> <size> <mult> <add>` with `OK` or
+//! `BAD <block>`. Per block size the initiator moves `--bytes` through the
+//! engine (destinations scattered by an affine permutation, so no two
+//! consecutive blocks are adjacent) in batches of `--batch-bytes` with up
+//! to `--inflight` batches in flight (as a prefill worker submits), `--passes`
+//! times per run; verifies the first run, and reports the best of `--runs`
+//! against, in the same process and run: one `cuMemcpyDtoD` of `--bytes`,
+//! the batched kernel alone (device time, descriptors already on the GPU)
+//! and one `cuMemcpyAsync` per block.
+
+use std::collections::VecDeque;
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::time::Instant;
+
+use anyhow::{Context, Result, bail};
+use clap::Args;
+use kvbridge_engine::ipc::{Copier, CopyMode, CopyTuning};
+use kvbridge_engine::{BatchHandle, Block, EngineConfig, IpcEngine, TransferEngine};
+use kvbridge_mem::cuda::{self, DeviceBuffer, Event, Stream};
+
+/// Options of `kvbridge bench ipc`.
+#[derive(Debug, Clone, Args)]
+pub struct IpcArgs {
+    /// Print one JSON object per block size on stdout.
+    #[arg(long)]
+    json: bool,
+    /// Timed runs per block size (the best is reported).
+    #[arg(long, default_value_t = 3)]
+    runs: u32,
+    /// Bytes moved per run (and size of the buffers).
+    #[arg(long, default_value_t = 1 << 30)]
+    bytes: u64,
+    /// Block sizes in bytes, comma-separated.
+    #[arg(long, value_delimiter = ',', default_values_t = [256u64, 4096, 65536, 1 << 20, 16 << 20])]
+    sizes: Vec<u64>,
+    /// Bytes per submitted batch (default: all of `--bytes` in one batch).
+    #[arg(long)]
+    batch_bytes: Option<u64>,
+    /// Batches in flight at once.
+    #[arg(long, default_value_t = 1)]
+    inflight: usize,
+    /// Times each run moves `--bytes` (the same blocks again).
+    #[arg(long, default_value_t = 1)]
+    passes: u32,
+    /// Longest piece of a block one kernel descriptor covers (default: the engine's).
+    #[arg(long)]
+    piece: Option<u64>,
+    /// Only time the batched kernel alone per block size over launch
+    /// shapes (threads per descriptor, CTAs per multiprocessor).
+    #[arg(long)]
+    kernel_sweep: bool,
+    /// Most blocks timed with one `cuMemcpyAsync` each (the rest extrapolated).
+    #[arg(long, default_value_t = 65536)]
+    per_block_limit: u64,
+    /// GPU to use.
+    #[arg(long, default_value_t = 0)]
+    device: i32,
+    /// Run as the target process (spawned by the initiator).
+    #[arg(long, hide = true)]
+    serve: bool,
+}
+
+/// Entry point: initiator, or target with `--serve`.
+pub fn run(args: IpcArgs) -> Result<()> {
+    if let Some(why) = cuda::unavailable_reason() {
+        bail!("no CUDA ({why}): bench ipc needs a GPU");
+    }
+    if args.serve {
+        return serve(&args);
+    }
+    if args.kernel_sweep {
+        return kernel_sweep(&args);
+    }
+    initiate(&args)
+}
+
+fn splitmix(x: u64) -> u64 {
+    let mut z = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// Threads for pattern generation and verification.
+fn threads() -> usize {
+    std::thread::available_parallelism()
+        .map_or(1, usize::from)
+        .min(16)
+}
+
+/// The source pattern: a SplitMix64 word per 8 bytes.
+fn pattern(seed: u64, len: usize) -> Vec<u8> {
+    let mut v = vec![0u8; len];
+    let per = len.div_ceil(threads()).next_multiple_of(8).max(8);
+    std::thread::scope(|s| {
+        for (k, part) in v.chunks_mut(per).enumerate() {
+            s.spawn(move || {
+                let first = (k * per / 8) as u64;
+                for (w, c) in part.chunks_mut(8).enumerate() {
+                    let x = splitmix(seed ^ (first + w as u64)).to_le_bytes();
+                    c.copy_from_slice(&x[..c.len()]);
+                }
+            });
+        }
+    });
+    v
+}
+
+/// Destination slot of source block `i` of `n` (`n` a power of two: a bijection).
+fn slot(i: u64, n: u64, mult: u64, add: u64) -> u64 {
+    if n.is_power_of_two() {
+        (i.wrapping_mul(mult).wrapping_add(add)) & (n - 1)
+    } else {
+        i
+    }
+}
+
+fn engine_config() -> EngineConfig {
+    EngineConfig {
+        listen_host: "127.0.0.1".into(),
+        ..EngineConfig::default()
+    }
+}
+
+impl IpcArgs {
+    fn tuning(&self) -> CopyTuning {
+        let d = CopyTuning::default();
+        CopyTuning {
+            piece: self.piece.unwrap_or(d.piece),
+            ..d
+        }
+    }
+}
+
+fn serve(args: &IpcArgs) -> Result<()> {
+    let engine = IpcEngine::new(engine_config(), CopyTuning::default())?;
+    let len = usize::try_from(args.bytes)?;
+    let buf = DeviceBuffer::new(args.device, len)?;
+    // SAFETY: `buf` lives until the end of this function and is deregistered
+    // before it is dropped; it is only read (VERIFY) between transfers.
+    unsafe { engine.batch_register(&[buf.region()]) }?;
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "READY {} {}", engine.session_id(), buf.addr())?;
+    out.flush()?;
+    let mut host = vec![0u8; len];
+    for line in std::io::stdin().lock().lines() {
+        let line = line?;
+        let parts: Vec<u64> = line
+            .split_whitespace()
+            .skip(1)
+            .filter_map(|x| x.parse().ok())
+            .collect();
+        if line.starts_with("QUIT") {
+            break;
+        }
+        let [seed, size, mult, add] = parts.as_slice() else {
+            bail!("target: bad command {line:?}");
+        };
+        buf.read(0, &mut host)?;
+        let want = pattern(*seed, len);
+        let size = usize::try_from(*size)?;
+        let n = (len / size) as u64;
+        let per = n.div_ceil(threads() as u64).max(1);
+        let (host, want) = (&host, &want);
+        let bad = std::thread::scope(|s| {
+            let parts: Vec<_> = (0..n)
+                .step_by(per as usize)
+                .map(|from| {
+                    s.spawn(move || {
+                        (from..(from + per).min(n)).find(|&i| {
+                            let s = slot(i, n, *mult, *add) as usize * size;
+                            let i = i as usize * size;
+                            host[s..s + size] != want[i..i + size]
+                        })
+                    })
+                })
+                .collect();
+            parts
+                .into_iter()
+                .find_map(|h| h.join().unwrap_or(Some(u64::MAX)))
+        });
+        match bad {
+            None => writeln!(out, "OK")?,
+            Some(b) => writeln!(out, "BAD {b}")?,
+        }
+        out.flush()?;
+    }
+    engine.batch_deregister(&[buf.addr()])?;
+    Ok(())
+}
+
+struct Target {
+    child: Child,
+    stdin: ChildStdin,
+    stdout: BufReader<ChildStdout>,
+    session: String,
+    addr: u64,
+}
+
+impl Target {
+    fn spawn(args: &IpcArgs) -> Result<Self> {
+        let exe = std::env::current_exe().context("locating the kvbridge binary")?;
+        let mut child = Command::new(exe)
+            .args([
+                "bench",
+                "ipc",
+                "--serve",
+                "--bytes",
+                &args.bytes.to_string(),
+            ])
+            .args(["--device", &args.device.to_string()])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .context("spawning the target process")?;
+        let stdin = child.stdin.take().context("target stdin")?;
+        let mut stdout = BufReader::new(child.stdout.take().context("target stdout")?);
+        let mut line = String::new();
+        stdout.read_line(&mut line)?;
+        let f: Vec<&str> = line.split_whitespace().collect();
+        let (session, addr) = match f.as_slice() {
+            ["READY", s, a] => ((*s).to_owned(), a.parse::<u64>()?),
+            _ => bail!("target did not start: {line:?}"),
+        };
+        Ok(Self {
+            child,
+            stdin,
+            stdout,
+            session,
+            addr,
+        })
+    }
+
+    fn verify(&mut self, seed: u64, size: u64, mult: u64, add: u64) -> Result<()> {
+        writeln!(self.stdin, "VERIFY {seed} {size} {mult} {add}")?;
+        self.stdin.flush()?;
+        let mut line = String::new();
+        self.stdout.read_line(&mut line)?;
+        match line.trim() {
+            "OK" => Ok(()),
+            other => bail!("target found wrong bytes: {other}"),
+        }
+    }
+}
+
+impl Drop for Target {
+    fn drop(&mut self) {
+        let _ = writeln!(self.stdin, "QUIT");
+        let _ = self.stdin.flush();
+        let _ = self.child.wait();
+    }
+}
+
+/// One block size.
+#[derive(Debug, serde::Serialize)]
+struct Row {
+    block_size: u64,
+    blocks: u64,
+    bytes: u64,
+    /// Bytes per batch.
+    batch_bytes: u64,
+    /// Batches in flight.
+    inflight: usize,
+    /// IPC engine, two processes, end to end (best run).
+    ipc_gbps: f64,
+    /// `ipc_gbps` over the plain device-to-device memcpy of the same total.
+    of_memcpy: f64,
+    /// Which path the engine's per-batch choice took.
+    path: &'static str,
+    /// The batched kernel alone (device time, descriptors resident).
+    kernel_gbps: f64,
+    /// One `cuMemcpyAsync` per block (in-process).
+    per_block_gbps: f64,
+    /// The reference: one `cuMemcpyDtoD` of `bytes` (in-process).
+    memcpy_gbps: f64,
+    verified: bool,
+}
+
+fn gbps(bytes: u64, seconds: f64) -> f64 {
+    if seconds > 0.0 {
+        bytes as f64 / seconds / 1e9
+    } else {
+        0.0
+    }
+}
+
+fn memcpy_reference(args: &IpcArgs, src: &DeviceBuffer, dst: &DeviceBuffer) -> Result<f64> {
+    let stream = Stream::new(args.device)?;
+    let (a, b) = (Event::new(args.device)?, Event::new(args.device)?);
+    let len = usize::try_from(args.bytes)?;
+    let mut best = 0f64;
+    for _ in 0..args.runs.max(1) + 1 {
+        a.record(&stream)?;
+        // SAFETY: both buffers are ours, `len` bytes each, alive until after the sync.
+        unsafe { stream.memcpy(dst.addr(), src.addr(), len) }?;
+        b.record(&stream)?;
+        b.synchronize()?;
+        let s = f64::from(b.elapsed_ms(&a)?) / 1e3;
+        best = best.max(gbps(args.bytes, s));
+    }
+    Ok(best)
+}
+
+/// One run: every pass over `blocks` in batches of `per` blocks, up to
+/// `inflight` of them in flight.
+fn run_batches(
+    engine: &IpcEngine,
+    session: &str,
+    blocks: &[Block],
+    per: usize,
+    inflight: usize,
+    passes: u32,
+) -> Result<()> {
+    let mut pending: VecDeque<BatchHandle> = VecDeque::new();
+    for _ in 0..passes.max(1) {
+        for chunk in blocks.chunks(per.max(1)) {
+            if pending.len() >= inflight.max(1)
+                && let Some(h) = pending.pop_front()
+            {
+                h.wait()?;
+            }
+            pending.push_back(engine.submit(session, chunk));
+        }
+    }
+    for h in pending {
+        h.wait()?;
+    }
+    Ok(())
+}
+
+fn initiate(args: &IpcArgs) -> Result<()> {
+    if args.runs == 0 || args.inflight == 0 || args.passes == 0 {
+        bail!("--runs, --inflight and --passes must be positive");
+    }
+    let mut target = Target::spawn(args)?;
+    let tuning = args.tuning();
+    let engine = IpcEngine::new(engine_config(), tuning)?;
+    let len = usize::try_from(args.bytes)?;
+    let src = DeviceBuffer::new(args.device, len)?;
+    let scratch = DeviceBuffer::new(args.device, len)?;
+    // SAFETY: `src` is deregistered below before it is dropped.
+    unsafe { engine.batch_register(&[src.region()]) }?;
+    let memcpy = memcpy_reference(args, &src, &scratch)?;
+    let mut copier = Copier::new(args.device, tuning)?;
+    let mut rows = Vec::new();
+    for (k, &size) in args.sizes.iter().enumerate() {
+        if size == 0 || size > args.bytes {
+            bail!("block size {size} must be in 1..=--bytes");
+        }
+        let seed = 0x5eed + k as u64;
+        src.write(0, &pattern(seed, len))?;
+        let n = args.bytes / size;
+        let (mult, add) = (0x9E37_79B9_7F4A_7C15 | 1, n / 3);
+        let remote: Vec<Block> = (0..n)
+            .map(|i| Block {
+                src: src.addr() + i * size,
+                dst: target.addr + slot(i, n, mult, add) * size,
+                len: size,
+            })
+            .collect();
+        let moved = n * size;
+        let batch_bytes = args.batch_bytes.unwrap_or(args.bytes).max(size);
+        let per = usize::try_from(batch_bytes / size)?;
+        let (inflight, passes) = (args.inflight, args.passes);
+        run_batches(&engine, &target.session, &remote, per, inflight, 1)?;
+        target.verify(seed, size, mult, add)?;
+        let mut ipc = 0f64;
+        for _ in 0..args.runs {
+            let t = Instant::now();
+            run_batches(&engine, &target.session, &remote, per, inflight, passes)?;
+            let total = moved * u64::from(passes);
+            ipc = ipc.max(gbps(total, t.elapsed().as_secs_f64()));
+        }
+        let local: Vec<Block> = remote
+            .iter()
+            .map(|b| Block {
+                dst: b.dst - target.addr + scratch.addr(),
+                ..*b
+            })
+            .collect();
+        let path = if tuning.wants_memcpy(&local[0]) {
+            "cuMemcpyAsync per block"
+        } else {
+            "batched kernel"
+        };
+        let kernel_blocks = CopyTuning {
+            mode: CopyMode::Kernel,
+            ..tuning
+        }
+        .split(&local)
+        .kernel;
+        // SAFETY: every range lies in `src` or `scratch`, ours and alive;
+        // destinations are distinct slots.
+        let ms = unsafe { copier.time_kernel(&kernel_blocks, 5) }?;
+        let kernel = gbps(moved, ms / 1e3);
+        let some = &local[..local.len().min(args.per_block_limit.max(1) as usize)];
+        copier.set_tuning(CopyTuning {
+            mode: CopyMode::PerBlock,
+            ..tuning
+        });
+        // SAFETY: as above.
+        unsafe { copier.copy(some) }?;
+        let t = Instant::now();
+        // SAFETY: as above.
+        unsafe { copier.copy(some) }?;
+        let per_block = gbps(some.len() as u64 * size, t.elapsed().as_secs_f64());
+        copier.set_tuning(tuning);
+        rows.push(Row {
+            block_size: size,
+            blocks: n,
+            bytes: moved,
+            batch_bytes: per as u64 * size,
+            inflight,
+            ipc_gbps: ipc,
+            of_memcpy: ipc / memcpy,
+            path,
+            kernel_gbps: kernel,
+            per_block_gbps: per_block,
+            memcpy_gbps: memcpy,
+            verified: true,
+        });
+    }
+    engine.batch_deregister(&[src.addr()])?;
+    drop(target);
+    if args.json {
+        for r in &rows {
+            println!("{}", serde_json::to_string(r)?);
+        }
+        return Ok(());
+    }
+    println!(
+        "cuMemcpyDtoD of {} MiB (same process, device time): {memcpy:.1} GB/s; \
+         IPC engine: batches of {} MiB, {} in flight, {} pass(es) per run, best of {}; \
+         piece {} KiB",
+        args.bytes >> 20,
+        args.batch_bytes.unwrap_or(args.bytes) >> 20,
+        args.inflight,
+        args.passes,
+        args.runs,
+        tuning.piece >> 10
+    );
+    println!(
+        "| block | blocks | IPC engine GB/s (2 processes) | of memcpy | path | kernel alone GB/s | cuMemcpyAsync per block GB/s |"
+    );
+    println!("|---:|---:|---:|---:|---|---:|---:|");
+    for r in &rows {
+        println!(
+            "| {} | {} | {:.1} | {:.0}% | {} | {:.1} | {:.3} |",
+            human(r.block_size),
+            r.blocks,
+            r.ipc_gbps,
+            r.of_memcpy * 100.0,
+            r.path,
+            r.kernel_gbps,
+            r.per_block_gbps
+        );
+    }
+    Ok(())
+}
+
+/// `--kernel-sweep`: the kernel alone (device time, descriptors resident)
+/// per block size and launch shape, in one process.
+fn kernel_sweep(args: &IpcArgs) -> Result<()> {
+    let tuning = args.tuning();
+    let len = usize::try_from(args.bytes)?;
+    let src = DeviceBuffer::new(args.device, len)?;
+    let dst = DeviceBuffer::new(args.device, len)?;
+    let mut copier = Copier::new(args.device, tuning)?;
+    let sms = copier.multiprocessors();
+    println!("| block | threads per block | CTAs per SM | kernel alone GB/s |");
+    println!("|---:|---:|---:|---:|");
+    for &size in &args.sizes {
+        if size == 0 || size > args.bytes {
+            bail!("block size {size} must be in 1..=--bytes");
+        }
+        let n = args.bytes / size;
+        let (mult, add) = (0x9E37_79B9_7F4A_7C15 | 1, n / 3);
+        let blocks: Vec<Block> = (0..n)
+            .map(|i| Block {
+                src: src.addr() + i * size,
+                dst: dst.addr() + slot(i, n, mult, add) * size,
+                len: size,
+            })
+            .collect();
+        let pieces = CopyTuning {
+            mode: CopyMode::Kernel,
+            ..tuning
+        }
+        .split(&blocks)
+        .kernel;
+        let moved = n * size;
+        let base = kvbridge_engine::ipc::plan::group_shift(&pieces);
+        for shift in base.saturating_sub(2).max(2)..=(base + 2).min(10) {
+            for per_sm in [4u32, 8, 16, 32] {
+                let threads = (pieces.len() as u64) << shift;
+                let ctas = threads.div_ceil(256).clamp(1, u64::from(sms * per_sm)) as u32;
+                // SAFETY: every range lies in `src` or `dst`, ours and
+                // alive; destinations are distinct slots.
+                let ms = unsafe { copier.time_kernel_with(&pieces, 5, shift, ctas) }?;
+                println!(
+                    "| {} | {} | {per_sm} | {:.1} |",
+                    human(size),
+                    1u32 << shift,
+                    gbps(moved, ms / 1e3)
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+fn human(n: u64) -> String {
+    match n {
+        n if n >= 1 << 20 && n % (1 << 20) == 0 => format!("{} MiB", n >> 20),
+        n if n >= 1 << 10 && n % (1 << 10) == 0 => format!("{} KiB", n >> 10),
+        n => format!("{n} B"),
+    }
+}

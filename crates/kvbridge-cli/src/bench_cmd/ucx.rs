@@ -1,0 +1,328 @@
+//! `kvbridge bench ucx`: the UCX engine between two processes on loopback,
+//! laid out as `bench tcp` (same sizes, totals, protocol between the
+//! processes and JSON rows), with `--tls` picking UCX's transports for both
+//! processes (`UCX_TLS`; unset: UCX's environment and defaults).
+//!
+//! By default the blocks of a batch are contiguous, as in `bench tcp`, and
+//! the engine merges each batch into one put. `--scatter` sends the blocks
+//! to destinations in a scattered order (as KV pages are), so every block is
+//! its own put: that is the layout to set beside `ucx_perftest -t
+//! ucp_put_bw -s SIZE`.
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::time::Instant;
+
+use anyhow::{Context, Result, bail};
+use clap::Args;
+use kvbridge_engine::{Block, EngineConfig, TransferEngine, UcxEngine};
+
+use super::tcp::{Row, buffer, first_mismatch, print_rows, splitmix};
+
+/// Options of `kvbridge bench ucx`.
+#[derive(Debug, Clone, Args)]
+pub struct UcxArgs {
+    /// Print one JSON object per block size on stdout.
+    #[arg(long)]
+    json: bool,
+    /// Timed runs per block size (the best is reported).
+    #[arg(long, default_value_t = 3)]
+    runs: u32,
+    /// Bytes moved per run (and size of both buffers).
+    #[arg(long, default_value_t = 1 << 30)]
+    bytes: u64,
+    /// Block sizes in bytes, comma-separated.
+    #[arg(long, value_delimiter = ',', default_values_t = [4096u64, 65536, 1 << 20, 16 << 20])]
+    sizes: Vec<u64>,
+    /// Blocks per submitted batch.
+    #[arg(long, default_value_t = 1024)]
+    batch_blocks: usize,
+    /// Batches in flight at once.
+    #[arg(long, default_value_t = 4)]
+    inflight: usize,
+    /// UCX transports of both processes, as `UCX_TLS` (`tcp`,
+    /// `posix,cma,self`, `rc,sm`, ...); default: UCX's environment.
+    #[arg(long)]
+    tls: Option<String>,
+    /// Scatter the destinations so that every block is its own put.
+    #[arg(long)]
+    scatter: bool,
+    /// Cluster secret for both processes (exercises authentication).
+    #[arg(long)]
+    secret: Option<String>,
+    /// Skip the byte verification.
+    #[arg(long)]
+    no_verify: bool,
+    /// Run as the target process (spawned by the initiator).
+    #[arg(long, hide = true)]
+    serve: bool,
+}
+
+impl UcxArgs {
+    fn engine(&self) -> Result<UcxEngine> {
+        let cfg = EngineConfig {
+            listen_host: "127.0.0.1".into(),
+            secret: self.secret.clone(),
+            io_timeout_ms: 60_000,
+            ..EngineConfig::default()
+        };
+        let ucx: Vec<(&str, &str)> = self.tls.iter().map(|t| ("TLS", t.as_str())).collect();
+        UcxEngine::with_ucx_config(cfg, &ucx).context("starting the UCX engine")
+    }
+}
+
+/// Entry point: initiator, or target with `--serve`.
+pub fn run(args: UcxArgs) -> Result<()> {
+    if args.serve {
+        return serve(&args);
+    }
+    initiate(&args)
+}
+
+fn serve(args: &UcxArgs) -> Result<()> {
+    let engine = args.engine()?;
+    let buf = buffer(args.bytes)?;
+    // SAFETY: `buf` lives until the end of this function and is deregistered
+    // before it is dropped; it is only read (VERIFY) between transfers, when
+    // the initiator has waited for every batch.
+    unsafe { engine.batch_register(&[buf.region()]) }.context("registering the buffer")?;
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "READY {} {}", engine.session_id(), buf.addr())?;
+    out.flush()?;
+    for line in std::io::stdin().lock().lines() {
+        let line = line?;
+        let parts: Vec<&str> = line.split_whitespace().collect();
+        match parts.as_slice() {
+            ["VERIFY", seed, bytes] => {
+                let seed: u64 = seed.parse()?;
+                let n = usize::try_from(bytes.parse::<u64>()?)?.min(buf.len());
+                match first_mismatch(&buf.as_slice()[..n], seed) {
+                    None => writeln!(out, "OK")?,
+                    Some(off) => writeln!(out, "BAD {off}")?,
+                }
+                out.flush()?;
+            }
+            ["QUIT"] => break,
+            _ => bail!("target: unknown command {line:?}"),
+        }
+    }
+    engine.batch_deregister(&[buf.addr()])?;
+    Ok(())
+}
+
+struct Target {
+    child: Child,
+    stdin: ChildStdin,
+    stdout: BufReader<ChildStdout>,
+    session: String,
+    addr: u64,
+}
+
+impl Target {
+    fn spawn(args: &UcxArgs) -> Result<Self> {
+        let exe = std::env::current_exe().context("locating the kvbridge binary")?;
+        let mut cmd = Command::new(exe);
+        cmd.args([
+            "bench",
+            "ucx",
+            "--serve",
+            "--bytes",
+            &args.bytes.to_string(),
+        ]);
+        if let Some(t) = &args.tls {
+            cmd.args(["--tls", t]);
+        }
+        if let Some(s) = &args.secret {
+            cmd.args(["--secret", s]);
+        }
+        let mut child = cmd
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .context("spawning the target process")?;
+        let stdin = child.stdin.take().context("target stdin")?;
+        let mut stdout = BufReader::new(child.stdout.take().context("target stdout")?);
+        let mut line = String::new();
+        stdout.read_line(&mut line)?;
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        let (session, addr) = match fields.as_slice() {
+            ["READY", session, addr] => ((*session).to_owned(), addr.parse::<u64>()?),
+            _ => bail!("target did not start: {line:?}"),
+        };
+        Ok(Self {
+            child,
+            stdin,
+            stdout,
+            session,
+            addr,
+        })
+    }
+
+    fn verify(&mut self, seed: u64, bytes: u64) -> Result<()> {
+        writeln!(self.stdin, "VERIFY {seed} {bytes}")?;
+        self.stdin.flush()?;
+        let mut line = String::new();
+        self.stdout.read_line(&mut line)?;
+        match line.trim() {
+            "OK" => Ok(()),
+            other => bail!("target found wrong bytes: {other}"),
+        }
+    }
+}
+
+impl Drop for Target {
+    fn drop(&mut self) {
+        let _ = writeln!(self.stdin, "QUIT");
+        let _ = self.stdin.flush();
+        let _ = self.child.wait();
+    }
+}
+
+/// Fill `buf` with the pattern of `seed` as it reads from 8-byte word
+/// `first_word` on (`tcp::fill` is `first_word` 0).
+fn fill_from(buf: &mut [u8], seed: u64, first_word: u64) {
+    for (w, chunk) in buf.chunks_mut(8).enumerate() {
+        let word = first_word + w as u64;
+        let v = splitmix(seed ^ word.wrapping_mul(0x9E37_79B9_7F4A_7C15)).to_le_bytes();
+        chunk.copy_from_slice(&v[..chunk.len()]);
+    }
+}
+
+/// A multiplier coprime with `n` and not 1 (mod n): `i -> i * m % n` is a
+/// permutation that never puts block `i` right after block `i - 1`, so no
+/// two blocks of a batch merge into one put.
+fn scatter_multiplier(n: u64) -> u64 {
+    if n < 3 {
+        return 1;
+    }
+    let gcd = |mut a: u64, mut b: u64| {
+        while b != 0 {
+            (a, b) = (b, a % b);
+        }
+        a
+    };
+    // Coprime and not 1 (mod n); one exists for every n >= 3 (n - 1).
+    let mut m = n / 2 + 1;
+    while gcd(m, n) != 1 || m % n == 1 {
+        m += 1;
+    }
+    m
+}
+
+/// Destination slot of source block `i`.
+fn slot(i: u64, m: u64, n: u64) -> u64 {
+    (u128::from(i) * u128::from(m) % u128::from(n)) as u64
+}
+
+fn initiate(args: &UcxArgs) -> Result<()> {
+    if args.runs == 0 || args.batch_blocks == 0 || args.inflight == 0 {
+        bail!("--runs, --batch-blocks and --inflight must be positive");
+    }
+    let mut target = Target::spawn(args)?;
+    let engine = args.engine()?;
+    let mut src = buffer(args.bytes)?;
+    let base = src.addr();
+    // SAFETY: `src` outlives the engine's use of it: it is deregistered below
+    // before being dropped, and only written between runs.
+    unsafe { engine.batch_register(&[src.region()]) }.context("registering the source")?;
+    eprintln!(
+        "ucx {} over UCX_TLS={}{}",
+        engine.ucx_version(),
+        args.tls.as_deref().unwrap_or("(environment)"),
+        if args.scatter { ", scattered" } else { "" }
+    );
+    let mut rows = Vec::new();
+    for &size in &args.sizes {
+        if size == 0 || size > args.bytes {
+            bail!("block size {size} must be in 1..=--bytes");
+        }
+        if args.scatter && size % 8 != 0 {
+            bail!("--scatter needs block sizes that are multiples of 8");
+        }
+        let n = args.bytes / size;
+        let m = if args.scatter {
+            scatter_multiplier(n)
+        } else {
+            1
+        };
+        // Source block i goes to destination slot i * m % n and carries the
+        // pattern of that slot, so the target checks its buffer as a whole.
+        let blocks: Vec<Block> = (0..n)
+            .map(|i| Block {
+                src: base + i * size,
+                dst: target.addr + slot(i, m, n) * size,
+                len: size,
+            })
+            .collect();
+        for (i, chunk) in src.as_mut_slice()[..(n * size) as usize]
+            .chunks_mut(size as usize)
+            .enumerate()
+        {
+            fill_from(chunk, size, slot(i as u64, m, n) * size / 8);
+        }
+        let puts_before = engine.stats().puts;
+        let mut times = Vec::new();
+        for run in 0..args.runs {
+            let t = Instant::now();
+            let mut pending = std::collections::VecDeque::new();
+            for chunk in blocks.chunks(args.batch_blocks) {
+                if pending.len() >= args.inflight {
+                    let h: kvbridge_engine::BatchHandle = pending.pop_front().context("window")?;
+                    h.wait().context("transfer failed")?;
+                }
+                pending.push_back(engine.submit(&target.session, chunk));
+            }
+            for h in pending {
+                h.wait().context("transfer failed")?;
+            }
+            let secs = t.elapsed().as_secs_f64();
+            times.push(secs);
+            if run == 0 && !args.no_verify {
+                target.verify(size, n * size)?;
+            }
+        }
+        let puts = (engine.stats().puts - puts_before) / u64::from(args.runs);
+        tracing::info!(size, puts, "puts per run");
+        let best = times.iter().copied().fold(f64::INFINITY, f64::min);
+        let bytes = n * size;
+        rows.push(Row {
+            block_size: size,
+            bytes,
+            seconds: best,
+            gbps: bytes as f64 / best / 1e9,
+            blocks_per_s: n as f64 / best,
+            runs_gbps: times.iter().map(|s| bytes as f64 / s / 1e9).collect(),
+            verified: !args.no_verify,
+        });
+    }
+    engine.batch_deregister(&[base])?;
+    drop(target);
+    print_rows(args.json, &rows)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn scatter_is_a_permutation_without_neighbours() {
+        for n in [2u64, 3, 4, 10, 64, 1000, 262_144] {
+            let m = scatter_multiplier(n);
+            let mut seen = vec![false; n as usize];
+            for i in 0..n {
+                let s = slot(i, m, n);
+                assert!(!seen[s as usize], "n {n}: slot {s} twice");
+                seen[s as usize] = true;
+                if n > 2 && i > 0 {
+                    assert_ne!(slot(i - 1, m, n) + 1, s, "n {n}: blocks {i} merge");
+                }
+            }
+        }
+        let mut a = vec![0u8; 64];
+        super::super::tcp::fill(&mut a, 7);
+        let mut b = vec![0u8; 32];
+        fill_from(&mut b, 7, 4);
+        assert_eq!(&a[32..], &b[..]);
+    }
+}

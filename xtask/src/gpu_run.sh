@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The GPU test matrix of kvbridge (bundled by `cargo xtask gpu-test`).
+# Usage: bash run.sh [--bench]   (logs go to $LOGS, default ./logs)
+set -u
+here="$(cd "$(dirname "$0")" && pwd)"
+logs="${LOGS:-$here/logs}"
+mkdir -p "$logs"
+bench=0
+[ "${1:-}" = "--bench" ] && bench=1
+if ! ldconfig -p 2>/dev/null | grep -q 'libcuda\.so' || ! nvidia-smi -L >/dev/null 2>&1; then
+  echo "SKIP: no GPU or CUDA driver on this machine: the GPU test matrix was not run"
+  exit 0
+fi
+nvidia-smi -L
+pass=0; fail=0; summary=()
+step() { # name, command...
+  local name="$1"; shift
+  local t0=$SECONDS
+  if timeout "${STEP_TIMEOUT:-240}" "$@" >"$logs/$name.log" 2>&1; then
+    pass=$((pass+1)); summary+=("PASS $name ($((SECONDS-t0)) s)")
+  else
+    fail=$((fail+1)); summary+=("FAIL $name ($((SECONDS-t0)) s): see $logs/$name.log")
+    tail -n 25 "$logs/$name.log"
+  fi
+  echo "${summary[-1]}"
+}
+kv="$here/kvbridge"
+demo=("$kv" demo --device --requests 24 --prompt-tokens 512 --chunk-tokens 128 --timeout-s 180 --json)
+step probe-and-device-io "$here/gpu-test-mem" --test-threads=1 --nocapture
+step ipc-tcp-kernel "$here/gpu-test-engine" --test-threads=1 --nocapture
+step demo-ipc-tp1-1 "${demo[@]}" --engine ipc
+step demo-ipc-tp2-1 "${demo[@]}" --engine ipc --prefill-tp 2 --decode-tp 1
+step demo-ipc-tp1-2 "${demo[@]}" --engine ipc --prefill-tp 1 --decode-tp 2
+step demo-ipc-tp4-2 "${demo[@]}" --engine ipc --prefill-tp 4 --decode-tp 2
+step demo-ipc-tp2-4 "${demo[@]}" --engine ipc --prefill-tp 2 --decode-tp 4
+step demo-ipc-mla "${demo[@]}" --engine ipc --model deepseek-v3 --layers 16 --prefill-tp 2 --decode-tp 2
+step demo-ipc-pp2 "${demo[@]}" --engine ipc --prefill-pp 2 --layers 16
+step demo-ipc-host-blocks "${demo[@]}" --engine ipc --host-kv-buffers 4 --prefill-tp 2 --decode-tp 1
+step demo-tcp-device "${demo[@]}" --engine tcp --prefill-tp 2 --decode-tp 1
+step demo-tcp-nvlink-intra-host-blocks "${demo[@]}" --engine tcp --nvlink-intra --host-kv-buffers 4
+step demo-ipc-abort "${demo[@]}" --engine ipc --abort-fraction 0.3
+if [ "$bench" = 1 ]; then
+  # One batch of 1 GiB at a time, then as a prefill worker submits:
+  # 256 MiB batches, 4 in flight, 4 GiB per run.
+  step bench-ipc "$kv" bench ipc --runs 3
+  cat "$logs/bench-ipc.log"
+  step bench-ipc-inflight "$kv" bench ipc --runs 3 --inflight 4 --batch-bytes 268435456 --passes 4
+  cat "$logs/bench-ipc-inflight.log"
+fi
+echo "---- kvbridge GPU test matrix ----"
+printf '%s\n' "${summary[@]}"
+echo "$pass passed, $fail failed"
+[ "$fail" = 0 ]
