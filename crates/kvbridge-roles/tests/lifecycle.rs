@@ -219,6 +219,15 @@ fn dead_decode_fails_in_flight_rooms_and_its_session_recovers() {
     // A new incarnation on the same address registers and is served again.
     let dpools = RankPools::new(model, rank, 256, 4).unwrap();
     let decode = start_decode(decode_config(1), dpools.kv_args(), engine_on(port));
+    // It retries room 1, which already failed here: the prefill answers
+    // Failed with the root cause at once, not after the 20 s waiting timeout.
+    let mut retry = decode.receiver(&addr, 1);
+    assert_eq!(retry.init(0), KvPoll::WaitingForInput);
+    retry.send_metadata(&[5, 6], 0, &[], None);
+    assert_eq!(wait_terminal(T, || retry.poll()), KvPoll::Failed);
+    // The prefill's reason (a waiting timeout would give its own).
+    let err = retry.failure_exception();
+    assert!(err.reason.contains("Failed to send kv chunk"), "{err}");
     let mut rx = decode.receiver(&addr, 2);
     assert_eq!(rx.init(0), KvPoll::WaitingForInput);
     rx.send_metadata(&[9, 10], 1, &[], None);
@@ -231,6 +240,16 @@ fn dead_decode_fails_in_flight_rooms_and_its_session_recovers() {
     assert_eq!(wait_terminal(T, || rx.poll()), KvPoll::Success);
     assert_eq!(dpools.verify(2, &[9, 10], 1).mismatched, 0);
     assert!(!prefill.is_blacklisted(decode.session_id()));
+    // Room 2 is finished and cleared: asking for it again is answered
+    // Failed at once, never left waiting and never sent twice.
+    tx.clear();
+    rx.clear();
+    let mut again = decode.receiver(&addr, 2);
+    assert_eq!(again.init(0), KvPoll::WaitingForInput);
+    again.send_metadata(&[11, 12], 1, &[], None);
+    assert_eq!(wait_terminal(T, || again.poll()), KvPoll::Failed);
+    let err = again.failure_exception();
+    assert!(err.reason.contains("already sent in full"), "{err}");
     decode.teardown();
     prefill.teardown();
 }
@@ -349,6 +368,74 @@ fn a_restarted_decode_never_receives_its_old_incarnations_rooms() {
     tx2.send(&[8], None, None).unwrap();
     assert_eq!(wait_terminal(T, || rx2.poll()), KvPoll::Success);
     assert_eq!(b_pools.verify(2, &[7], 1).mismatched, 0);
+    b.teardown();
+    prefill.teardown();
+}
+
+#[test]
+fn a_restarted_decode_cannot_resume_a_room_half_sent_to_its_old_incarnation() {
+    let model = tiny_model(false, 2);
+    let rank = RankSpec {
+        tp_size: 1,
+        tp_rank: 0,
+        pp_size: 1,
+        pp_rank: 0,
+    };
+    let bs = bootstrap();
+    let addr = bs.local_addr().to_string();
+    let mut ppools = RankPools::new(model.clone(), rank, 16, 4).unwrap();
+    let prefill = start_prefill(
+        prefill_config(bs.local_addr(), 1, 0),
+        ppools.kv_args(),
+        tcp_engine(),
+    );
+    let engine = engine_on(0);
+    let port: u16 = engine
+        .session_id()
+        .rsplit(':')
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
+    // Incarnation A receives the first of two chunks of room 1, then dies.
+    let a_pools = RankPools::new(model.clone(), rank, 16, 4).unwrap();
+    let a = start_decode(decode_config(1), a_pools.kv_args(), engine);
+    let mut rx = a.receiver(&addr, 1);
+    assert_eq!(rx.init(0), KvPoll::WaitingForInput);
+    rx.send_metadata(&[2, 3], 0, &[], None);
+    ppools.fill(1, &[5, 6], 0);
+    let mut tx = prefill.sender(1);
+    tx.init(2, Some(0));
+    wait_for(T, KvPoll::WaitingForInput, || tx.poll());
+    tx.send(&[5], None, None).unwrap();
+    let deadline = std::time::Instant::now() + T;
+    while a_pools.verify_kv(1, &[2]).mismatched != 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "first chunk never arrived"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    drop(rx);
+    a.teardown();
+    drop(a_pools);
+    // Incarnation B asks for the same room: it must fail at once, since
+    // chunk 1 went to A; resuming would report success with a hole.
+    let mut b_pools = RankPools::new(model, rank, 16, 4).unwrap();
+    b_pools.poison(&[2, 3], 0x5a);
+    let b = start_decode(decode_config(1), b_pools.kv_args(), engine_on(port));
+    let mut rx = b.receiver(&addr, 1);
+    assert_eq!(rx.init(0), KvPoll::WaitingForInput);
+    rx.send_metadata(&[2, 3], 0, &[], None);
+    assert_eq!(wait_terminal(T, || rx.poll()), KvPoll::Failed);
+    let err = rx.failure_exception();
+    assert!(err.reason.contains("restarted while room 1"), "{err}");
+    tx.send(&[6], None, None).unwrap();
+    assert_eq!(wait_terminal(T, || tx.poll()), KvPoll::Failed);
+    assert!(
+        b_pools.still_poisoned(&[2, 3], 0x5a),
+        "the rest of room 1 was written into the new incarnation"
+    );
     b.teardown();
     prefill.teardown();
 }

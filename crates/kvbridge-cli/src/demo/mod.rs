@@ -4,8 +4,12 @@
 //!
 //! Fault flags show the failure paths live: `--kill-decode-after N` kills
 //! decode rank 0 with SIGKILL after N of its rooms and starts a new
-//! incarnation on the same engine address, which the prefill serves again;
-//! `--abort-fraction F` aborts that fraction of requests mid-transfer.
+//! incarnation on the same engine address, which the prefill serves again.
+//! The new incarnation runs the rooms the old one had not started and asks
+//! again for those it left in flight whose prefill outcome is still open:
+//! the prefill finishes one whose request was lost with the old process,
+//! and answers Failed at once for one it had already begun sending or had
+//! given up. `--abort-fraction F` aborts that fraction of requests mid-transfer.
 
 mod procs;
 pub mod summary;
@@ -199,8 +203,16 @@ fn plan(args: &DemoArgs, bootstrap: SocketAddr) -> Result<Plan> {
         request_bytes: 2 << 20,
         ..EngineConfig::default()
     };
+    // A killed decode can take a room's transfer request down with it (sent
+    // but not yet delivered): that prefill room then waits out this
+    // timeout, so the fault demo uses a short one.
+    let bootstrap_timeout = if args.kill_decode_after.is_some() {
+        Duration::from_secs(10)
+    } else {
+        Duration::from_secs(120)
+    };
     let timeouts = |p: &mut PrefillConfig| {
-        p.bootstrap_timeout = Duration::from_secs(120);
+        p.bootstrap_timeout = bootstrap_timeout;
         p.probe.interval = Duration::from_millis(200);
     };
     let mut prefill_files = Vec::new();
@@ -233,6 +245,9 @@ fn plan(args: &DemoArgs, bootstrap: SocketAddr) -> Result<Plan> {
                 decode: DecodeConfig::default(),
                 bootstrap_addr: None,
                 workload: Some(workload.clone()),
+                // Until the decode ranks are done: a restarted decode's
+                // retries must find the prefill still answering.
+                linger: true,
             });
         }
     }
@@ -264,6 +279,7 @@ fn plan(args: &DemoArgs, bootstrap: SocketAddr) -> Result<Plan> {
             },
             bootstrap_addr: Some(bootstrap.to_string()),
             workload: Some(workload.clone()),
+            linger: false,
         })
         .collect();
     Ok(Plan {
@@ -328,6 +344,8 @@ fn orchestrate(args: &DemoArgs, plan: &Plan, dir: &std::path::Path) -> Result<Su
     let mut prefill: HashMap<(u64, u64), Outcome> = HashMap::new();
     let mut started: HashMap<u64, HashSet<u64>> = HashMap::new();
     let mut killed = false;
+    // The killed decode rank 0, restarted once its last event is read.
+    let mut restart_after: Option<ChildId> = None;
     let mut first_start: Option<Instant> = None;
     let mut last_done = Instant::now();
     let mut finished: HashSet<ChildId> = HashSet::new();
@@ -348,6 +366,33 @@ fn orchestrate(args: &DemoArgs, plan: &Plan, dir: &std::path::Path) -> Result<Su
         };
         let rank = children.rank(id);
         match event {
+            None if restart_after == Some(id) => {
+                // Every event the killed incarnation wrote has been read:
+                // only now is the set of rooms it started complete.
+                restart_after = None;
+                let (skip, in_flight) = split_rooms_of_decode0(&decode, &prefill, &started);
+                restart_decode0(
+                    &mut children,
+                    &mut decode_ids,
+                    plan,
+                    &sessions,
+                    &skip,
+                    deadline,
+                )?;
+                for room in in_flight {
+                    decode.insert(
+                        (0, room),
+                        Outcome {
+                            reason: Some(
+                                "decode rank 0 was killed (SIGKILL) while the room was in flight"
+                                    .into(),
+                            ),
+                            ..Outcome::default()
+                        },
+                    );
+                    bar.inc(1);
+                }
+            }
             None => {
                 if !finished.contains(&id) && !children.was_killed(id) {
                     children.kill_all();
@@ -390,25 +435,8 @@ fn orchestrate(args: &DemoArgs, plan: &Plan, dir: &std::path::Path) -> Result<Su
                         bar.set_message(format!(
                             "killed decode rank 0 after {n} rooms; restarting it"
                         ));
-                        let in_flight = kill_and_restart(
-                            &mut children,
-                            &mut decode_ids,
-                            plan,
-                            &sessions,
-                            &decode,
-                            &started,
-                            deadline,
-                        )?;
-                        for room in in_flight {
-                            decode.insert(
-                                (0, room),
-                                Outcome {
-                                    reason: Some("decode rank 0 was killed (SIGKILL) while the room was in flight".into()),
-                                    ..Outcome::default()
-                                },
-                            );
-                            bar.inc(1);
-                        }
+                        children.kill(decode_ids[0]);
+                        restart_after = Some(decode_ids[0]);
                     }
                 } else {
                     prefill.insert((rank, room), outcome);
@@ -432,29 +460,46 @@ fn orchestrate(args: &DemoArgs, plan: &Plan, dir: &std::path::Path) -> Result<Su
     Ok(summarize(args, plan, &decode, &prefill, seconds))
 }
 
-/// Kills decode rank 0 and starts a new incarnation on the same engine
-/// port for the rooms it had not started. Returns the rooms it left in flight.
-fn kill_and_restart(
+/// Splits the rooms the killed decode rank 0 started: returns the rooms its
+/// new incarnation must not run (done, or left in flight with a prefill
+/// outcome already known) and, of those, the ones left in flight. A room in
+/// flight whose prefill outcome is still open is retried: the prefill
+/// completes it (its request was lost with the old process) or answers
+/// Failed at once (it had begun sending it, or given it up).
+fn split_rooms_of_decode0(
+    decode: &HashMap<(u64, u64), Outcome>,
+    prefill: &HashMap<(u64, u64), Outcome>,
+    started: &HashMap<u64, HashSet<u64>>,
+) -> (HashSet<u64>, Vec<u64>) {
+    let concluded_at_prefill: HashSet<u64> = prefill.keys().map(|(_, room)| *room).collect();
+    let mut skip = HashSet::new();
+    let mut in_flight = Vec::new();
+    for &room in started.get(&0).into_iter().flatten() {
+        if decode.contains_key(&(0, room)) {
+            skip.insert(room);
+        } else if concluded_at_prefill.contains(&room) {
+            skip.insert(room);
+            in_flight.push(room);
+        }
+    }
+    (skip, in_flight)
+}
+
+/// Starts a new incarnation of the killed decode rank 0 on the same engine
+/// port for every room of the workload except `skip`.
+fn restart_decode0(
     children: &mut Children,
     decode_ids: &mut [ChildId],
     plan: &Plan,
     sessions: &[String],
-    decode: &HashMap<(u64, u64), Outcome>,
-    started: &HashMap<u64, HashSet<u64>>,
+    skip: &HashSet<u64>,
     deadline: Instant,
-) -> Result<Vec<u64>> {
-    children.kill(decode_ids[0]);
-    let started0 = started.get(&0).cloned().unwrap_or_default();
-    let in_flight: Vec<u64> = started0
-        .iter()
-        .copied()
-        .filter(|room| !decode.contains_key(&(0, *room)))
-        .collect();
+) -> Result<()> {
     let remaining: Vec<u64> = plan
         .workload
         .requests()
         .iter()
-        .filter(|r| !started0.contains(&r.room))
+        .filter(|r| !skip.contains(&r.room))
         .map(|r| r.index)
         .collect();
     let mut file = plan.decode_files[0].clone();
@@ -471,7 +516,7 @@ fn kill_and_restart(
     let id = children.spawn("decode", 0, &file)?;
     children.wait_ready(&[id], deadline)?;
     decode_ids[0] = id;
-    Ok(in_flight)
+    Ok(())
 }
 
 fn summarize(

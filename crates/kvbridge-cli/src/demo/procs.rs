@@ -58,7 +58,8 @@ impl Children {
             .arg(role)
             .arg("--config")
             .arg(&path)
-            .stdin(Stdio::null())
+            // Held open until `wait_all`: lingering ranks exit when it closes.
+            .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit());
         if std::env::var_os("KVBRIDGE_LOG").is_none() {
@@ -160,8 +161,12 @@ impl Children {
         }
     }
 
-    /// Waits up to `timeout` for every child to exit, then kills the rest.
+    /// Closes every child's stdin (lingering ranks then exit), waits up to
+    /// `timeout` for every child to exit, then kills the rest.
     pub fn wait_all(&mut self, timeout: Duration) {
+        for e in &mut self.entries {
+            drop(e.child.stdin.take());
+        }
         let deadline = Instant::now() + timeout;
         for e in &mut self.entries {
             loop {

@@ -95,6 +95,10 @@ pub struct RankFile {
     /// A synthetic workload to run, then exit; none: serve until SIGTERM.
     #[serde(default)]
     pub workload: Option<Workload>,
+    /// Prefill ranks: after the workload, keep serving (late transfer
+    /// requests, aborts) until stdin closes, so a peer's retry gets an answer.
+    #[serde(default)]
+    pub linger: bool,
 }
 
 fn default_aux_slots() -> u64 {
@@ -210,6 +214,7 @@ impl RankArgs {
                 decode: DecodeConfig::default(),
                 bootstrap_addr: None,
                 workload: None,
+                linger: false,
             },
         };
         if let Some(addr) = self.bootstrap_addr {

@@ -161,6 +161,10 @@ pub fn run(file: &RankFile) -> Result<bool> {
         role: "prefill".into(),
         rank,
     });
+    if file.linger {
+        // Read errors also end the wait: stdin is gone either way.
+        let _ = std::io::copy(&mut std::io::stdin().lock(), &mut std::io::sink());
+    }
     manager.teardown();
     drop(pools);
     Ok(true)

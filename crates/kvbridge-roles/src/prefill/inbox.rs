@@ -9,7 +9,7 @@ use kvbridge_plan::{PreparedPeer, TransferRequest};
 use kvbridge_wire::{Abort, KvPoll, Limits, Register, StagingRsp, ToPrefill, Transfer, Watermark};
 
 use super::Shared;
-use super::state::{AckTarget, Peer, PeerEntry, TransferInfo};
+use super::state::{AckTarget, Concluded, Peer, PeerEntry, TransferInfo};
 use crate::control::PullSocket;
 use crate::kv_args::peer_registration;
 
@@ -104,6 +104,56 @@ fn on_transfer(shared: &Shared, t: &Transfer<'_>) {
     });
     let room = t.room;
     let mut rooms = shared.rooms.lock();
+    let already_sent = || {
+        Some(format!(
+            "room {room} was already sent in full to an earlier request; it cannot be sent again"
+        ))
+    };
+    let failed = match rooms.table.get(room) {
+        Some(KvPoll::Failed) => Some(rooms.table.failure(room).map(str::to_owned)),
+        Some(KvPoll::Success) => Some(already_sent()),
+        Some(_) => None,
+        None => match rooms.concluded.get(room) {
+            Some(Concluded::Failed(reason)) => Some(reason.clone()),
+            Some(Concluded::Sent) => Some(already_sent()),
+            None => None,
+        },
+    };
+    if let Some(reason) = failed {
+        // A late request (a restarted decode retrying) for a room already
+        // finished here: answer now, or that decode waits out its timeout,
+        // pages pinned, for a status nobody will send.
+        drop(rooms);
+        if info.request.is_some() {
+            tracing::debug!(room, session = %info.session, "transfer request for a finished room; answering Failed");
+            let target = [(info.endpoint.clone(), info.dst_port)];
+            shared.send_status(&target, room, KvPoll::Failed, reason.as_deref());
+        }
+        return;
+    }
+    // The same decode session asking again from a new incarnation after
+    // this room began sending: earlier chunks went to the dead incarnation,
+    // so the new one could never hold every byte. Fail, never resume.
+    let restarted = rooms.infos.get(&room).is_some_and(|v| {
+        v.iter()
+            .any(|i| i.session == info.session && i.registration != info.registration)
+    });
+    if restarted && rooms.started.contains_key(&room) {
+        drop(rooms);
+        shared.metrics.failure("restarted_mid_transfer");
+        let reason = format!(
+            "decode session {} restarted while room {room} was being sent; a room cannot \
+             resume on a new incarnation",
+            info.session
+        );
+        let targets = info
+            .request
+            .as_ref()
+            .map(|_| vec![(info.endpoint.clone(), info.dst_port)])
+            .unwrap_or_default();
+        shared.conclude(room, KvPoll::Failed, Some(targets), Some(reason));
+        return;
+    }
     let infos = rooms.infos.entry(room).or_default();
     infos.retain(|i| i.session != info.session);
     infos.push(info);

@@ -7,6 +7,7 @@ use std::time::Instant;
 use kvbridge_plan::TransferChunk;
 use kvbridge_wire::KvPoll;
 
+use super::state::Concluded;
 use super::{QueuedChunk, Shared};
 use crate::error::{KvTransferError, SendError};
 
@@ -32,6 +33,7 @@ impl KvSender {
                 // request that used it left behind.
                 rooms.ack_targets.remove(&room);
                 rooms.outstanding.remove(&room);
+                rooms.concluded.remove(room);
             }
             rooms.table.update(room, KvPoll::Bootstrapping);
         }
@@ -208,7 +210,16 @@ impl KvSender {
         }
         {
             let mut rooms = self.shared.rooms.lock();
-            rooms.table.remove(self.room);
+            let outcome = match rooms.table.remove(self.room) {
+                Some(KvPoll::Failed) => Some(Concluded::Failed(
+                    rooms.table.failure(self.room).map(str::to_owned),
+                )),
+                Some(KvPoll::Success) => Some(Concluded::Sent),
+                _ => None,
+            };
+            if let Some(outcome) = outcome {
+                rooms.concluded.insert(self.room, outcome);
+            }
             rooms.prefix_len.remove(&self.room);
             if rooms.outstanding.get(&self.room).copied().unwrap_or(0) == 0 {
                 rooms.infos.remove(&self.room);

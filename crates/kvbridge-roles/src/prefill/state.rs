@@ -1,6 +1,6 @@
 //! What the prefill side knows about rooms and decode peers, behind one lock.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -96,6 +96,8 @@ pub(crate) struct RoomsState {
     pub started: HashMap<u64, Instant>,
     /// Staging control messages.
     pub staging: StagingRecords,
+    /// Recently cleared rooms, to answer late requests for them.
+    pub concluded: ConcludedRooms,
 }
 
 impl RoomsState {
@@ -128,5 +130,82 @@ impl RoomsState {
         self.prefix_len.remove(&room);
         self.outstanding.remove(&room);
         self.staging.allocations.retain(|(r, _), _| *r != room);
+    }
+}
+
+/// How many cleared rooms are remembered (oldest forgotten first).
+pub(crate) const CONCLUDED_ROOMS_KEPT: usize = 4096;
+
+/// How a cleared room ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Concluded {
+    /// Every byte went to the decode that asked first.
+    Sent,
+    /// It failed, with the reason if one was recorded.
+    Failed(Option<String>),
+}
+
+/// Cleared rooms and how they ended, a bounded FIFO. A transfer request
+/// that arrives after its room was finished (a restarted decode retrying
+/// it) is answered Failed at once instead of waiting out the decode's
+/// timeout with its pages pinned. Room ids are random per request, so a
+/// remembered id is never a new request.
+#[derive(Debug, Default)]
+pub(crate) struct ConcludedRooms {
+    order: VecDeque<u64>,
+    outcomes: HashMap<u64, Concluded>,
+}
+
+impl ConcludedRooms {
+    /// Remembers how `room` ended.
+    pub fn insert(&mut self, room: u64, outcome: Concluded) {
+        if self.outcomes.insert(room, outcome).is_none() {
+            self.order.push_back(room);
+        }
+        while self.order.len() > CONCLUDED_ROOMS_KEPT {
+            if let Some(old) = self.order.pop_front() {
+                self.outcomes.remove(&old);
+            }
+        }
+    }
+
+    /// How `room` ended, if it is remembered.
+    pub fn get(&self, room: u64) -> Option<&Concluded> {
+        self.outcomes.get(&room)
+    }
+
+    /// Forgets `room` (a new sender reuses its id).
+    pub fn remove(&mut self, room: u64) {
+        if self.outcomes.remove(&room).is_some() {
+            self.order.retain(|r| *r != room);
+        }
+    }
+
+    /// Number of remembered rooms.
+    #[cfg(test)]
+    pub fn len(&self) -> usize {
+        self.order.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn concluded_rooms_are_bounded_and_forget_the_oldest_first() {
+        let mut f = ConcludedRooms::default();
+        for room in 0..(CONCLUDED_ROOMS_KEPT as u64 + 10) {
+            f.insert(room, Concluded::Failed(Some(format!("r{room}"))));
+        }
+        assert_eq!(f.len(), CONCLUDED_ROOMS_KEPT);
+        assert_eq!(f.get(9), None);
+        assert_eq!(f.get(10), Some(&Concluded::Failed(Some("r10".into()))));
+        f.insert(10, Concluded::Sent);
+        assert_eq!(f.len(), CONCLUDED_ROOMS_KEPT);
+        assert_eq!(f.get(10), Some(&Concluded::Sent));
+        f.remove(10);
+        assert_eq!(f.get(10), None);
+        assert_eq!(f.len(), CONCLUDED_ROOMS_KEPT - 1);
     }
 }
