@@ -10,8 +10,9 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use kvbridge_engine::{EngineConfig, TcpEngine, TransferEngine};
-use kvbridge_roles::KvPoll;
-use kvbridge_roles::synthetic::{RankPools, RankSpec};
+use kvbridge_roles::bootstrap::BootstrapServer;
+use kvbridge_roles::synthetic::{ModelSpec, RankPools, RankSpec};
+use kvbridge_roles::{DecodeManager, KvPoll, KvReceiver, KvSender, PrefillManager};
 
 const T: Duration = Duration::from_secs(30);
 
@@ -221,13 +222,9 @@ fn dead_decode_fails_in_flight_rooms_and_its_session_recovers() {
     let decode = start_decode(decode_config(1), dpools.kv_args(), engine_on(port));
     // It retries room 1, which already failed here: the prefill answers
     // Failed with the root cause at once, not after the 20 s waiting timeout.
-    let mut retry = decode.receiver(&addr, 1);
-    assert_eq!(retry.init(0), KvPoll::WaitingForInput);
-    retry.send_metadata(&[5, 6], 0, &[], None);
-    assert_eq!(wait_terminal(T, || retry.poll()), KvPoll::Failed);
     // The prefill's reason (a waiting timeout would give its own).
-    let err = retry.failure_exception();
-    assert!(err.reason.contains("Failed to send kv chunk"), "{err}");
+    let reason = refused(&decode, &addr, 1, &[5, 6], 0);
+    assert!(reason.contains("Failed to send kv chunk"), "{reason}");
     let mut rx = decode.receiver(&addr, 2);
     assert_eq!(rx.init(0), KvPoll::WaitingForInput);
     rx.send_metadata(&[9, 10], 1, &[], None);
@@ -244,14 +241,20 @@ fn dead_decode_fails_in_flight_rooms_and_its_session_recovers() {
     // Failed at once, never left waiting and never sent twice.
     tx.clear();
     rx.clear();
-    let mut again = decode.receiver(&addr, 2);
-    assert_eq!(again.init(0), KvPoll::WaitingForInput);
-    again.send_metadata(&[11, 12], 1, &[], None);
-    assert_eq!(wait_terminal(T, || again.poll()), KvPoll::Failed);
-    let err = again.failure_exception();
-    assert!(err.reason.contains("already sent in full"), "{err}");
+    let reason = refused(&decode, &addr, 2, &[11, 12], 1);
+    assert!(reason.contains("already sent in full"), "{reason}");
     decode.teardown();
     prefill.teardown();
+}
+
+/// Asks `decode` for `room` into `pages` / `aux`, expects the prefill to
+/// answer Failed, and returns the reason it gave.
+fn refused(decode: &DecodeManager, addr: &str, room: u64, pages: &[i32], aux: u64) -> String {
+    let mut rx = decode.receiver(addr, room);
+    assert_eq!(rx.init(0), KvPoll::WaitingForInput);
+    rx.send_metadata(pages, aux, &[], None);
+    assert_eq!(wait_terminal(T, || rx.poll()), KvPoll::Failed);
+    rx.failure_exception().reason
 }
 
 fn count(dir: &str) -> usize {
@@ -301,8 +304,39 @@ fn two_hundred_role_switches_leak_nothing() {
     assert!(fds_after <= fds + 16, "fds {fds} -> {fds_after}");
 }
 
-#[test]
-fn a_restarted_decode_never_receives_its_old_incarnations_rooms() {
+/// A TP1 prefill on a tiny 2-layer model and decode incarnation A on a
+/// fresh engine port (which incarnation B will reuse): A has asked for room 1
+/// (pages 2 and 3, aux slot 0) and the prefill's sender for it (2 pages, aux
+/// slot 0) waits for input.
+struct Restart {
+    model: ModelSpec,
+    rank: RankSpec,
+    _bs: BootstrapServer,
+    addr: String,
+    ppools: RankPools,
+    prefill: PrefillManager,
+    port: u16,
+    a: Option<(RankPools, DecodeManager, KvReceiver)>,
+    tx: KvSender,
+}
+
+impl Restart {
+    /// Tears incarnation A down and starts B on its port, with pages 2 and
+    /// 3 poisoned so a write into them shows.
+    fn replace_a_with_b(&mut self) -> (RankPools, DecodeManager) {
+        if let Some((pools, a, rx)) = self.a.take() {
+            drop(rx);
+            a.teardown();
+            drop(pools);
+        }
+        let mut b_pools = RankPools::new(self.model.clone(), self.rank, 16, 4).unwrap();
+        b_pools.poison(&[2, 3], 0x5a);
+        let b = start_decode(decode_config(1), b_pools.kv_args(), engine_on(self.port));
+        (b_pools, b)
+    }
+}
+
+fn restart_setup() -> Restart {
     let model = tiny_model(false, 2);
     let rank = RankSpec {
         tp_size: 1,
@@ -312,7 +346,7 @@ fn a_restarted_decode_never_receives_its_old_incarnations_rooms() {
     };
     let bs = bootstrap();
     let addr = bs.local_addr().to_string();
-    let mut ppools = RankPools::new(model.clone(), rank, 16, 4).unwrap();
+    let ppools = RankPools::new(model.clone(), rank, 16, 4).unwrap();
     let prefill = start_prefill(
         prefill_config(bs.local_addr(), 1, 0),
         ppools.kv_args(),
@@ -326,7 +360,6 @@ fn a_restarted_decode_never_receives_its_old_incarnations_rooms() {
         .unwrap()
         .parse()
         .unwrap();
-    // Incarnation A asks for room 1, then dies before the prefill sends it.
     let a_pools = RankPools::new(model.clone(), rank, 16, 4).unwrap();
     let a = start_decode(decode_config(1), a_pools.kv_args(), engine);
     let mut rx = a.receiver(&addr, 1);
@@ -335,20 +368,32 @@ fn a_restarted_decode_never_receives_its_old_incarnations_rooms() {
     let mut tx = prefill.sender(1);
     tx.init(2, Some(0));
     wait_for(T, KvPoll::WaitingForInput, || tx.poll());
-    drop(rx);
-    a.teardown();
-    drop(a_pools);
-    // Incarnation B on the same address (its pools may reuse A's memory).
-    let mut b_pools = RankPools::new(model, rank, 16, 4).unwrap();
-    b_pools.poison(&[2, 3], 0x5a);
-    let b = start_decode(decode_config(1), b_pools.kv_args(), engine_on(port));
-    let mut rx2 = b.receiver(&addr, 2);
+    Restart {
+        model,
+        rank,
+        _bs: bs,
+        addr,
+        ppools,
+        prefill,
+        port,
+        a: Some((a_pools, a, rx)),
+        tx,
+    }
+}
+
+#[test]
+fn a_restarted_decode_never_receives_its_old_incarnations_rooms() {
+    let mut r = restart_setup();
+    // Incarnation A dies before the prefill sends room 1; B starts on its
+    // address (its pools may reuse A's memory).
+    let (b_pools, b) = r.replace_a_with_b();
+    let mut rx2 = b.receiver(&r.addr, 2);
     assert_eq!(rx2.init(0), KvPoll::WaitingForInput);
     // The prefill now sends room 1, planned for A: it must fail, not write.
-    ppools.fill(1, &[5, 6], 0);
-    tx.send(&[5, 6], None, None).unwrap();
-    assert_eq!(wait_terminal(T, || tx.poll()), KvPoll::Failed);
-    let err = tx.failure_exception();
+    r.ppools.fill(1, &[5, 6], 0);
+    r.tx.send(&[5, 6], None, None).unwrap();
+    assert_eq!(wait_terminal(T, || r.tx.poll()), KvPoll::Failed);
+    let err = r.tx.failure_exception();
     // Refused either by the registration generation (B's registration
     // arrived first) or by the engine's incarnation pin (it had not yet).
     assert!(
@@ -361,81 +406,42 @@ fn a_restarted_decode_never_receives_its_old_incarnations_rooms() {
     );
     // B's own room works.
     rx2.send_metadata(&[7], 1, &[], None);
-    ppools.fill(2, &[8], 1);
-    let mut tx2 = prefill.sender(2);
+    r.ppools.fill(2, &[8], 1);
+    let mut tx2 = r.prefill.sender(2);
     tx2.init(1, Some(1));
     wait_for(T, KvPoll::WaitingForInput, || tx2.poll());
     tx2.send(&[8], None, None).unwrap();
     assert_eq!(wait_terminal(T, || rx2.poll()), KvPoll::Success);
     assert_eq!(b_pools.verify(2, &[7], 1).mismatched, 0);
     b.teardown();
-    prefill.teardown();
+    r.prefill.teardown();
 }
 
 #[test]
 fn a_restarted_decode_cannot_resume_a_room_half_sent_to_its_old_incarnation() {
-    let model = tiny_model(false, 2);
-    let rank = RankSpec {
-        tp_size: 1,
-        tp_rank: 0,
-        pp_size: 1,
-        pp_rank: 0,
-    };
-    let bs = bootstrap();
-    let addr = bs.local_addr().to_string();
-    let mut ppools = RankPools::new(model.clone(), rank, 16, 4).unwrap();
-    let prefill = start_prefill(
-        prefill_config(bs.local_addr(), 1, 0),
-        ppools.kv_args(),
-        tcp_engine(),
-    );
-    let engine = engine_on(0);
-    let port: u16 = engine
-        .session_id()
-        .rsplit(':')
-        .next()
-        .unwrap()
-        .parse()
-        .unwrap();
+    let mut r = restart_setup();
     // Incarnation A receives the first of two chunks of room 1, then dies.
-    let a_pools = RankPools::new(model.clone(), rank, 16, 4).unwrap();
-    let a = start_decode(decode_config(1), a_pools.kv_args(), engine);
-    let mut rx = a.receiver(&addr, 1);
-    assert_eq!(rx.init(0), KvPoll::WaitingForInput);
-    rx.send_metadata(&[2, 3], 0, &[], None);
-    ppools.fill(1, &[5, 6], 0);
-    let mut tx = prefill.sender(1);
-    tx.init(2, Some(0));
-    wait_for(T, KvPoll::WaitingForInput, || tx.poll());
-    tx.send(&[5], None, None).unwrap();
+    r.ppools.fill(1, &[5, 6], 0);
+    r.tx.send(&[5], None, None).unwrap();
     let deadline = std::time::Instant::now() + T;
-    while a_pools.verify_kv(1, &[2]).mismatched != 0 {
+    while r.a.as_ref().unwrap().0.verify_kv(1, &[2]).mismatched != 0 {
         assert!(
             std::time::Instant::now() < deadline,
             "first chunk never arrived"
         );
         std::thread::sleep(Duration::from_millis(5));
     }
-    drop(rx);
-    a.teardown();
-    drop(a_pools);
     // Incarnation B asks for the same room: it must fail at once, since
     // chunk 1 went to A; resuming would report success with a hole.
-    let mut b_pools = RankPools::new(model, rank, 16, 4).unwrap();
-    b_pools.poison(&[2, 3], 0x5a);
-    let b = start_decode(decode_config(1), b_pools.kv_args(), engine_on(port));
-    let mut rx = b.receiver(&addr, 1);
-    assert_eq!(rx.init(0), KvPoll::WaitingForInput);
-    rx.send_metadata(&[2, 3], 0, &[], None);
-    assert_eq!(wait_terminal(T, || rx.poll()), KvPoll::Failed);
-    let err = rx.failure_exception();
-    assert!(err.reason.contains("restarted while room 1"), "{err}");
-    tx.send(&[6], None, None).unwrap();
-    assert_eq!(wait_terminal(T, || tx.poll()), KvPoll::Failed);
+    let (b_pools, b) = r.replace_a_with_b();
+    let reason = refused(&b, &r.addr, 1, &[2, 3], 0);
+    assert!(reason.contains("restarted while room 1"), "{reason}");
+    r.tx.send(&[6], None, None).unwrap();
+    assert_eq!(wait_terminal(T, || r.tx.poll()), KvPoll::Failed);
     assert!(
         b_pools.still_poisoned(&[2, 3], 0x5a),
         "the rest of room 1 was written into the new incarnation"
     );
     b.teardown();
-    prefill.teardown();
+    r.prefill.teardown();
 }
