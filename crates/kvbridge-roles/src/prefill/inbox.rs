@@ -124,10 +124,9 @@ fn on_transfer(shared: &Shared, t: &Transfer<'_>) {
         // finished here: answer now, or that decode waits out its timeout,
         // pages pinned, for a status nobody will send.
         drop(rooms);
-        if info.request.is_some() {
+        if let Some(target) = info.status_target() {
             tracing::debug!(room, session = %info.session, "transfer request for a finished room; answering Failed");
-            let target = [(info.endpoint.clone(), info.dst_port)];
-            shared.send_status(&target, room, KvPoll::Failed, reason.as_deref());
+            shared.send_status(&[target], room, KvPoll::Failed, reason.as_deref());
         }
         return;
     }
@@ -146,11 +145,7 @@ fn on_transfer(shared: &Shared, t: &Transfer<'_>) {
              resume on a new incarnation",
             info.session
         );
-        let targets = info
-            .request
-            .as_ref()
-            .map(|_| vec![(info.endpoint.clone(), info.dst_port)])
-            .unwrap_or_default();
+        let targets = info.status_target().into_iter().collect();
         shared.conclude(room, KvPoll::Failed, Some(targets), Some(reason));
         return;
     }

@@ -34,6 +34,14 @@ impl TransferInfo {
         crate::control::tcp_endpoint(&self.endpoint, self.dst_port)
     }
 
+    /// Where this rank's room status goes: `(ip, port)`, none for a dummy
+    /// rank (it holds no KV from us and gets no status).
+    pub fn status_target(&self) -> Option<(String, u16)> {
+        self.request
+            .as_ref()
+            .map(|_| (self.endpoint.clone(), self.dst_port))
+    }
+
     /// `host:port` for messages.
     pub fn host_port(&self) -> String {
         format!("{}:{}", self.endpoint, self.dst_port)
@@ -105,10 +113,9 @@ impl RoomsState {
     pub fn notify_targets(&self, room: u64) -> Vec<(String, u16)> {
         let mut targets: Vec<(String, u16)> = Vec::new();
         for info in self.infos.get(&room).into_iter().flatten() {
-            if info.request.is_none() {
+            let Some(t) = info.status_target() else {
                 continue;
-            }
-            let t = (info.endpoint.clone(), info.dst_port);
+            };
             if !targets.contains(&t) {
                 targets.push(t);
             }
