@@ -5,11 +5,27 @@
 //! rank's heads (aggregation, `P > D`). GQA replication maps several ranks
 //! onto one KV head by integer division.
 
-use crate::block::Block;
+use crate::block::{Block, Run};
 use crate::error::PlanError;
 use crate::layout::{PeerRegistration, PrefillLayout};
 use crate::pairing::{halves_pairs, pair_by_layer_ids};
 use crate::runs::{add, mul, page, signed};
+
+/// Strided runs of a plan and the ends of its engine batches.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct RunOut {
+    /// The runs.
+    pub runs: Vec<Run>,
+    /// End index of each batch in `runs`.
+    pub ends: Vec<usize>,
+}
+
+impl RunOut {
+    pub(crate) fn clear(&mut self) {
+        self.runs.clear();
+        self.ends.clear();
+    }
+}
 
 /// Prepared head-slicing parameters, fixed per peer.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -140,6 +156,7 @@ impl HeadSlice {
         dst_pages: &[i32],
         out: &mut Vec<Block>,
         batch_ends: &mut Vec<usize>,
+        mut strided: Option<&mut RunOut>,
     ) -> Result<(), PlanError> {
         let n = src_pages.len().min(dst_pages.len());
         let (src_pages, dst_pages) = (&src_pages[..n], &dst_pages[..n]);
@@ -172,7 +189,11 @@ impl HeadSlice {
         } else {
             n.saturating_mul(usize::try_from(ps).unwrap_or(usize::MAX))
         };
-        out.reserve(per_pair.saturating_mul(self.pairs.len()));
+        if !whole_tokens && let Some(ro) = strided.as_deref_mut() {
+            ro.runs.reserve(n.saturating_mul(self.pairs.len()));
+        } else {
+            out.reserve(per_pair.saturating_mul(self.pairs.len()));
+        }
         for &(sp, dp) in &self.pairs {
             // numpy int64 in the seed: bases and results must fit i64.
             signed(sp, "prefill KV buffer address")?;
@@ -198,6 +219,29 @@ impl HeadSlice {
                         _ => out.push(blk),
                     }
                 }
+            } else if let Some(ro) = strided.as_deref_mut() {
+                // One run per page (its tokens at the token strides);
+                // consecutive pages on both sides continue it.
+                let start = ro.runs.len();
+                for (&a, &b) in src_pages.iter().zip(dst_pages) {
+                    let run = Run {
+                        src: src_base.wrapping_add((a as u64).wrapping_mul(self.src_item)),
+                        dst: dst_base.wrapping_add((b as u64).wrapping_mul(self.dst_item)),
+                        len: page_len,
+                        count: ps,
+                        src_stride: self.src_token,
+                        dst_stride: self.dst_token,
+                    };
+                    let can_merge = ro.runs.len() > start;
+                    match ro.runs.last_mut() {
+                        Some(last) if can_merge && last.is_continued_by(&run) => {
+                            last.count = last.count.saturating_add(run.count);
+                        }
+                        _ => ro.runs.push(run),
+                    }
+                }
+                ro.ends.push(ro.runs.len());
+                continue;
             } else {
                 let (st, dt) = (self.src_token, self.dst_token);
                 for (&a, &b) in src_pages.iter().zip(dst_pages) {

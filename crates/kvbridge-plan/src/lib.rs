@@ -69,14 +69,14 @@ pub mod scenario;
 #[cfg(feature = "scenario")]
 pub mod synthetic;
 
-pub use block::{Block, canonicalize, total_bytes};
+pub use block::{Block, Run, canonicalize, expand_runs, total_bytes};
 pub use error::{DsaTailError, PlanError};
 pub use layout::{
     PeerRegistration, PrefillLayout, StateComponent, StateType, TransferChunk, TransferRequest,
     UnknownStateType,
 };
 pub use peer::{KvPath, PreparedPeer};
-pub use plan::{KvBatches, Planner, TransferPlan, plan_once};
+pub use plan::{KvBatches, KvRunBatches, Planner, TransferPlan, plan_once};
 
 #[cfg(feature = "scenario")]
 pub use scenario::{Scenario, ScenarioError, ScenarioResult, plan_scenario};

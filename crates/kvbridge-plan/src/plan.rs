@@ -4,9 +4,10 @@
 use std::ops::Range;
 
 use crate::aux::plan_aux;
-use crate::block::{Block, canonicalize};
+use crate::block::{Block, Run, canonicalize};
 use crate::dcp::DcpChunk;
 use crate::error::PlanError;
+use crate::head_slice::RunOut;
 use crate::kv::emit_generic;
 use crate::layout::{PeerRegistration, PrefillLayout, TransferChunk, TransferRequest};
 use crate::peer::{KvMode, PreparedPeer};
@@ -14,11 +15,13 @@ use crate::runs::{RunSet, py_slice};
 use crate::state::{StateScratch, plan_states};
 
 /// Every block one chunk needs, as flat arrays: KV, state components (last
-/// chunk only) and aux (last chunk only), each its own slice.
+/// chunk only) and aux (last chunk only), each its own slice; with
+/// [`Planner::set_strided_kv`], head-sliced KV as strided [`Run`]s instead.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct TransferPlan {
     kv: Vec<Block>,
     kv_batch_ends: Vec<usize>,
+    kv_runs: RunOut,
     state: Vec<Block>,
     state_ranges: Vec<(usize, Range<usize>)>,
     aux: Vec<Block>,
@@ -28,6 +31,7 @@ impl TransferPlan {
     fn clear(&mut self) {
         self.kv.clear();
         self.kv_batch_ends.clear();
+        self.kv_runs.clear();
         self.state.clear();
         self.state_ranges.clear();
         self.aux.clear();
@@ -36,6 +40,23 @@ impl TransferPlan {
     /// KV blocks.
     pub fn kv_blocks(&self) -> &[Block] {
         &self.kv
+    }
+
+    /// KV as strided runs (head slicing with [`Planner::set_strided_kv`];
+    /// empty otherwise). Together with [`TransferPlan::kv_blocks`] they are
+    /// the chunk's KV.
+    pub fn kv_runs(&self) -> &[Run] {
+        &self.kv_runs.runs
+    }
+
+    /// The KV runs in engine batches (one per buffer pair, as
+    /// [`TransferPlan::kv_batches`] for blocks). Empty batches are skipped.
+    pub fn kv_run_batches(&self) -> KvRunBatches<'_> {
+        KvRunBatches {
+            runs: &self.kv_runs.runs,
+            ends: &self.kv_runs.ends,
+            start: 0,
+        }
     }
 
     /// State-component blocks (all components, in `state_types` order).
@@ -76,14 +97,23 @@ impl TransferPlan {
             .map(|(c, r)| (*c, &self.state[r.clone()]))
     }
 
-    /// KV, then state, then aux blocks.
-    pub fn blocks(&self) -> impl Iterator<Item = &Block> {
-        self.kv.iter().chain(&self.state).chain(&self.aux)
+    /// KV (runs expanded), then state, then aux blocks.
+    pub fn blocks(&self) -> impl Iterator<Item = Block> + '_ {
+        self.kv
+            .iter()
+            .copied()
+            .chain(self.kv_runs.runs.iter().flat_map(Run::blocks))
+            .chain(self.state.iter().copied())
+            .chain(self.aux.iter().copied())
     }
 
-    /// Number of blocks of all three kinds.
+    /// Number of blocks of all three kinds (each copy of a run counted).
     pub fn block_count(&self) -> usize {
-        self.kv.len() + self.state.len() + self.aux.len()
+        let in_runs: u64 = self.kv_runs.runs.iter().map(|r| r.count).sum();
+        self.kv.len()
+            + usize::try_from(in_runs).unwrap_or(usize::MAX)
+            + self.state.len()
+            + self.aux.len()
     }
 
     /// Whether the plan moves nothing.
@@ -99,9 +129,7 @@ impl TransferPlan {
     /// All blocks in one vector (KV, state, aux).
     pub fn to_vec(&self) -> Vec<Block> {
         let mut v = Vec::with_capacity(self.block_count());
-        v.extend_from_slice(&self.kv);
-        v.extend_from_slice(&self.state);
-        v.extend_from_slice(&self.aux);
+        v.extend(self.blocks());
         v
     }
 
@@ -141,6 +169,30 @@ impl<'a> Iterator for KvBatches<'a> {
     }
 }
 
+/// Iterator over the KV run batches of a [`TransferPlan`].
+#[derive(Debug, Clone)]
+pub struct KvRunBatches<'a> {
+    runs: &'a [Run],
+    ends: &'a [usize],
+    start: usize,
+}
+
+impl<'a> Iterator for KvRunBatches<'a> {
+    type Item = &'a [Run];
+
+    fn next(&mut self) -> Option<&'a [Run]> {
+        while let Some((&end, rest)) = self.ends.split_first() {
+            self.ends = rest;
+            let start = self.start;
+            self.start = end;
+            if end > start {
+                return self.runs.get(start..end);
+            }
+        }
+        None
+    }
+}
+
 /// Plans chunks, reusing its block and scratch buffers from one chunk to the
 /// next. One per worker thread; planning is single-threaded and allocation
 /// free once the buffers have grown to the largest chunk.
@@ -149,6 +201,7 @@ pub struct Planner {
     plan: TransferPlan,
     runs: RunSet,
     state: StateScratch,
+    strided: bool,
 }
 
 impl Planner {
@@ -179,6 +232,14 @@ impl Planner {
         }
     }
 
+    /// Plan head-sliced KV as strided runs (one per page run: a token
+    /// slice at the token strides) instead of one block per token, for
+    /// engines that copy runs natively. Off by default (the contract's
+    /// block lists); the expanded runs equal the blocks either way.
+    pub fn set_strided_kv(&mut self, on: bool) {
+        self.strided = on;
+    }
+
     /// Releases buffer memory beyond `max_blocks` blocks (the planner keeps
     /// the capacity of its largest plan otherwise). Also clears the plan.
     pub fn shrink_to(&mut self, max_blocks: usize) {
@@ -187,6 +248,8 @@ impl Planner {
         self.plan.state.shrink_to(max_blocks);
         self.plan.aux.shrink_to(max_blocks);
         self.plan.kv_batch_ends.shrink_to(max_blocks);
+        self.plan.kv_runs.runs.shrink_to(max_blocks);
+        self.plan.kv_runs.ends.shrink_to(max_blocks);
         self.runs.clear();
         self.runs.runs.shrink_to(max_blocks);
         self.state.runs.clear();
@@ -244,7 +307,14 @@ impl Planner {
                     ("prefill_kv_indices", "dst_kv_indices"),
                 )?,
                 KvMode::HeadSlice(hs) => {
-                    hs.emit(src_pages, dst_pages, &mut plan.kv, &mut plan.kv_batch_ends)?;
+                    let runs = self.strided.then_some(&mut plan.kv_runs);
+                    hs.emit(
+                        src_pages,
+                        dst_pages,
+                        &mut plan.kv,
+                        &mut plan.kv_batch_ends,
+                        runs,
+                    )?;
                 }
                 KvMode::Dcp(dcp) => dcp.emit(
                     &DcpChunk {

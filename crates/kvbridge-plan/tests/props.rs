@@ -11,8 +11,8 @@ use std::collections::BTreeSet;
 
 use common::*;
 use kvbridge_plan::{
-    Block, PeerRegistration, PrefillLayout, StateComponent, StateType, TransferChunk,
-    TransferRequest, canonicalize, plan_once,
+    Block, PeerRegistration, Planner, PrefillLayout, PreparedPeer, StateComponent, StateType,
+    TransferChunk, TransferRequest, canonicalize, expand_runs, plan_once,
 };
 use proptest::prelude::*;
 
@@ -211,6 +211,71 @@ proptest! {
             } else if t >= p {
                 prop_assert_eq!(got, pages_bytes(ditem));
             }
+        }
+    }
+
+    /// Strided KV: for every head-slicing shape, the runs expand to the
+    /// very blocks (and batches) of the block plan, with at most one run
+    /// per page and buffer pair; other KV paths are unaffected.
+    #[test]
+    fn strided_runs_expand_to_the_block_plan(
+        p_exp in 0u32..4,
+        d_exp in 0u32..4,
+        t_exp in 0u32..5,
+        ps in 1u64..9,
+        hb in prop::sample::select(vec![8u64, 16, 48, 256]),
+        layers in 1usize..3,
+        (src, dst) in page_pair(12),
+        rank in 0u64..8,
+        drank in 0u64..8,
+    ) {
+        let (p, d, t) = (1u64 << p_exp, 1u64 << d_exp, 1u64 << t_exp);
+        let (sh, dh) = ((t / p).max(1), (t / d).max(1));
+        let (sitem, ditem) = (ps * sh * hb, ps * dh * hb);
+        let layout = PrefillLayout {
+            engine_rank: rank % p,
+            attn_tp_size: p,
+            kv_head_num: sh,
+            total_kv_head_num: t,
+            ..mha(layers, ps, sitem)
+        };
+        let reg = PeerRegistration {
+            dst_tp_rank: drank % d,
+            dst_attn_tp_size: d,
+            ..peer(2 * layers, ditem)
+        };
+        let Ok(peer) = PreparedPeer::new(&layout, reg) else {
+            return Ok(());
+        };
+        let (req, ch) = (request(&dst), chunk(&src));
+        let mut plain = Planner::new();
+        let mut strided = Planner::new();
+        strided.set_strided_kv(true);
+        let a = plain.plan_chunk(&layout, &peer, &req, &ch).cloned();
+        let b = strided.plan_chunk(&layout, &peer, &req, &ch).cloned();
+        let (a, b) = match (a, b) {
+            (Ok(a), Ok(b)) => (a, b),
+            (Err(x), Err(y)) => {
+                prop_assert_eq!(x, y);
+                return Ok(());
+            }
+            (x, y) => {
+                prop_assert!(false, "plain {:?} vs strided {:?}", x.err(), y.err());
+                unreachable!()
+            }
+        };
+        prop_assert!(a.kv_runs().is_empty());
+        let batches_a: Vec<Vec<Block>> = a.kv_batches().map(<[Block]>::to_vec).collect();
+        let mut batches_b: Vec<Vec<Block>> = b.kv_batches().map(<[Block]>::to_vec).collect();
+        batches_b.extend(b.kv_run_batches().map(expand_runs));
+        prop_assert_eq!(&batches_a, &batches_b);
+        prop_assert_eq!(a.to_vec(), b.to_vec());
+        prop_assert_eq!(a.block_count(), b.block_count());
+        prop_assert_eq!(a.total_bytes(), b.total_bytes());
+        if !b.kv_runs().is_empty() {
+            prop_assert!(b.kv_blocks().is_empty());
+            prop_assert!(b.kv_runs().len() <= src.len().min(dst.len()) * 2 * layers);
+            prop_assert!(b.kv_runs().iter().all(|r| r.count >= ps && r.count % ps == 0));
         }
     }
 

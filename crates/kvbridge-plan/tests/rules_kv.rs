@@ -7,7 +7,7 @@ mod common;
 
 use common::*;
 use kvbridge_plan::{
-    KvPath, PeerRegistration, PlanError, Planner, PrefillLayout, PreparedPeer, StateType,
+    KvPath, PeerRegistration, PlanError, Planner, PrefillLayout, PreparedPeer, Run, StateType,
     TransferChunk, TransferRequest,
 };
 
@@ -345,6 +345,48 @@ fn head_slice_scatter_takes_the_decode_ranks_heads() {
         }
     }
     assert_eq!(got, canon(want));
+}
+
+#[test]
+fn head_slice_strided_runs_cover_page_runs() {
+    // TP 1 -> 4 as above, 4-token pages: prefill pages 3, 4, 5 and 9 go to
+    // decode pages 5, 6, 7 and 1. Pages 3..6 continue each other on both
+    // sides (one run of 12 tokens); page 9 -> 1 is its own run.
+    let (ps, hb) = (4, 16);
+    let l = heads_layout(1, 0, 8, ps, hb);
+    let r = heads_peer(4, 2, 8, ps, hb);
+    let peer = PreparedPeer::new(&l, r).unwrap();
+    let mut planner = Planner::new();
+    planner.set_strided_kv(true);
+    let plan = planner
+        .plan_chunk(&l, &peer, &request(&[5, 6, 7, 1]), &chunk(&[3, 4, 5, 9]))
+        .unwrap();
+    let (sitem, ditem) = (ps * 8 * hb, ps * 2 * hb);
+    let run = |k: u64, sp: u64, dp: u64, count: u64| Run {
+        src: S + k * GIB + sp * sitem + 4 * hb,
+        dst: D + k * GIB + dp * ditem,
+        len: 2 * hb,
+        count,
+        src_stride: sitem / ps,
+        dst_stride: ditem / ps,
+    };
+    let want = [run(0, 3, 5, 12), run(0, 9, 1, 4)];
+    let want_v = [run(1, 3, 5, 12), run(1, 9, 1, 4)];
+    assert!(plan.kv_blocks().is_empty());
+    let batches: Vec<&[Run]> = plan.kv_run_batches().collect();
+    assert_eq!(batches, vec![&want[..], &want_v[..]]);
+    assert_eq!(plan.block_count(), 32);
+    assert_eq!(plan.total_bytes(), 32 * 32);
+    // Whole-token slices stay page blocks (TP 2 -> 2 is a page copy; here
+    // TP 1 -> 1 with strided on changes nothing either).
+    let l1 = heads_layout(1, 0, 8, ps, hb);
+    let r1 = heads_peer(1, 0, 8, ps, hb);
+    let p1 = PreparedPeer::new(&l1, r1).unwrap();
+    let got = planner
+        .plan_chunk(&l1, &p1, &request(&[5, 6]), &chunk(&[3, 4]))
+        .unwrap();
+    assert!(got.kv_runs().is_empty());
+    assert_eq!(got.kv_blocks().len(), 2);
 }
 
 #[test]
