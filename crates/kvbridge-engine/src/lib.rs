@@ -76,6 +76,84 @@ pub struct Block {
     pub len: u64,
 }
 
+/// `count` equal copies at fixed strides: copy `i` moves `len` bytes from
+/// local `src + i * src_stride` to the peer's `dst + i * dst_stride` (e.g.
+/// one head slice of every token of a page).
+///
+/// Layout-identical to the planner's run (`bytemuck::cast_slice`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default, bytemuck::Pod, bytemuck::Zeroable)]
+pub struct Run {
+    /// Source address of the first copy, in local registered memory.
+    pub src: u64,
+    /// Destination address of the first copy, in the peer's registered memory.
+    pub dst: u64,
+    /// Bytes per copy.
+    pub len: u64,
+    /// Number of copies.
+    pub count: u64,
+    /// Source bytes from one copy to the next.
+    pub src_stride: u64,
+    /// Destination bytes from one copy to the next.
+    pub dst_stride: u64,
+}
+
+impl Run {
+    /// Bytes from the first copy's start to the last copy's end on each
+    /// side, `(source span, destination span)`; `None` when that overflows,
+    /// `Some((0, 0))` for an empty run.
+    pub fn spans(&self) -> Option<(u64, u64)> {
+        if self.count == 0 || self.len == 0 {
+            return Some((0, 0));
+        }
+        let last = self.count - 1;
+        let span = |stride: u64, base: u64| {
+            let s = last.checked_mul(stride)?.checked_add(self.len)?;
+            base.checked_add(s)?;
+            Some(s)
+        };
+        Some((
+            span(self.src_stride, self.src)?,
+            span(self.dst_stride, self.dst)?,
+        ))
+    }
+
+    /// Whether the run's destinations are pairwise disjoint and its spans
+    /// fit the address space: what every engine requires of a run.
+    pub fn is_well_formed(&self) -> bool {
+        self.spans().is_some() && (self.count <= 1 || self.dst_stride >= self.len)
+    }
+
+    /// Bytes the run moves (saturating).
+    pub fn bytes(&self) -> u64 {
+        self.len.saturating_mul(self.count)
+    }
+
+    /// Copy `i` as a block.
+    pub fn block(&self, i: u64) -> Block {
+        Block {
+            src: self.src.wrapping_add(i.wrapping_mul(self.src_stride)),
+            dst: self.dst.wrapping_add(i.wrapping_mul(self.dst_stride)),
+            len: self.len,
+        }
+    }
+}
+
+/// The blocks of `runs` in order, or the index of the first run that is not
+/// [`Run::is_well_formed`].
+pub fn expand_runs(runs: &[Run]) -> Result<Vec<Block>, usize> {
+    let mut out = Vec::new();
+    for (i, r) in runs.iter().enumerate() {
+        if !r.is_well_formed() {
+            return Err(i);
+        }
+        if r.len > 0 {
+            out.extend((0..r.count).map(|k| r.block(k)));
+        }
+    }
+    Ok(out)
+}
+
 /// A transfer engine: moves batches of blocks from local registered memory
 /// into a peer's registered memory.
 ///
@@ -121,6 +199,23 @@ pub trait TransferEngine: Send + Sync + std::fmt::Debug {
         self.submit(session, blocks)
     }
 
+    /// Whether [`TransferEngine::submit_runs_to`] copies runs natively
+    /// (planners then hand over runs instead of one block per copy).
+    fn copies_runs(&self) -> bool {
+        false
+    }
+
+    /// Like [`TransferEngine::submit_to`] for strided runs. Every run must be
+    /// [`Run::is_well_formed`] (else the batch fails with `InvalidArgument`
+    /// and nothing is written). Engines without a native run path move the
+    /// expanded blocks.
+    fn submit_runs_to(&self, session: &str, expected: u64, runs: &[Run]) -> BatchHandle {
+        match expand_runs(runs) {
+            Ok(blocks) => self.submit_to(session, expected, &blocks),
+            Err(i) => BatchHandle::ready(Err(malformed_run(session, i))),
+        }
+    }
+
     /// Move `blocks` to `session`; returns when every byte is in the peer's
     /// memory, or with the first error.
     fn batch_transfer_sync(&self, session: &str, blocks: &[Block]) -> Result<(), TransferError> {
@@ -150,4 +245,14 @@ pub trait TransferEngine: Send + Sync + std::fmt::Debug {
     /// that arrived over the control plane); refused unless the whole range
     /// lies inside one registered region.
     fn write_local(&self, addr: u64, data: &[u8]) -> Result<(), MemError>;
+}
+
+/// The error for run `i` of a batch that is not [`Run::is_well_formed`].
+pub(crate) fn malformed_run(session: &str, i: usize) -> TransferError {
+    TransferError::new(
+        session,
+        Some(i),
+        ErrorKind::InvalidArgument,
+        "run overflows the address space or its copies overlap at the destination",
+    )
 }

@@ -12,7 +12,7 @@ use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 
 use kvbridge_engine::ipc::{Copier, CopyMode, CopyTuning};
-use kvbridge_engine::{Block, ErrorKind, IpcEngine, Side, TransferEngine};
+use kvbridge_engine::{Block, ErrorKind, IpcEngine, Run, Side, TransferEngine};
 use kvbridge_mem::cuda::{self, DeviceBuffer};
 use kvbridge_mem::{HostBuffer, MemError};
 use rand::{Rng, RngCore, SeedableRng, rngs::StdRng};
@@ -474,4 +474,138 @@ fn ipc_engine_between_two_processes_on_one_gpu() {
         std::io::stderr(),
         "ipc: transfer, refusals, deregistration, restart: ok"
     );
+}
+
+/// Random strided runs inside a `space`-byte window: copies of 1 B to
+/// `max` bytes, 1 to `most` copies, source strides free (copies may overlap),
+/// destination strides at least the copy length, runs packed one after
+/// another on the destination side. Offsets, not addresses.
+fn random_runs(rng: &mut StdRng, space: u64, max: u64, count: usize, most: u64) -> Vec<Run> {
+    let mut runs = Vec::new();
+    let mut dst = rng.gen_range(0..64);
+    for _ in 0..count {
+        let len = rng.gen_range(1..=max);
+        let copies = rng.gen_range(1..=most);
+        let dst_stride = len + rng.gen_range(0..=len);
+        let src_stride = rng.gen_range(0..=2 * len);
+        let d_span = (copies - 1) * dst_stride + len;
+        let s_span = (copies - 1) * src_stride + len;
+        if dst + d_span > space || s_span >= space {
+            break;
+        }
+        let src = rng.gen_range(0..space - s_span);
+        runs.push(Run {
+            src,
+            dst,
+            len,
+            count: copies,
+            src_stride,
+            dst_stride,
+        });
+        dst += d_span + rng.gen_range(0..8);
+    }
+    runs
+}
+
+#[test]
+fn ipc_engine_copies_strided_runs() {
+    if !gpu("ipc_engine_copies_strided_runs") {
+        return;
+    }
+    let mut peer = Peer::spawn(free_port());
+    let engine = IpcEngine::new(common::cfg(), CopyTuning::default()).unwrap();
+    assert!(engine.copies_runs());
+    let len = TARGET_LEN;
+    let src = DeviceBuffer::new(0, len).unwrap();
+    let data = random_bytes(len, 21);
+    src.write(0, &data).unwrap();
+    // SAFETY: `src` outlives the engine's use; deregistered below.
+    unsafe { engine.batch_register(&[src.region()]) }.unwrap();
+    let mut rng = StdRng::seed_from_u64(17);
+    // Head-slice-like (256 B at token strides), odd sizes and alignments,
+    // and copies longer than a kernel piece (expanded into pieces).
+    let rounds = [
+        (256u64, 400usize, 150u64),
+        (1000, 300, 40),
+        (3, 200, 300),
+        (200 << 10, 6, 3),
+    ];
+    for (round, (max, count, most)) in rounds.into_iter().enumerate() {
+        let runs = random_runs(&mut rng, len as u64, max, count, most);
+        peer.ask("FILL 0");
+        let abs: Vec<Run> = runs
+            .iter()
+            .map(|r| Run {
+                src: src.addr() + r.src,
+                dst: peer.addr + r.dst,
+                ..*r
+            })
+            .collect();
+        engine
+            .submit_runs_to(&peer.session, peer.incarnation, &abs)
+            .wait()
+            .unwrap();
+        let mut want = vec![0u8; len];
+        for r in &runs {
+            for k in 0..r.count {
+                let b = r.block(k);
+                let (s, d, n) = (b.src as usize, b.dst as usize, b.len as usize);
+                want[d..d + n].copy_from_slice(&data[s..s + n]);
+            }
+        }
+        assert_eq!(
+            peer.ask(&format!("SUM 0 {len}")),
+            fnv(&want),
+            "round {round}: {} runs of up to {max} B",
+            runs.len()
+        );
+        let _ = writeln!(
+            std::io::stderr(),
+            "ipc runs round {round}: {} runs, {} copies of 1..={max} B: ok",
+            runs.len(),
+            runs.iter().map(|r| r.count).sum::<u64>()
+        );
+    }
+    // The last copy of a run past the peer's region: the batch is refused
+    // and nothing is written.
+    peer.ask("FILL 9");
+    let over = [
+        Run {
+            src: src.addr(),
+            dst: peer.addr,
+            len: 256,
+            count: 4,
+            src_stride: 256,
+            dst_stride: 512,
+        },
+        Run {
+            src: src.addr(),
+            dst: peer.addr + len as u64 - 4096,
+            len: 256,
+            count: 9,
+            src_stride: 0,
+            dst_stride: 512,
+        },
+    ];
+    let e = engine
+        .submit_runs_to(&peer.session, 0, &over)
+        .wait()
+        .unwrap_err();
+    assert_eq!(e.kind, ErrorKind::OutOfRegion(Side::Remote));
+    assert_eq!(e.block, Some(1));
+    assert_eq!(peer.ask("SUM 0 4096"), fnv(&[9u8; 4096]));
+    // Copies that would overlap at the destination: refused as malformed.
+    let overlap = [Run {
+        dst_stride: 128,
+        ..over[0]
+    }];
+    let e = engine
+        .submit_runs_to(&peer.session, 0, &overlap)
+        .wait()
+        .unwrap_err();
+    assert_eq!(e.kind, ErrorKind::InvalidArgument);
+    engine.batch_deregister(&[src.addr()]).unwrap();
+    drop(engine);
+    peer.kill();
+    let _ = writeln!(std::io::stderr(), "ipc runs: rounds, refusals: ok");
 }

@@ -70,3 +70,58 @@ fn local_byte_io_is_bounds_checked() {
     assert!(e.read_local(buf.addr() - 8, &mut out).is_err());
     e.batch_deregister(&[buf.addr()]).unwrap();
 }
+
+/// Engines without a native run path move a run's copies as blocks; a
+/// malformed run fails the batch before anything is written.
+#[test]
+fn runs_are_expanded_and_malformed_runs_refused() {
+    use kvbridge_engine::{Run, expand_runs};
+    let a = LoopbackEngine::new();
+    let b = LoopbackEngine::new();
+    let src = patterned(1 << 20, 3);
+    let dst = kvbridge_mem::HostBuffer::new(1 << 20).unwrap();
+    register(&a, &src);
+    register(&b, &dst);
+    assert!(!a.copies_runs());
+    // Two head-slice-like runs: 256 B of each 1 KiB token into 512 B slots.
+    let runs = [
+        Run {
+            src: src.addr() + 256,
+            dst: dst.addr(),
+            len: 256,
+            count: 64,
+            src_stride: 1024,
+            dst_stride: 512,
+        },
+        Run {
+            src: src.addr() + 100,
+            dst: dst.addr() + (512 << 10) + 3,
+            len: 77,
+            count: 10,
+            src_stride: 0,
+            dst_stride: 77,
+        },
+    ];
+    a.submit_runs_to(b.session_id(), 0, &runs).wait().unwrap();
+    let blocks = expand_runs(&runs).unwrap();
+    assert_eq!(blocks.len(), 74);
+    assert_eq!(blocks[1].src, src.addr() + 256 + 1024);
+    assert_arrived(&blocks, &src, &dst);
+
+    let overlapping = Run {
+        dst_stride: 255,
+        ..runs[0]
+    };
+    let before = dst.as_slice().to_vec();
+    let e = a
+        .submit_runs_to(b.session_id(), 0, &[runs[1], overlapping])
+        .wait()
+        .unwrap_err();
+    assert_eq!((e.kind, e.block), (ErrorKind::InvalidArgument, Some(1)));
+    let wraps = Run {
+        dst: u64::MAX - 1000,
+        ..runs[0]
+    };
+    assert_eq!(expand_runs(&[runs[0], wraps]), Err(1));
+    assert_eq!(dst.as_slice(), &before[..]);
+}

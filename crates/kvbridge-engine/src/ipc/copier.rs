@@ -21,17 +21,22 @@ use super::kernel;
 use super::plan::{self, CopyTuning, Prepared, RangeMap};
 use crate::Block;
 
-/// The compiled kernel of GPU `ordinal` (compiled once per process).
+/// The compiled block-copy kernel of GPU `ordinal` (compiled once per process).
 pub fn copy_kernel(ordinal: i32) -> Result<Arc<Kernel>, CudaError> {
-    type Cache = Mutex<Vec<(i32, Arc<Kernel>)>>;
+    compiled(ordinal, kernel::ENTRY)
+}
+
+/// Kernel `entry` of [`kernel::SOURCE`] for GPU `ordinal` (compiled once per process).
+fn compiled(ordinal: i32, entry: &'static str) -> Result<Arc<Kernel>, CudaError> {
+    type Cache = Mutex<Vec<(i32, &'static str, Arc<Kernel>)>>;
     static KERNELS: OnceLock<Cache> = OnceLock::new();
     let cache = KERNELS.get_or_init(|| Mutex::new(Vec::new()));
     let mut guard = cache.lock().unwrap_or_else(|p| p.into_inner());
-    if let Some((_, k)) = guard.iter().find(|(o, _)| *o == ordinal) {
+    if let Some((_, _, k)) = guard.iter().find(|(o, e, _)| *o == ordinal && *e == entry) {
         return Ok(k.clone());
     }
-    let k = Arc::new(Kernel::compile(ordinal, kernel::SOURCE, kernel::ENTRY)?);
-    guard.push((ordinal, k.clone()));
+    let k = Arc::new(Kernel::compile(ordinal, kernel::SOURCE, entry)?);
+    guard.push((ordinal, entry, k.clone()));
     Ok(k)
 }
 
@@ -334,7 +339,7 @@ impl Copier {
         unsafe { self.upload(&slot, 0, descs) }?;
         // SAFETY: forwarded caller contract; the descriptors are uploaded
         // (ordered by the slot's `uploaded` event).
-        let stats = unsafe { self.launch(&slot, descs, acc.kernel_bytes, &acc.memcpy) };
+        let stats = unsafe { self.launch(&slot, descs, &acc) };
         let waited = slot.wait();
         self.own = Some(slot);
         let stats = stats?;
@@ -342,8 +347,8 @@ impl Copier {
         Ok(stats)
     }
 
-    /// Append the pieces of `acc` after the `n` per-block descriptors of
-    /// `slot` (growing it); returns the descriptor count.
+    /// Append the pieces of `acc` after the `n` entries (per-block or run
+    /// descriptors) of `slot` (growing it); returns the entry count.
     pub fn finish_descs(
         &self,
         slot: &mut Slot,
@@ -393,9 +398,11 @@ impl Copier {
         }
     }
 
-    /// Enqueue the batch of `slot` (its `descs` descriptors uploaded by
-    /// [`Copier::upload`]): one kernel launch and a `cuMemcpyAsync` per
-    /// `memcpy` block, then the slot's `done` event. Returns at once.
+    /// Enqueue the batch of `slot` (its `descs` entries uploaded by
+    /// [`Copier::upload`]: `acc.runs` run descriptors, then block
+    /// descriptors): a launch of the run kernel and one of the block kernel
+    /// (each if it has work), a `cuMemcpyAsync` per memcpy block of `acc`,
+    /// then the slot's `done` event. Returns at once.
     ///
     /// # Safety
     /// Every descriptor's and memcpy block's ranges must stay valid (as for
@@ -404,24 +411,46 @@ impl Copier {
         &self,
         slot: &Slot,
         descs: usize,
-        kernel_bytes: u64,
-        memcpy: &[Block],
+        acc: &Prepared,
     ) -> Result<CopyStats, CudaError> {
         self.make_current()?;
         let mut stats = CopyStats::default();
         if descs > 0 {
             slot.uploaded.record(&self.upload)?;
             self.stream.wait(&slot.uploaded)?;
-            let shift = plan::shift_for(kernel_bytes, descs);
+        }
+        let run_entries = (2 * acc.runs).min(descs);
+        if acc.runs > 0 {
+            let k = compiled(self.ordinal, kernel::RUN_ENTRY)?;
+            let (kshift, shift) = plan::run_shifts(acc);
             let mut p_descs = slot.dev.addr();
-            let mut p_n = descs as u64;
+            let mut p_n = (run_entries / 2) as u64;
+            let (mut p_kshift, mut p_shift) = (kshift, shift);
+            let mut params: [*mut c_void; 4] = [
+                (&raw mut p_descs).cast(),
+                (&raw mut p_n).cast(),
+                (&raw mut p_kshift).cast(),
+                (&raw mut p_shift).cast(),
+            ];
+            let grid = plan::grid_size((run_entries / 2) << kshift, shift, self.sms);
+            // SAFETY: the parameters are (const ulonglong2*, u64, u32, u32)
+            // as the kernel declares; the run descriptors (uploaded before,
+            // ordered by the event) name ranges the caller guarantees valid.
+            unsafe { k.launch(&self.stream, grid, plan::BLOCK_THREADS, &mut params) }?;
+            stats.launches += 1;
+        }
+        if descs > run_entries {
+            let n = descs - run_entries;
+            let shift = plan::shift_for(acc.kernel_bytes - acc.run_bytes, n);
+            let mut p_descs = slot.dev.addr() + run_entries as u64 * 16;
+            let mut p_n = n as u64;
             let mut p_shift = shift;
             let mut params: [*mut c_void; 3] = [
                 (&raw mut p_descs).cast(),
                 (&raw mut p_n).cast(),
                 (&raw mut p_shift).cast(),
             ];
-            let grid = plan::grid_size(descs, shift, self.sms);
+            let grid = plan::grid_size(n, shift, self.sms);
             // SAFETY: the parameters are (const ulonglong2*, u64, u32) as the
             // kernel declares; the descriptors (uploaded before, ordered by
             // the event) name ranges the caller guarantees valid.
@@ -429,10 +458,10 @@ impl Copier {
                 self.kernel
                     .launch(&self.stream, grid, plan::BLOCK_THREADS, &mut params)
             }?;
-            stats.kernel_blocks = descs as u64;
-            stats.launches = 1;
+            stats.launches += 1;
         }
-        for b in memcpy {
+        stats.kernel_blocks = (descs - run_entries) as u64 + acc.run_copies;
+        for b in &acc.memcpy {
             let len = usize::try_from(b.len).unwrap_or(usize::MAX);
             // SAFETY: the caller guarantees both ranges.
             unsafe { self.stream.memcpy(b.dst, b.src, len) }?;

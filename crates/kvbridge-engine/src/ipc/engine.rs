@@ -27,11 +27,11 @@ use parking_lot::Mutex;
 
 use super::copier::Slot;
 use super::peer::PeerState;
-use super::plan::CopyTuning;
+use super::plan::{Batch, CopyTuning};
 use super::table::{self, Export};
 use crate::batch::Completer;
 use crate::{
-    BatchHandle, Block, EngineConfig, ErrorKind, TcpEngine, TransferEngine, TransferError,
+    BatchHandle, Block, EngineConfig, ErrorKind, Run, TcpEngine, TransferEngine, TransferError,
 };
 
 /// How often an idle session holding regions looks for revokes.
@@ -191,6 +191,33 @@ impl IpcEngine {
         Ok(s)
     }
 
+    /// Check, translate and launch one batch (see the module docs).
+    fn submit_batch(&self, session: &str, expected: u64, batch: Batch<'_>) -> BatchHandle {
+        if batch.moves_nothing() {
+            return BatchHandle::ready(Ok(()));
+        }
+        let s = match self.session(session) {
+            Ok(s) => s,
+            Err(e) => return BatchHandle::ready(Err(e)),
+        };
+        let mut st = s.state.lock();
+        match st.submit(&self.shared, &s.pipe, batch, expected) {
+            Ok((slot, bytes)) => {
+                let (handle, done) = BatchHandle::pending();
+                s.pipe.in_flight.fetch_add(1, Ordering::AcqRel);
+                if let Err(e) = s.tx.send(InFlight { slot, bytes, done }) {
+                    // The completion thread is gone (shutdown): wait here.
+                    let InFlight { slot, done, .. } = e.0;
+                    s.pipe.in_flight.fetch_sub(1, Ordering::AcqRel);
+                    let r = slot.wait().map_err(|e| st.io(&e));
+                    done.complete(r);
+                }
+                handle
+            }
+            Err(e) => BatchHandle::ready(Err(e)),
+        }
+    }
+
     /// Wait until every copy launched so far (every session) has finished.
     fn drain(&self) {
         let sessions: Vec<Arc<Session>> = self.sessions.lock().values().cloned().collect();
@@ -305,29 +332,18 @@ impl TransferEngine for IpcEngine {
     }
 
     fn submit_to(&self, session: &str, expected: u64, blocks: &[Block]) -> BatchHandle {
-        if blocks.iter().all(|b| b.len == 0) {
-            return BatchHandle::ready(Ok(()));
+        self.submit_batch(session, expected, Batch::Blocks(blocks))
+    }
+
+    fn copies_runs(&self) -> bool {
+        true
+    }
+
+    fn submit_runs_to(&self, session: &str, expected: u64, runs: &[Run]) -> BatchHandle {
+        if let Some(i) = runs.iter().position(|r| !r.is_well_formed()) {
+            return BatchHandle::ready(Err(crate::malformed_run(session, i)));
         }
-        let s = match self.session(session) {
-            Ok(s) => s,
-            Err(e) => return BatchHandle::ready(Err(e)),
-        };
-        let mut st = s.state.lock();
-        match st.submit(&self.shared, &s.pipe, blocks, expected) {
-            Ok((slot, bytes)) => {
-                let (handle, done) = BatchHandle::pending();
-                s.pipe.in_flight.fetch_add(1, Ordering::AcqRel);
-                if let Err(e) = s.tx.send(InFlight { slot, bytes, done }) {
-                    // The completion thread is gone (shutdown): wait here.
-                    let InFlight { slot, done, .. } = e.0;
-                    s.pipe.in_flight.fetch_sub(1, Ordering::AcqRel);
-                    let r = slot.wait().map_err(|e| st.io(&e));
-                    done.complete(r);
-                }
-                handle
-            }
-            Err(e) => BatchHandle::ready(Err(e)),
-        }
+        self.submit_batch(session, expected, Batch::Runs(runs))
     }
 
     fn batch_transfer_sync(&self, session: &str, blocks: &[Block]) -> Result<(), TransferError> {

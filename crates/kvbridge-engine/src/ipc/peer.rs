@@ -11,10 +11,10 @@ use kvbridge_mem::cuda::{CudaError, IpcHandle, IpcMapping};
 
 use super::copier::{self, Copier, Slot};
 use super::engine::{FREE_SLOTS, IDLE_RELEASE, MAX_ATTEMPTS, Pipe, Shared};
-use super::plan::{self, CopyTuning, Miss, Prepared, RangeMap};
+use super::plan::{self, Batch, CopyTuning, Miss, Prepared, RangeMap};
 use super::table::{self, Export};
 use crate::tcp::control::Control;
-use crate::{Block, ErrorKind, Side, TransferError};
+use crate::{ErrorKind, Side, TransferError};
 
 /// An opened peer allocation and the handle it was opened from.
 #[derive(Debug)]
@@ -310,7 +310,7 @@ impl PeerState {
     pub(super) fn local_map(
         &mut self,
         registry: &kvbridge_mem::RegionRegistry,
-        blocks: &[Block],
+        batch: Batch<'_>,
     ) -> i32 {
         let generation = registry.generation();
         if self.local.as_ref().is_none_or(|(g, _)| *g != generation) {
@@ -323,10 +323,9 @@ impl PeerState {
             );
             self.local = Some((generation, map));
         }
-        blocks
-            .iter()
-            .filter(|b| b.len > 0)
-            .find_map(|b| registry.find(b.src, b.len))
+        batch
+            .first_source()
+            .and_then(|(src, len)| registry.find(src, len))
             .and_then(|r| match r.kind {
                 MemoryKind::Device { ordinal } => Some(ordinal),
                 _ => None,
@@ -366,13 +365,27 @@ impl PeerState {
     /// it is written.
     pub(super) fn prepare(
         &mut self,
-        blocks: &[Block],
+        batch: Batch<'_>,
         slot: &mut Slot,
         tuning: &CopyTuning,
     ) -> Result<(), (usize, Miss)> {
         self.acc.clear();
         let (Some((_, local)), Some(copier)) = (self.local.as_ref(), self.copier.as_ref()) else {
             return Err((0, Miss::Source));
+        };
+        let blocks = match batch {
+            Batch::Blocks(blocks) => blocks,
+            Batch::Runs(runs) => {
+                // Few descriptors: prepared on this thread, uploaded at launch.
+                return plan::prepare_runs(
+                    runs,
+                    local,
+                    &self.remote,
+                    tuning,
+                    slot.descs_mut(),
+                    &mut self.acc,
+                );
+            }
         };
         let uploader = copier.uploader(slot);
         let failed = std::sync::atomic::AtomicBool::new(false);
@@ -408,7 +421,7 @@ impl PeerState {
         &mut self,
         shared: &Shared,
         pipe: &Pipe,
-        blocks: &[Block],
+        batch: Batch<'_>,
         expected: u64,
     ) -> Result<(Slot, u64), TransferError> {
         let t0 = Instant::now();
@@ -427,7 +440,7 @@ impl PeerState {
         // Our sources stay registered until the batch is launched; a
         // deregistration then waits for the copies (`IpcEngine::drain`).
         let registry = shared.tcp.registry().read_recursive();
-        let ordinal = self.local_map(&registry, blocks);
+        let ordinal = self.local_map(&registry, batch);
         self.copier(shared, ordinal)?;
         if let Some(c) = &self.copier {
             c.make_current().map_err(|e| self.io(&e))?;
@@ -435,10 +448,10 @@ impl PeerState {
         if self.table.is_empty() {
             self.refresh(shared)?;
         }
-        let mut slot = self.slot(pipe, ordinal, blocks.len())?;
-        let r = self.prepare_held(shared, pipe, blocks, &mut slot, ordinal);
+        let mut slot = self.slot(pipe, ordinal, batch.entries(&shared.tuning))?;
+        let r = self.prepare_held(shared, pipe, batch, &mut slot, ordinal);
         let t_prep = Instant::now();
-        let launched = r.and_then(|()| self.launch(blocks.len(), &mut slot));
+        let launched = r.and_then(|()| self.launch(batch, &mut slot));
         drop(registry);
         if let Err(e) = launched {
             // Uploads (or copies) of this slot may still read its buffers.
@@ -452,7 +465,8 @@ impl PeerState {
         }
         let bytes = self.acc.kernel_bytes + self.acc.memcpy.iter().map(|b| b.len).sum::<u64>();
         tracing::trace!(
-            blocks = blocks.len(),
+            items = batch.len(),
+            runs = self.acc.runs,
             prepare_us = (t_prep - t0).as_micros() as u64,
             launch_us = t_prep.elapsed().as_micros() as u64,
             "ipc batch launched"
@@ -475,15 +489,16 @@ impl PeerState {
         &mut self,
         shared: &Shared,
         pipe: &Pipe,
-        blocks: &[Block],
+        batch: Batch<'_>,
         slot: &mut Slot,
         ordinal: i32,
     ) -> Result<(), TransferError> {
         let tuning = shared.tuning;
         let mut refreshed = false;
         for _ in 0..MAX_ATTEMPTS {
-            match self.prepare(blocks, slot, &tuning) {
+            match self.prepare(batch, slot, &tuning) {
                 Ok(()) => {}
+                Err((i, Miss::Shape)) => return Err(crate::malformed_run(&self.session, i)),
                 Err((i, Miss::Source)) => {
                     return Err(self.err(
                         Some(i),
@@ -534,7 +549,16 @@ impl PeerState {
     }
 
     /// Append the pieces, upload them and launch the prepared batch.
-    pub(super) fn launch(&mut self, n: usize, slot: &mut Slot) -> Result<(), TransferError> {
+    pub(super) fn launch(
+        &mut self,
+        batch: Batch<'_>,
+        slot: &mut Slot,
+    ) -> Result<(), TransferError> {
+        // Entries written while preparing: one per block, or two per run descriptor.
+        let n = match batch {
+            Batch::Blocks(b) => b.len(),
+            Batch::Runs(_) => 2 * self.acc.runs,
+        };
         let Some(copier) = self.copier.as_ref() else {
             return Err(self.err(None, ErrorKind::Io, "no copier"));
         };
@@ -547,7 +571,11 @@ impl PeerState {
             copier.sync_uploads().map_err(io)?;
         }
         let descs = copier.finish_descs(slot, n, &self.acc).map_err(io)?;
-        let from = if grows { 0 } else { n };
+        // Block descriptors were uploaded while prepared; runs are not.
+        let from = match batch {
+            Batch::Blocks(_) if !grows => n,
+            _ => 0,
+        };
         // SAFETY: the slot is idle; its descriptors were all written (the
         // per-block ones kept across a growth) and stay until the batch
         // completes.
@@ -558,8 +586,7 @@ impl PeerState {
         // the hold and waits for our release, sent only after our copies
         // finished), reached through mappings we keep open while copies
         // run; planners never give overlapping destinations within a batch.
-        unsafe { copier.launch(slot, descs, self.acc.kernel_bytes, &self.acc.memcpy) }
-            .map_err(io)?;
+        unsafe { copier.launch(slot, descs, &self.acc) }.map_err(io)?;
         Ok(())
     }
 }
