@@ -6,11 +6,42 @@
 mod common;
 
 use common::*;
+use std::sync::atomic::Ordering;
+
 use kvbridge_roles::KvPoll;
 
 fn check(model_mla: bool, layers: u64, prefill_tp: u64, prefill_pp: u64, decode_tp: u64) {
     let model = tiny_model(model_mla, layers);
-    let mut cluster = Cluster::new(model, prefill_tp, prefill_pp, decode_tp, 64);
+    let cluster = Cluster::new(model, prefill_tp, prefill_pp, decode_tp, 64);
+    check_cluster(cluster);
+}
+
+/// Head slicing with engines that take strided runs: every byte still
+/// arrives, and the workers handed the engines runs (one per page run),
+/// not one block per token.
+fn check_runs(prefill_tp: u64, decode_tp: u64) {
+    let model = tiny_model(false, 2);
+    let engines = std::sync::Mutex::new(Vec::new());
+    let cluster = Cluster::with_prefill_engines(model, prefill_tp, 1, decode_tp, 64, || {
+        let e = RunsEngine::new();
+        engines.lock().unwrap().push(e.clone());
+        e
+    });
+    check_cluster(cluster);
+    let engines = engines.into_inner().unwrap();
+    let runs: u64 = engines.iter().map(|e| e.runs.load(Ordering::Relaxed)).sum();
+    let copies: u64 = engines
+        .iter()
+        .map(|e| e.copies.load(Ordering::Relaxed))
+        .sum();
+    assert!(runs > 0, "the workers handed over runs");
+    assert!(
+        copies >= 2 * runs,
+        "runs of several tokens ({copies} copies in {runs} runs)"
+    );
+}
+
+fn check_cluster(mut cluster: Cluster) {
     for (k, room) in [11u64, 12, 13].into_iter().enumerate() {
         let n = 5 + k * 3;
         let src: Vec<i32> = (0..n as i32).map(|i| 2 * i + k as i32).collect();
@@ -82,4 +113,14 @@ fn mla_tp_1_to_4() {
 #[test]
 fn mla_pp_3_to_pp_1() {
     check(true, 7, 1, 3, 1);
+}
+
+#[test]
+fn mha_tp_2_to_1_as_strided_runs() {
+    check_runs(2, 1);
+}
+
+#[test]
+fn mha_tp_1_to_4_as_strided_runs() {
+    check_runs(1, 4);
 }

@@ -10,7 +10,7 @@
 use std::collections::{HashMap, VecDeque};
 
 use kvbridge_engine::BatchHandle;
-use kvbridge_plan::Block;
+use kvbridge_plan::{Block, Run};
 use kvbridge_wire::KvPoll;
 
 use super::Shared;
@@ -105,6 +105,32 @@ impl Pipeline {
                 .engine
                 .submit_to(target.session, target.incarnation, engine_blocks)
         };
+        self.push(ticket, target, handle, bytes, blocks.len() as u64);
+    }
+
+    /// [`Pipeline::submit`] for strided runs (engines that copy them natively).
+    pub fn submit_runs(&mut self, shared: &Shared, ticket: u64, target: Target<'_>, runs: &[Run]) {
+        while self.pending.len() >= self.depth {
+            self.complete_oldest(shared);
+        }
+        let bytes = runs.iter().map(Run::bytes).fold(0, u64::saturating_add);
+        let copies = runs.iter().map(|r| r.count).fold(0, u64::saturating_add);
+        let handle = shared.engine.submit_runs_to(
+            target.session,
+            target.incarnation,
+            bytemuck::cast_slice(runs),
+        );
+        self.push(ticket, target, handle, bytes, copies);
+    }
+
+    fn push(
+        &mut self,
+        ticket: u64,
+        target: Target<'_>,
+        handle: BatchHandle,
+        bytes: u64,
+        blocks: u64,
+    ) {
         if let Some(t) = self.tickets.get_mut(&ticket) {
             t.remaining += 1;
         }
@@ -112,7 +138,7 @@ impl Pipeline {
             ticket,
             handle,
             bytes,
-            blocks: blocks.len() as u64,
+            blocks,
             session: target.session.to_owned(),
             host_port: target.host_port.to_owned(),
         });

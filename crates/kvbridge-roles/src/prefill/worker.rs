@@ -24,6 +24,7 @@ const MIN_IN_FLIGHT: usize = 4;
 /// between chunks it completes batches in flight.
 pub(crate) fn run(shared: &Shared, queue: &Receiver<Option<QueuedChunk>>) {
     let mut planner = Planner::new();
+    planner.set_strided_kv(shared.engine.copies_runs());
     let mut pipe = Pipeline::new(shared.in_flight.max(MIN_IN_FLIGHT));
     loop {
         let next = if pipe.is_empty() {
@@ -236,6 +237,32 @@ fn send_chunk(
                 }
             }
         }
+        'runs: for batch in plan.kv_run_batches() {
+            if aborted {
+                break;
+            }
+            for piece in batch.chunks(cap).filter(|p| !p.is_empty()) {
+                if pipe.failed(ticket) || room_failed(shared, room) {
+                    aborted = true;
+                    break 'runs;
+                }
+                if !runs_ship_over_zmq(shared, piece) {
+                    pipe.submit_runs(shared, ticket, target, piece);
+                    continue;
+                }
+                // Host-resident KV with an intra-node engine: as blocks.
+                let blocks = kvbridge_plan::expand_runs(piece);
+                match ship_host_blocks(shared, room, info, &blocks) {
+                    Ok(rest) if !rest.is_empty() => pipe.submit(shared, ticket, target, &rest),
+                    Ok(_) => {}
+                    Err(reason) => {
+                        fail(shared, room, reason);
+                        aborted = true;
+                        break 'runs;
+                    }
+                }
+            }
+        }
         if aborted {
             break;
         }
@@ -445,6 +472,20 @@ fn send_aux_tcp(
 /// seed's `_send_host_blocks_tcp`: read locally, with a device-to-host copy
 /// where needed) and returns the rest for the engine. Without it, returns
 /// every block.
+/// Whether any copy of `runs` reads host memory that travels over zmq.
+fn runs_ship_over_zmq(shared: &Shared, runs: &[kvbridge_plan::Run]) -> bool {
+    let local = &shared.local;
+    local.intra
+        && runs.iter().any(|r| {
+            let span = r
+                .count
+                .saturating_sub(1)
+                .saturating_mul(r.src_stride)
+                .saturating_add(r.len);
+            r.count > 0 && local.ships_over_zmq(r.src, span)
+        })
+}
+
 fn ship_host_blocks<'a>(
     shared: &Shared,
     room: u64,

@@ -5,9 +5,13 @@
 
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use kvbridge_engine::{EngineConfig, TcpEngine, TransferEngine};
+use kvbridge_engine::{
+    BatchHandle, Block, EngineConfig, MemError, Region, Run, TcpEngine, TransferEngine,
+    TransferError,
+};
 use kvbridge_mem::HostBuffer;
 use kvbridge_plan::PrefillLayout;
 use kvbridge_roles::bootstrap::BootstrapServer;
@@ -109,6 +113,71 @@ pub fn pattern(seed: u64, buffer: u64, i: u64) -> u8 {
 
 pub fn tcp_engine() -> Arc<dyn TransferEngine> {
     Arc::new(TcpEngine::new(EngineConfig::default()).expect("tcp engine"))
+}
+
+/// A TCP engine that claims to copy strided runs natively (so prefill
+/// workers hand it runs) and counts the runs and copies it was given; it
+/// moves them as blocks.
+#[derive(Debug)]
+pub struct RunsEngine {
+    inner: TcpEngine,
+    /// Runs and copies handed over as runs.
+    pub runs: AtomicU64,
+    pub copies: AtomicU64,
+}
+
+impl RunsEngine {
+    pub fn new() -> Arc<Self> {
+        Arc::new(Self {
+            inner: TcpEngine::new(EngineConfig::default()).expect("tcp engine"),
+            runs: AtomicU64::new(0),
+            copies: AtomicU64::new(0),
+        })
+    }
+}
+
+impl TransferEngine for RunsEngine {
+    fn session_id(&self) -> &str {
+        self.inner.session_id()
+    }
+    unsafe fn batch_register(&self, regions: &[(u64, u64)]) -> Result<(), MemError> {
+        // SAFETY: forwarded caller contract.
+        unsafe { self.inner.batch_register(regions) }
+    }
+    fn batch_deregister(&self, addrs: &[u64]) -> Result<(), MemError> {
+        self.inner.batch_deregister(addrs)
+    }
+    fn submit(&self, session: &str, blocks: &[Block]) -> BatchHandle {
+        self.inner.submit(session, blocks)
+    }
+    fn incarnation(&self) -> u64 {
+        self.inner.incarnation()
+    }
+    fn submit_to(&self, session: &str, expected: u64, blocks: &[Block]) -> BatchHandle {
+        self.inner.submit_to(session, expected, blocks)
+    }
+    fn copies_runs(&self) -> bool {
+        true
+    }
+    fn submit_runs_to(&self, session: &str, expected: u64, runs: &[Run]) -> BatchHandle {
+        self.runs.fetch_add(runs.len() as u64, Ordering::Relaxed);
+        let copies: u64 = runs.iter().map(|r| r.count).sum();
+        self.copies.fetch_add(copies, Ordering::Relaxed);
+        let blocks = kvbridge_engine::expand_runs(runs).expect("well-formed runs");
+        self.inner.submit_to(session, expected, &blocks)
+    }
+    fn probe(&self, session: &str) -> Result<(), TransferError> {
+        self.inner.probe(session)
+    }
+    fn registered_regions(&self) -> Vec<Region> {
+        self.inner.registered_regions()
+    }
+    fn read_local(&self, addr: u64, out: &mut [u8]) -> Result<(), MemError> {
+        self.inner.read_local(addr, out)
+    }
+    fn write_local(&self, addr: u64, data: &[u8]) -> Result<(), MemError> {
+        self.inner.write_local(addr, data)
+    }
 }
 
 pub fn bootstrap() -> BootstrapServer {
@@ -216,6 +285,18 @@ impl Cluster {
         decode_tp: u64,
         pages: u64,
     ) -> Self {
+        Self::with_prefill_engines(model, prefill_tp, prefill_pp, decode_tp, pages, tcp_engine)
+    }
+
+    /// [`Cluster::new`] with each prefill rank's engine from `engine`.
+    pub fn with_prefill_engines(
+        model: ModelSpec,
+        prefill_tp: u64,
+        prefill_pp: u64,
+        decode_tp: u64,
+        pages: u64,
+        engine: impl Fn() -> Arc<dyn TransferEngine>,
+    ) -> Self {
         let bootstrap = bootstrap();
         let mut prefill = Vec::new();
         for pp in 0..prefill_pp {
@@ -230,7 +311,7 @@ impl Cluster {
                 let mut config = prefill_config(bootstrap.local_addr(), prefill_tp, tp);
                 config.rank.pp_size = prefill_pp;
                 config.rank.pp_rank = pp;
-                let manager = start_prefill(config, pools.kv_args(), tcp_engine());
+                let manager = start_prefill(config, pools.kv_args(), engine());
                 prefill.push((manager, pools));
             }
         }
