@@ -44,7 +44,7 @@ if [ "$bench" = 1 ]; then
   # 256 MiB batches, 4 in flight, 4 GiB per run.
   step bench-ipc "$kv" bench ipc --runs 3
   cat "$logs/bench-ipc.log"
-  step bench-ipc-inflight "$kv" bench ipc --runs 3 --inflight 4 --batch-bytes 268435456 --passes 4
+  step bench-ipc-inflight "$kv" bench ipc --runs 3 --inflight 4 --batch-bytes 268435456 --passes 4 --run-copies 64
   cat "$logs/bench-ipc-inflight.log"
 fi
 echo "---- kvbridge GPU test matrix ----"

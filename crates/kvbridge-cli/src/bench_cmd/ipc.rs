@@ -20,8 +20,10 @@ use std::time::Instant;
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use kvbridge_engine::ipc::{Copier, CopyMode, CopyTuning};
-use kvbridge_engine::{BatchHandle, Block, EngineConfig, IpcEngine, TransferEngine};
+use kvbridge_engine::{BatchHandle, Block, EngineConfig, IpcEngine, Run, TransferEngine};
 use kvbridge_mem::cuda::{self, DeviceBuffer, Event, Stream};
+
+use super::ipc_layout::{dest, head_slice_runs, pattern, slot, threads};
 
 /// Options of `kvbridge bench ipc`.
 #[derive(Debug, Clone, Args)]
@@ -57,6 +59,11 @@ pub struct IpcArgs {
     /// Most blocks timed with one `cuMemcpyAsync` each (the rest extrapolated).
     #[arg(long, default_value_t = 65536)]
     per_block_limit: u64,
+    /// Also move each size as strided runs of this many copies (head
+    /// slices of a page, as a prefill worker hands them to the engine;
+    /// 0: blocks only).
+    #[arg(long, default_value_t = 0)]
+    run_copies: u64,
     /// GPU to use.
     #[arg(long, default_value_t = 0)]
     device: i32,
@@ -77,47 +84,6 @@ pub fn run(args: IpcArgs) -> Result<()> {
         return kernel_sweep(&args);
     }
     initiate(&args)
-}
-
-fn splitmix(x: u64) -> u64 {
-    let mut z = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
-
-/// Threads for pattern generation and verification.
-fn threads() -> usize {
-    std::thread::available_parallelism()
-        .map_or(1, usize::from)
-        .min(16)
-}
-
-/// The source pattern: a SplitMix64 word per 8 bytes.
-fn pattern(seed: u64, len: usize) -> Vec<u8> {
-    let mut v = vec![0u8; len];
-    let per = len.div_ceil(threads()).next_multiple_of(8).max(8);
-    std::thread::scope(|s| {
-        for (k, part) in v.chunks_mut(per).enumerate() {
-            s.spawn(move || {
-                let first = (k * per / 8) as u64;
-                for (w, c) in part.chunks_mut(8).enumerate() {
-                    let x = splitmix(seed ^ (first + w as u64)).to_le_bytes();
-                    c.copy_from_slice(&x[..c.len()]);
-                }
-            });
-        }
-    });
-    v
-}
-
-/// Destination slot of source block `i` of `n` (`n` a power of two: a bijection).
-fn slot(i: u64, n: u64, mult: u64, add: u64) -> u64 {
-    if n.is_power_of_two() {
-        (i.wrapping_mul(mult).wrapping_add(add)) & (n - 1)
-    } else {
-        i
-    }
 }
 
 fn engine_config() -> EngineConfig {
@@ -158,7 +124,13 @@ fn serve(args: &IpcArgs) -> Result<()> {
         if line.starts_with("QUIT") {
             break;
         }
-        let [seed, size, mult, add] = parts.as_slice() else {
+        if line.starts_with("ZERO") {
+            buf.fill(0)?;
+            writeln!(out, "OK")?;
+            out.flush()?;
+            continue;
+        }
+        let [seed, size, mult, add, copies] = parts.as_slice() else {
             bail!("target: bad command {line:?}");
         };
         buf.read(0, &mut host)?;
@@ -173,7 +145,7 @@ fn serve(args: &IpcArgs) -> Result<()> {
                 .map(|from| {
                     s.spawn(move || {
                         (from..(from + per).min(n)).find(|&i| {
-                            let s = slot(i, n, *mult, *add) as usize * size;
+                            let s = dest(i, n, *mult, *add, *copies) as usize * size;
                             let i = i as usize * size;
                             host[s..s + size] != want[i..i + size]
                         })
@@ -237,14 +209,25 @@ impl Target {
         })
     }
 
-    fn verify(&mut self, seed: u64, size: u64, mult: u64, add: u64) -> Result<()> {
-        writeln!(self.stdin, "VERIFY {seed} {size} {mult} {add}")?;
+    fn verify(&mut self, seed: u64, size: u64, (mult, add): (u64, u64), copies: u64) -> Result<()> {
+        self.ask(&format!("VERIFY {seed} {size} {mult} {add} {copies}"))
+            .context("target found wrong bytes")
+    }
+
+    /// Zero the target's buffer.
+    fn zero(&mut self) -> Result<()> {
+        self.ask("ZERO")
+    }
+
+    /// Send one command; `Ok` when the target answers `OK`.
+    fn ask(&mut self, command: &str) -> Result<()> {
+        writeln!(self.stdin, "{command}")?;
         self.stdin.flush()?;
         let mut line = String::new();
         self.stdout.read_line(&mut line)?;
         match line.trim() {
             "OK" => Ok(()),
-            other => bail!("target found wrong bytes: {other}"),
+            other => bail!("{command:?}: {other}"),
         }
     }
 }
@@ -260,6 +243,9 @@ impl Drop for Target {
 /// One block size.
 #[derive(Debug, serde::Serialize)]
 struct Row {
+    /// `blocks` (one per copy) or `runs` (strided, `copies_per_run` each).
+    layout: &'static str,
+    copies_per_run: u64,
     block_size: u64,
     blocks: u64,
     bytes: u64,
@@ -273,10 +259,10 @@ struct Row {
     of_memcpy: f64,
     /// Which path the engine's per-batch choice took.
     path: &'static str,
-    /// The batched kernel alone (device time, descriptors resident).
-    kernel_gbps: f64,
-    /// One `cuMemcpyAsync` per block (in-process).
-    per_block_gbps: f64,
+    /// The batched kernel alone (device time, descriptors resident; blocks only).
+    kernel_gbps: Option<f64>,
+    /// One `cuMemcpyAsync` per block (in-process; blocks only).
+    per_block_gbps: Option<f64>,
     /// The reference: one `cuMemcpyDtoD` of `bytes` (in-process).
     memcpy_gbps: f64,
     verified: bool,
@@ -309,23 +295,22 @@ fn memcpy_reference(args: &IpcArgs, src: &DeviceBuffer, dst: &DeviceBuffer) -> R
 
 /// One run: every pass over `blocks` in batches of `per` blocks, up to
 /// `inflight` of them in flight.
-fn run_batches(
-    engine: &IpcEngine,
-    session: &str,
-    blocks: &[Block],
+fn run_batches<T>(
+    items: &[T],
     per: usize,
     inflight: usize,
     passes: u32,
+    submit: impl Fn(&[T]) -> BatchHandle,
 ) -> Result<()> {
     let mut pending: VecDeque<BatchHandle> = VecDeque::new();
     for _ in 0..passes.max(1) {
-        for chunk in blocks.chunks(per.max(1)) {
+        for chunk in items.chunks(per.max(1)) {
             if pending.len() >= inflight.max(1)
                 && let Some(h) = pending.pop_front()
             {
                 h.wait()?;
             }
-            pending.push_back(engine.submit(session, chunk));
+            pending.push_back(submit(chunk));
         }
     }
     for h in pending {
@@ -368,12 +353,14 @@ fn initiate(args: &IpcArgs) -> Result<()> {
         let batch_bytes = args.batch_bytes.unwrap_or(args.bytes).max(size);
         let per = usize::try_from(batch_bytes / size)?;
         let (inflight, passes) = (args.inflight, args.passes);
-        run_batches(&engine, &target.session, &remote, per, inflight, 1)?;
-        target.verify(seed, size, mult, add)?;
+        let session = target.session.clone();
+        let submit = |c: &[Block]| engine.submit(&session, c);
+        run_batches(&remote, per, inflight, 1, submit)?;
+        target.verify(seed, size, (mult, add), 0)?;
         let mut ipc = 0f64;
         for _ in 0..args.runs {
             let t = Instant::now();
-            run_batches(&engine, &target.session, &remote, per, inflight, passes)?;
+            run_batches(&remote, per, inflight, passes, submit)?;
             let total = moved * u64::from(passes);
             ipc = ipc.max(gbps(total, t.elapsed().as_secs_f64()));
         }
@@ -412,6 +399,8 @@ fn initiate(args: &IpcArgs) -> Result<()> {
         let per_block = gbps(some.len() as u64 * size, t.elapsed().as_secs_f64());
         copier.set_tuning(tuning);
         rows.push(Row {
+            layout: "blocks",
+            copies_per_run: 1,
             block_size: size,
             blocks: n,
             bytes: moved,
@@ -420,8 +409,43 @@ fn initiate(args: &IpcArgs) -> Result<()> {
             ipc_gbps: ipc,
             of_memcpy: ipc / memcpy,
             path,
-            kernel_gbps: kernel,
-            per_block_gbps: per_block,
+            kernel_gbps: Some(kernel),
+            per_block_gbps: Some(per_block),
+            memcpy_gbps: memcpy,
+            verified: true,
+        });
+        let copies = args.run_copies;
+        if copies == 0 {
+            continue;
+        }
+        if !n.is_multiple_of(2 * copies) {
+            bail!("--run-copies {copies}: {n} blocks of {size} B do not fill whole pages");
+        }
+        let runs = head_slice_runs(src.addr(), target.addr, n, size, copies, mult, add);
+        let per = usize::try_from((batch_bytes / (size * copies)).max(1))?;
+        let submit = |c: &[Run]| engine.submit_runs_to(&session, 0, c);
+        target.zero()?; // so that a copy the runs miss cannot pass as stale bytes
+        run_batches(&runs, per, inflight, 1, submit)?;
+        target.verify(seed, size, (mult, add), copies)?;
+        let mut ipc = 0f64;
+        for _ in 0..args.runs {
+            let t = Instant::now();
+            run_batches(&runs, per, inflight, passes, submit)?;
+            ipc = ipc.max(gbps(moved * u64::from(passes), t.elapsed().as_secs_f64()));
+        }
+        rows.push(Row {
+            layout: "runs",
+            copies_per_run: copies,
+            block_size: size,
+            blocks: n,
+            bytes: moved,
+            batch_bytes: per as u64 * size * copies,
+            inflight,
+            ipc_gbps: ipc,
+            of_memcpy: ipc / memcpy,
+            path: "run kernel",
+            kernel_gbps: None,
+            per_block_gbps: None,
             memcpy_gbps: memcpy,
             verified: true,
         });
@@ -446,19 +470,24 @@ fn initiate(args: &IpcArgs) -> Result<()> {
         tuning.piece >> 10
     );
     println!(
-        "| block | blocks | IPC engine GB/s (2 processes) | of memcpy | path | kernel alone GB/s | cuMemcpyAsync per block GB/s |"
+        "| block | layout | blocks | IPC engine GB/s (2 processes) | of memcpy | path | kernel alone GB/s | cuMemcpyAsync per block GB/s |"
     );
-    println!("|---:|---:|---:|---:|---|---:|---:|");
+    println!("|---:|---|---:|---:|---:|---|---:|---:|");
+    let opt = |x: Option<f64>, digits: usize| x.map_or("-".into(), |v| format!("{v:.digits$}"));
     for r in &rows {
+        let layout = match r.layout {
+            "runs" => format!("runs of {}", r.copies_per_run),
+            l => l.to_owned(),
+        };
         println!(
-            "| {} | {} | {:.1} | {:.0}% | {} | {:.1} | {:.3} |",
+            "| {} | {layout} | {} | {:.1} | {:.0}% | {} | {} | {} |",
             human(r.block_size),
             r.blocks,
             r.ipc_gbps,
             r.of_memcpy * 100.0,
             r.path,
-            r.kernel_gbps,
-            r.per_block_gbps
+            opt(r.kernel_gbps, 1),
+            opt(r.per_block_gbps, 3)
         );
     }
     Ok(())

@@ -6,6 +6,8 @@ use clap::Subcommand;
 
 #[cfg(feature = "cuda")]
 mod ipc;
+#[cfg(feature = "cuda")]
+mod ipc_layout;
 mod tcp;
 #[cfg(feature = "ucx")]
 mod ucx;
