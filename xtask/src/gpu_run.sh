@@ -46,6 +46,8 @@ if [ "$bench" = 1 ]; then
   cat "$logs/bench-ipc.log"
   step bench-ipc-inflight "$kv" bench ipc --runs 3 --inflight 4 --batch-bytes 268435456 --passes 4 --run-copies 64
   cat "$logs/bench-ipc-inflight.log"
+  step bench-ipc-inflight-2streams "$kv" bench ipc --runs 3 --inflight 4 --batch-bytes 268435456 --passes 4 --kernel-streams 2 --sizes 4096,65536,1048576,16777216
+  cat "$logs/bench-ipc-inflight-2streams.log"
 fi
 echo "---- kvbridge GPU test matrix ----"
 printf '%s\n' "${summary[@]}"

@@ -513,7 +513,12 @@ fn ipc_engine_copies_strided_runs() {
         return;
     }
     let mut peer = Peer::spawn(free_port());
-    let engine = IpcEngine::new(common::cfg(), CopyTuning::default()).unwrap();
+    // Two kernel streams: the batches of a round run concurrently.
+    let tuning = CopyTuning {
+        kernel_streams: 2,
+        ..CopyTuning::default()
+    };
+    let engine = IpcEngine::new(common::cfg(), tuning).unwrap();
     assert!(engine.copies_runs());
     let len = TARGET_LEN;
     let src = DeviceBuffer::new(0, len).unwrap();
@@ -541,10 +546,13 @@ fn ipc_engine_copies_strided_runs() {
                 ..*r
             })
             .collect();
-        engine
-            .submit_runs_to(&peer.session, peer.incarnation, &abs)
-            .wait()
-            .unwrap();
+        let handles: Vec<_> = abs
+            .chunks(abs.len().div_ceil(3).max(1))
+            .map(|c| engine.submit_runs_to(&peer.session, peer.incarnation, c))
+            .collect();
+        for h in handles {
+            h.wait().unwrap();
+        }
         let mut want = vec![0u8; len];
         for r in &runs {
             for k in 0..r.count {

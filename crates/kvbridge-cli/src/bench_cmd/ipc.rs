@@ -52,6 +52,9 @@ pub struct IpcArgs {
     /// Longest piece of a block one kernel descriptor covers (default: the engine's).
     #[arg(long)]
     piece: Option<u64>,
+    /// Kernel streams per session, 1 or 2 (default: the engine's).
+    #[arg(long)]
+    kernel_streams: Option<u32>,
     /// Only time the batched kernel alone per block size over launch
     /// shapes (threads per descriptor, CTAs per multiprocessor).
     #[arg(long)]
@@ -98,6 +101,7 @@ impl IpcArgs {
         let d = CopyTuning::default();
         CopyTuning {
             piece: self.piece.unwrap_or(d.piece),
+            kernel_streams: self.kernel_streams.unwrap_or(d.kernel_streams),
             ..d
         }
     }
@@ -461,13 +465,14 @@ fn initiate(args: &IpcArgs) -> Result<()> {
     println!(
         "cuMemcpyDtoD of {} MiB (same process, device time): {memcpy:.1} GB/s; \
          IPC engine: batches of {} MiB, {} in flight, {} pass(es) per run, best of {}; \
-         piece {} KiB",
+         piece {} KiB, {} kernel stream(s)",
         args.bytes >> 20,
         args.batch_bytes.unwrap_or(args.bytes) >> 20,
         args.inflight,
         args.passes,
         args.runs,
-        tuning.piece >> 10
+        tuning.piece >> 10,
+        tuning.kernel_streams
     );
     println!(
         "| block | layout | blocks | IPC engine GB/s (2 processes) | of memcpy | path | kernel alone GB/s | cuMemcpyAsync per block GB/s |"

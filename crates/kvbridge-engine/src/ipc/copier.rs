@@ -186,6 +186,9 @@ pub struct Copier {
     sms: u32,
     kernel: Arc<Kernel>,
     stream: Stream,
+    /// The second kernel stream (`kernel_streams: 2`), and which one is next.
+    second: Option<Stream>,
+    flip: std::sync::atomic::AtomicBool,
     upload: Stream,
     threads: usize,
     tuning: CopyTuning,
@@ -203,6 +206,12 @@ impl Copier {
             sms: ctx.multiprocessors()?.max(1) as u32,
             kernel: copy_kernel(ordinal)?,
             stream: Stream::new(ordinal)?,
+            second: if tuning.kernel_streams >= 2 {
+                Some(Stream::new(ordinal)?)
+            } else {
+                None
+            },
+            flip: std::sync::atomic::AtomicBool::new(false),
             upload: Stream::new(ordinal)?,
             threads: std::thread::available_parallelism()
                 .map_or(1, usize::from)
@@ -244,7 +253,24 @@ impl Copier {
 
     /// Wait until every copy enqueued so far has finished.
     pub fn synchronize(&self) -> Result<(), CudaError> {
+        if let Some(s) = &self.second {
+            s.synchronize()?;
+        }
         self.stream.synchronize()
+    }
+
+    /// The kernel stream of the next batch (alternating when there are two).
+    fn next_stream(&self) -> &Stream {
+        match &self.second {
+            Some(s)
+                if self
+                    .flip
+                    .fetch_xor(true, std::sync::atomic::Ordering::Relaxed) =>
+            {
+                s
+            }
+            _ => &self.stream,
+        }
     }
 
     /// Wait until every descriptor upload enqueued so far has finished.
@@ -414,10 +440,11 @@ impl Copier {
         acc: &Prepared,
     ) -> Result<CopyStats, CudaError> {
         self.make_current()?;
+        let stream = self.next_stream();
         let mut stats = CopyStats::default();
         if descs > 0 {
             slot.uploaded.record(&self.upload)?;
-            self.stream.wait(&slot.uploaded)?;
+            stream.wait(&slot.uploaded)?;
         }
         let run_entries = (2 * acc.runs).min(descs);
         if acc.runs > 0 {
@@ -436,7 +463,7 @@ impl Copier {
             // SAFETY: the parameters are (const ulonglong2*, u64, u32, u32)
             // as the kernel declares; the run descriptors (uploaded before,
             // ordered by the event) name ranges the caller guarantees valid.
-            unsafe { k.launch(&self.stream, grid, plan::BLOCK_THREADS, &mut params) }?;
+            unsafe { k.launch(stream, grid, plan::BLOCK_THREADS, &mut params) }?;
             stats.launches += 1;
         }
         if descs > run_entries {
@@ -456,7 +483,7 @@ impl Copier {
             // the event) name ranges the caller guarantees valid.
             unsafe {
                 self.kernel
-                    .launch(&self.stream, grid, plan::BLOCK_THREADS, &mut params)
+                    .launch(stream, grid, plan::BLOCK_THREADS, &mut params)
             }?;
             stats.launches += 1;
         }
@@ -464,10 +491,10 @@ impl Copier {
         for b in &acc.memcpy {
             let len = usize::try_from(b.len).unwrap_or(usize::MAX);
             // SAFETY: the caller guarantees both ranges.
-            unsafe { self.stream.memcpy(b.dst, b.src, len) }?;
+            unsafe { stream.memcpy(b.dst, b.src, len) }?;
             stats.memcpy_blocks += 1;
         }
-        slot.done.record(&self.stream)?;
+        slot.done.record(stream)?;
         Ok(stats)
     }
 }

@@ -80,6 +80,9 @@ pub struct CopyTuning {
     pub piece: u64,
     /// The choice of copy path.
     pub mode: CopyMode,
+    /// Kernel streams a session alternates its batches over (1 or 2): with
+    /// two, one batch's kernel tail overlaps the next one's start.
+    pub kernel_streams: u32,
 }
 
 impl Default for CopyTuning {
@@ -91,6 +94,7 @@ impl Default for CopyTuning {
             memcpy_min_block: 64 << 20,
             piece: 64 << 10,
             mode: CopyMode::Auto,
+            kernel_streams: 1,
         }
     }
 }
