@@ -98,3 +98,51 @@ fn abort_before_any_chunk_fails_the_prefill_room() {
     assert!(!err.is_from_another_rank);
     cluster.shutdown();
 }
+
+/// One prefill rank fails the room (a chunk it cannot plan): the decode
+/// tells every prefill rank to stop, and once they all acknowledged, the
+/// other rank writes nothing more into the pages (which may be reused).
+#[test]
+fn a_failed_rank_stops_the_other_ranks_before_pages_are_reused() {
+    let mut cluster = Cluster::new(tiny_model(false, 2), 2, 1, 1, 64);
+    let addr = cluster.bootstrap.local_addr().to_string();
+    let (room, src, dst) = (77u64, [3, 4, 5, 6], [20, 21, 22, 23]);
+    let mut rx = cluster.decode[0].0.receiver(&addr, room);
+    assert_eq!(rx.init(0), KvPoll::WaitingForInput);
+    rx.send_metadata(&dst, 1, &[], None);
+    let mut senders = Vec::new();
+    for (prefill, pools) in &mut cluster.prefill {
+        pools.fill(room, &src, 1);
+        let mut tx = prefill.sender(room);
+        tx.init(src.len() as u64, Some(1));
+        wait_for(Duration::from_secs(10), KvPoll::WaitingForInput, || {
+            tx.poll()
+        });
+        senders.push(tx);
+    }
+    // Rank 0 fails: a negative page index cannot be planned.
+    senders[0].send(&[-1, 4, 5, 6], None, None).unwrap();
+    assert_eq!(
+        wait_terminal(Duration::from_secs(10), || rx.poll()),
+        KvPoll::Failed
+    );
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !rx.abort_acknowledged() {
+        assert!(Instant::now() < deadline, "no ABORT_ACK from every rank");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    // Rank 1 was told: its room failed, and its chunk writes nothing.
+    assert_eq!(senders[1].poll(), KvPoll::Failed);
+    let dpools = &mut cluster.decode[0].1;
+    dpools.poison(&dst, 0xee);
+    senders[1].send(&src, None, None).unwrap();
+    std::thread::sleep(Duration::from_millis(50));
+    assert!(
+        dpools.still_poisoned(&dst, 0xee),
+        "the other rank wrote after its ABORT_ACK"
+    );
+    let err = rx.failure_exception();
+    assert!(err.reason.contains("cannot plan"), "{err}");
+    assert!(senders[1].failure_exception().reason.contains("Aborted"));
+    cluster.shutdown();
+}

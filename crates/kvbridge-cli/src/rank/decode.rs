@@ -114,6 +114,11 @@ pub fn run(file: &RankFile) -> Result<bool> {
                 a.aborted_at = Some(Instant::now());
                 a.abort_at = None;
             }
+            if a.aborted_at.is_none() && a.receiver.poll() == KvPoll::Failed {
+                // Failed (here or at a prefill rank): the receiver told
+                // every prefill rank to stop; wait for them as for an abort.
+                a.aborted_at = Some(Instant::now());
+            }
             let finished = match a.aborted_at {
                 Some(at) => {
                     // Pages are reused only once every prefill rank has

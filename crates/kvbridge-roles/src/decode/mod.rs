@@ -27,7 +27,7 @@ use crate::stop::{StopSignal, StopTrigger, stop_pair};
 
 pub use receiver::KvReceiver;
 pub use state::BootstrapInfo;
-use state::{DecodeRooms, Prefills};
+use state::{AbortAcks, DecodeRooms, Prefills};
 
 /// State shared by the decode manager's threads and its receivers.
 #[derive(Debug)]
@@ -80,6 +80,12 @@ impl Shared {
                 if rooms.table.get(room).is_some_and(|s| s != KvPoll::Success) {
                     rooms.table.record_failure(room, reason.clone());
                     rooms.table.update(room, KvPoll::Failed);
+                    // Its prefill ranks are gone: none will write or ACK.
+                    let dead = AbortAcks {
+                        peers_lost: true,
+                        ..AbortAcks::default()
+                    };
+                    rooms.abort_acks.entry(room).or_insert(dead).peers_lost = true;
                     affected += 1;
                 }
             }

@@ -66,11 +66,57 @@ impl KvReceiver {
 
     fn fail(&mut self, reason: String) -> KvPoll {
         tracing::warn!(room = self.room, %reason, "room failed");
-        let mut rooms = self.shared.rooms.lock();
-        rooms.table.record_failure(self.room, reason);
-        rooms.table.update(self.room, KvPoll::Failed);
+        {
+            let mut rooms = self.shared.rooms.lock();
+            rooms.table.record_failure(self.room, reason);
+            rooms.table.update(self.room, KvPoll::Failed);
+        }
         self.conclude_state = Some(KvPoll::Failed);
+        self.stop_writers();
         KvPoll::Failed
+    }
+
+    /// Tells every prefill rank of the room to stop writing its pages
+    /// (ABORT), once per room: each acknowledges when its in-flight writes
+    /// drained, which [`KvReceiver::abort_acknowledged`] reports. Sent on
+    /// an abort and whenever the room fails here, so that one rank's
+    /// failure never leaves another still writing pages about to be reused.
+    fn stop_writers(&mut self) {
+        let Some(infos) = self.infos.as_ref() else {
+            return; // no prefill rank was told about the room
+        };
+        let generation = {
+            let mut rooms = self.shared.rooms.lock();
+            if rooms.abort_acks.contains_key(&self.room) {
+                return;
+            }
+            let generation = self.shared.config.deferred_release.then(|| {
+                rooms.generation += 1;
+                rooms.generation
+            });
+            rooms.abort_acks.insert(
+                self.room,
+                AbortAcks {
+                    generation,
+                    ..AbortAcks::default()
+                },
+            );
+            generation
+        };
+        for info in infos {
+            let message = Abort {
+                room: self.room,
+                decode_ip: self.shared.config.local_ip.as_str().into(),
+                decode_port: self.shared.rank_port,
+                generation,
+            };
+            if let Err(e) = self.shared.push.send(
+                &info.endpoint(),
+                message.encode().iter().map(|f| f.as_ref()),
+            ) {
+                tracing::debug!(room = self.room, error = %e, "cannot send abort notification");
+            }
+        }
     }
 
     /// Resolves the prefill ranks (retrying while the prefill server is not
@@ -315,6 +361,9 @@ impl KvReceiver {
             .unwrap_or(KvPoll::Failed);
         if status.is_terminal() {
             self.conclude_state = Some(status);
+            if status == KvPoll::Failed {
+                self.stop_writers();
+            }
             return status;
         }
         if status == KvPoll::WaitingForInput
@@ -334,51 +383,30 @@ impl KvReceiver {
     /// Aborts the room: marks it Failed here and tells every prefill rank,
     /// which acknowledges once its in-flight writes to the room drained.
     pub fn abort(&mut self) {
-        let generation = {
+        {
             let mut rooms = self.shared.rooms.lock();
             rooms
                 .table
                 .record_failure(self.room, "Aborted by AbortReq.");
             rooms.table.update(self.room, KvPoll::Failed);
-            let generation = self.shared.config.deferred_release.then(|| {
-                rooms.generation += 1;
-                rooms.generation
-            });
-            rooms.abort_acks.insert(
-                self.room,
-                AbortAcks {
-                    generation,
-                    ..AbortAcks::default()
-                },
-            );
-            generation
-        };
-        self.conclude_state = Some(KvPoll::Failed);
-        for info in self.infos.iter().flatten() {
-            let message = Abort {
-                room: self.room,
-                decode_ip: self.shared.config.local_ip.as_str().into(),
-                decode_port: self.shared.rank_port,
-                generation,
-            };
-            if let Err(e) = self.shared.push.send(
-                &info.endpoint(),
-                message.encode().iter().map(|f| f.as_ref()),
-            ) {
-                tracing::debug!(room = self.room, error = %e, "cannot send abort notification");
-            }
         }
+        self.conclude_state = Some(KvPoll::Failed);
+        self.stop_writers();
     }
 
     /// Whether every prefill rank that could write this room's pages has
-    /// acknowledged the abort (the pages may be reused).
+    /// acknowledged the abort, sent by [`KvReceiver::abort`] or when the
+    /// room failed (the pages may be reused). True when no prefill rank
+    /// was ever told about the room.
     pub fn abort_acknowledged(&self) -> bool {
-        let needed = self.infos.as_ref().map_or(0, Vec::len);
+        let Some(needed) = self.infos.as_ref().map(Vec::len) else {
+            return true;
+        };
         let rooms = self.shared.rooms.lock();
         rooms
             .abort_acks
             .get(&self.room)
-            .is_some_and(|a| a.ranks.len() + a.unranked >= needed)
+            .is_some_and(|a| a.peers_lost || a.ranks.len() + a.unranked >= needed)
     }
 
     /// Clears the room and returns its failure: the recorded reason, or a

@@ -35,6 +35,9 @@ pub(crate) struct AbortAcks {
     pub ranks: HashSet<u64>,
     /// ACKs in the seed's 2-frame form (no rank).
     pub unranked: usize,
+    /// The room's prefill server was declared dead (missed heartbeats): no
+    /// ACK will come and no write either.
+    pub peers_lost: bool,
 }
 
 /// Room-level state of the decode side.
