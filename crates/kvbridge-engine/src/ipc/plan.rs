@@ -352,9 +352,24 @@ impl Prepared {
         self.run_max_count = 0;
     }
 
-    /// Slot entries the batch occupies: run descriptors, then pieces.
-    pub fn entries(&self, blocks: usize) -> usize {
-        2 * self.runs + blocks + self.pieces.len()
+    /// Add a translated block that has no descriptor of its own: to the
+    /// memcpy list, or cut into kernel pieces of at most `piece` bytes.
+    fn push_irregular(&mut self, b: Block, tuning: &CopyTuning, piece: u64) {
+        if tuning.wants_memcpy(&b) {
+            self.memcpy.push(b);
+            return;
+        }
+        self.kernel_bytes += b.len;
+        let mut off = 0;
+        while off < b.len {
+            let n = (b.len - off).min(piece);
+            self.pieces.push(pack(&Block {
+                src: b.src + off,
+                dst: b.dst + off,
+                len: n,
+            }));
+            off += n;
+        }
     }
 }
 
@@ -524,21 +539,7 @@ fn prepare_impl<const NT: bool>(
         acc.kernel_bytes += c.bytes;
         acc.used.extend_from_slice(&c.used);
         for t in c.irregular {
-            if tuning.wants_memcpy(&t) {
-                acc.memcpy.push(t);
-                continue;
-            }
-            acc.kernel_bytes += t.len;
-            let mut off = 0;
-            while off < t.len {
-                let n = (t.len - off).min(piece);
-                acc.pieces.push(pack(&Block {
-                    src: t.src + off,
-                    dst: t.dst + off,
-                    len: n,
-                }));
-                off += n;
-            }
+            acc.push_irregular(t, tuning, piece);
         }
     }
     if acc.used.len() > first {
@@ -638,22 +639,7 @@ pub fn prepare_runs(
         };
         if !run_fits_kernel(&t, piece, memcpy_from) {
             for k in 0..t.count {
-                let b = t.block(k);
-                if tuning.wants_memcpy(&b) {
-                    acc.memcpy.push(b);
-                    continue;
-                }
-                acc.kernel_bytes += b.len;
-                let mut off = 0;
-                while off < b.len {
-                    let n = (b.len - off).min(piece);
-                    acc.pieces.push(pack(&Block {
-                        src: b.src + off,
-                        dst: b.dst + off,
-                        len: n,
-                    }));
-                    off += n;
-                }
+                acc.push_irregular(t.block(k), tuning, piece);
             }
             continue;
         }
