@@ -477,12 +477,10 @@ fn runs_ship_over_zmq(shared: &Shared, runs: &[kvbridge_plan::Run]) -> bool {
     let local = &shared.local;
     local.intra
         && runs.iter().any(|r| {
-            let span = r
-                .count
-                .saturating_sub(1)
-                .saturating_mul(r.src_stride)
-                .saturating_add(r.len);
-            r.count > 0 && local.ships_over_zmq(r.src, span)
+            // A span that overflows is malformed: the engine refuses it.
+            let run: &kvbridge_engine::Run = bytemuck::cast_ref(r);
+            run.spans()
+                .is_some_and(|(span, _)| span > 0 && local.ships_over_zmq(r.src, span))
         })
 }
 
