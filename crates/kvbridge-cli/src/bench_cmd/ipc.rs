@@ -440,6 +440,17 @@ fn initiate(args: &IpcArgs) -> Result<()> {
             run_batches(&runs, per, inflight, passes, submit)?;
             ipc = ipc.max(gbps(moved * u64::from(passes), t.elapsed().as_secs_f64()));
         }
+        // The run kernel alone: the same runs into `scratch`, in this process
+        // (copies longer than a piece are not the run kernel's).
+        let kernel = if size <= tuning.piece {
+            let local = head_slice_runs(src.addr(), scratch.addr(), n, size, copies, mult, add);
+            // SAFETY: every copy lies in `src` or `scratch`, ours and alive;
+            // destinations are distinct.
+            let ms = unsafe { copier.time_runs(&local, 5) }?;
+            Some(gbps(moved, ms / 1e3))
+        } else {
+            None
+        };
         rows.push(Row {
             layout: "runs",
             copies_per_run: copies,
@@ -451,7 +462,7 @@ fn initiate(args: &IpcArgs) -> Result<()> {
             ipc_gbps: ipc,
             of_memcpy: ipc / memcpy,
             path: "run kernel",
-            kernel_gbps: None,
+            kernel_gbps: kernel,
             per_block_gbps: None,
             memcpy_gbps: memcpy,
             verified: true,

@@ -19,7 +19,7 @@ use kvbridge_mem::cuda::{self, CudaError, DeviceBuffer, Event, Kernel, PinnedBuf
 
 use super::kernel;
 use super::plan::{self, CopyTuning, Prepared, RangeMap};
-use crate::Block;
+use crate::{Block, Run};
 
 /// The compiled block-copy kernel of GPU `ordinal` (compiled once per process).
 pub fn copy_kernel(ordinal: i32) -> Result<Arc<Kernel>, CudaError> {
@@ -259,13 +259,15 @@ impl Copier {
         self.stream.synchronize()
     }
 
-    /// The kernel stream of the next batch (alternating when there are two).
-    fn next_stream(&self) -> &Stream {
+    /// The kernel stream of the next batch: alternating when there are two
+    /// and the batch `alternates`, else the first.
+    fn next_stream(&self, alternates: bool) -> &Stream {
         match &self.second {
             Some(s)
-                if self
-                    .flip
-                    .fetch_xor(true, std::sync::atomic::Ordering::Relaxed) =>
+                if alternates
+                    && self
+                        .flip
+                        .fetch_xor(true, std::sync::atomic::Ordering::Relaxed) =>
             {
                 s
             }
@@ -326,6 +328,58 @@ impl Copier {
         start.record(&self.stream)?;
         for _ in 0..reps.max(1) {
             launch(&self.kernel, &self.stream)?;
+        }
+        end.record(&self.stream)?;
+        end.synchronize()?;
+        Ok(f64::from(end.elapsed_ms(&start)?) / f64::from(reps.max(1)))
+    }
+
+    /// Benchmark aid: device time of one run-kernel launch over `runs` (all
+    /// taken by the run kernel as they are) with the descriptors already on
+    /// the GPU, averaged over `reps` launches, in milliseconds.
+    ///
+    /// # Safety
+    /// As for [`Copier::copy`], for every copy of every run.
+    pub unsafe fn time_runs(&mut self, runs: &[Run], reps: u32) -> Result<f64, CudaError> {
+        self.stream.context().make_current()?;
+        let all = RangeMap::new(vec![(0, u64::MAX, 0)]);
+        let pool = prep_pool();
+        let split = plan::RunSplit::new(runs, &self.tuning, pool);
+        let mut words = vec![[0u64; 2]; split.entries()];
+        let mut acc = Prepared::default();
+        let tuning = self.tuning;
+        plan::prepare_runs(
+            runs, &split, &all, &all, &tuning, pool, &mut words, &mut acc,
+        )
+        .map_err(|(i, m)| cuda_err("time_runs", format!("run {i}: {m:?}")))?;
+        if !acc.pieces.is_empty() || !acc.memcpy.is_empty() {
+            return Err(cuda_err("time_runs", "runs the run kernel cannot take"));
+        }
+        let bytes: &[u8] = bytemuck::cast_slice(&words);
+        let dev = DeviceBuffer::new(self.ordinal, bytes.len().max(16))?;
+        dev.write(0, bytes)?;
+        let k = compiled(self.ordinal, kernel::RUN_ENTRY)?;
+        let (kshift, shift) = plan::run_shifts(&acc);
+        let grid = plan::grid_size(acc.runs << kshift, shift, self.sms);
+        let (start, end) = (Event::new(self.ordinal)?, Event::new(self.ordinal)?);
+        let launch = || -> Result<(), CudaError> {
+            let mut descs = dev.addr();
+            let mut n = acc.runs as u64;
+            let (mut ks, mut sh) = (kshift, shift);
+            let mut params: [*mut c_void; 4] = [
+                (&raw mut descs).cast(),
+                (&raw mut n).cast(),
+                (&raw mut ks).cast(),
+                (&raw mut sh).cast(),
+            ];
+            // SAFETY: parameters as the run kernel declares; ranges
+            // guaranteed by the caller.
+            unsafe { k.launch(&self.stream, grid, plan::BLOCK_THREADS, &mut params) }
+        };
+        launch()?;
+        start.record(&self.stream)?;
+        for _ in 0..reps.max(1) {
+            launch()?;
         }
         end.record(&self.stream)?;
         end.synchronize()?;
@@ -440,13 +494,13 @@ impl Copier {
         acc: &Prepared,
     ) -> Result<CopyStats, CudaError> {
         self.make_current()?;
-        let stream = self.next_stream();
+        let run_entries = (2 * acc.runs).min(descs);
+        let stream = self.next_stream(acc.alternates(descs - run_entries));
         let mut stats = CopyStats::default();
         if descs > 0 {
             slot.uploaded.record(&self.upload)?;
             stream.wait(&slot.uploaded)?;
         }
-        let run_entries = (2 * acc.runs).min(descs);
         if acc.runs > 0 {
             let k = compiled(self.ordinal, kernel::RUN_ENTRY)?;
             let (kshift, shift) = plan::run_shifts(acc);

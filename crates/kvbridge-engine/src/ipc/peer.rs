@@ -11,7 +11,7 @@ use kvbridge_mem::cuda::{CudaError, IpcHandle, IpcMapping};
 
 use super::copier::{self, Copier, Slot};
 use super::engine::{FREE_SLOTS, IDLE_RELEASE, MAX_ATTEMPTS, Pipe, Shared};
-use super::plan::{self, Batch, CopyTuning, Miss, Prepared, RangeMap};
+use super::plan::{self, Batch, CopyTuning, Miss, Prepared, RangeMap, RunSplit};
 use super::table::{self, Export};
 use crate::tcp::control::Control;
 use crate::{ErrorKind, Side, TransferError};
@@ -40,6 +40,8 @@ pub(super) struct PeerState {
     copier: Option<Copier>,
     /// Reused per batch.
     acc: Prepared,
+    /// The chunks of the batch of runs being prepared.
+    split: RunSplit,
     last_use: Instant,
 }
 
@@ -56,6 +58,7 @@ impl PeerState {
             local: None,
             copier: None,
             acc: Prepared::default(),
+            split: RunSplit::default(),
             last_use: Instant::now(),
         }
     }
@@ -376,12 +379,15 @@ impl PeerState {
         let blocks = match batch {
             Batch::Blocks(blocks) => blocks,
             Batch::Runs(runs) => {
-                // Few descriptors: prepared on this thread, uploaded at launch.
+                // Few descriptors (two per up to 64 copies): prepared (on
+                // the preparation threads for large batches), uploaded at launch.
                 return plan::prepare_runs(
                     runs,
+                    &self.split,
                     local,
                     &self.remote,
                     tuning,
+                    copier::prep_pool(),
                     slot.descs_mut(),
                     &mut self.acc,
                 );
@@ -448,7 +454,14 @@ impl PeerState {
         if self.table.is_empty() {
             self.refresh(shared)?;
         }
-        let mut slot = self.slot(pipe, ordinal, batch.entries(&shared.tuning))?;
+        let entries = match batch {
+            Batch::Blocks(b) => b.len(),
+            Batch::Runs(r) => {
+                self.split = RunSplit::new(r, &shared.tuning, copier::prep_pool());
+                self.split.entries()
+            }
+        };
+        let mut slot = self.slot(pipe, ordinal, entries)?;
         let r = self.prepare_held(shared, pipe, batch, &mut slot, ordinal);
         let t_prep = Instant::now();
         let launched = r.and_then(|()| self.launch(batch, &mut slot));

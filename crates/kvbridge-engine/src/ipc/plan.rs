@@ -5,7 +5,10 @@
 
 mod runs;
 
-pub use runs::{RUN_MAX_COUNT, pack_run, prepare_runs, run_entries, run_shifts, unpack_run};
+pub use runs::{
+    PAR_MIN_RUNS, RUN_MAX_COUNT, RunSplit, pack_run, prepare_runs, run_entries, run_shifts,
+    unpack_run,
+};
 
 use crate::{Block, Run};
 
@@ -47,14 +50,6 @@ impl Batch<'_> {
             Batch::Runs(r) => r.iter().find(|r| r.bytes() > 0).map(|r| (r.src, r.len)),
         }
     }
-
-    /// Slot entries preparing the batch writes (before pieces).
-    pub fn entries(&self, tuning: &CopyTuning) -> usize {
-        match self {
-            Batch::Blocks(b) => b.len(),
-            Batch::Runs(r) => run_entries(r, tuning),
-        }
-    }
 }
 
 /// Addresses at or above this do not fit a packed descriptor.
@@ -85,7 +80,8 @@ pub struct CopyTuning {
     /// The choice of copy path.
     pub mode: CopyMode,
     /// Kernel streams a session alternates its batches over (1 or 2): with
-    /// two, one batch's kernel tail overlaps the next one's start.
+    /// two, one batch's kernel tail overlaps the next one's start (batches
+    /// of short copies stay on the first, see [`ALTERNATE_MIN_COPY`]).
     pub kernel_streams: u32,
 }
 
@@ -98,7 +94,9 @@ impl Default for CopyTuning {
             memcpy_min_block: 64 << 20,
             piece: 64 << 10,
             mode: CopyMode::Auto,
-            kernel_streams: 1,
+            // Two: from 4 KiB copies up, 2-3 points of memcpy more on the
+            // H200 (64 KiB blocks 90 -> 92-93%, see docs/engines.md).
+            kernel_streams: 2,
         }
     }
 }
@@ -356,6 +354,19 @@ impl Prepared {
         self.run_max_count = 0;
     }
 
+    /// Append what a later slice of the same batch found (`used` is left
+    /// unsorted).
+    fn merge(&mut self, o: Prepared) {
+        self.pieces.extend_from_slice(&o.pieces);
+        self.memcpy.extend_from_slice(&o.memcpy);
+        self.kernel_bytes += o.kernel_bytes;
+        self.used.extend_from_slice(&o.used);
+        self.runs += o.runs;
+        self.run_bytes += o.run_bytes;
+        self.run_copies += o.run_copies;
+        self.run_max_count = self.run_max_count.max(o.run_max_count);
+    }
+
     /// Add a translated block that has no descriptor of its own: to the
     /// memcpy list, or cut into kernel pieces of at most `piece` bytes.
     fn push_irregular(&mut self, b: Block, tuning: &CopyTuning, piece: u64) {
@@ -374,6 +385,23 @@ impl Prepared {
             }));
             off += n;
         }
+    }
+}
+
+/// Mean kernel copy (bytes) from which a batch may take a session's second
+/// kernel stream. A kernel's tail (its last thread groups finishing while
+/// others idle) is long only when each copy is; batches of shorter copies
+/// gain nothing from overlapping it and stay on the first stream (256 B
+/// runs measured no better, and noisier, alternating).
+pub const ALTERNATE_MIN_COPY: u64 = 4096;
+
+impl Prepared {
+    /// Whether this batch (`block_descs` block descriptors after its run
+    /// descriptors) may take the second kernel stream: its mean kernel copy
+    /// is at least [`ALTERNATE_MIN_COPY`], or it has no kernel copy at all.
+    pub fn alternates(&self, block_descs: usize) -> bool {
+        let copies = block_descs as u64 + self.run_copies;
+        copies == 0 || self.kernel_bytes / copies >= ALTERNATE_MIN_COPY
     }
 }
 
@@ -652,6 +680,25 @@ mod tests {
         assert_eq!(group_shift(&[b(0, 0, 1 << 20)]), 9);
         assert_eq!(grid_size(1, 8, 132), 1);
         assert_eq!(grid_size(1 << 22, 4, 132), 132 * 32);
+    }
+
+    #[test]
+    fn only_batches_of_long_copies_alternate_streams() {
+        let acc = |kernel_bytes, run_copies| Prepared {
+            kernel_bytes,
+            run_copies,
+            ..Prepared::default()
+        };
+        // 1000 blocks of 256 B: first stream.
+        assert!(!acc(256_000, 0).alternates(1000));
+        // 4096 blocks of 64 KiB: alternate.
+        assert!(acc(4096 << 16, 0).alternates(4096));
+        // Runs: 64 copies of 256 B stay, 64 copies of 4 KiB alternate.
+        assert!(!acc(64 * 256, 64).alternates(0));
+        assert!(acc(64 * 4096, 64).alternates(0));
+        // Just below the mean, and memcpy-only batches.
+        assert!(!acc(2 * ALTERNATE_MIN_COPY - 1, 0).alternates(2));
+        assert!(acc(0, 0).alternates(0));
     }
 
     type Prep = Result<(Vec<[u64; 2]>, Prepared), (usize, Miss)>;

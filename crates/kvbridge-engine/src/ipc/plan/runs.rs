@@ -48,13 +48,140 @@ pub fn run_entries(runs: &[Run], tuning: &CopyTuning) -> usize {
         .fold(0usize, usize::saturating_add)
 }
 
+/// Batches of at least this many runs are prepared on several threads.
+pub const PAR_MIN_RUNS: usize = 4 << 10;
+/// Fewest runs one thread prepares at a time.
+const PAR_RUNS_CHUNK_MIN: usize = 1 << 10;
+
+/// How a batch of runs is cut into chunks for the preparation threads, and
+/// the slot entries each chunk writes (counted once, on those threads).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RunSplit {
+    chunk: usize,
+    entries: Vec<usize>,
+    total: usize,
+}
+
+impl RunSplit {
+    /// The split of `runs` for `pool`: one chunk without a pool or for
+    /// fewer than [`PAR_MIN_RUNS`] runs.
+    pub fn new(runs: &[Run], tuning: &CopyTuning, pool: Option<&rayon::ThreadPool>) -> Self {
+        let chunk = match pool {
+            Some(pool) if runs.len() >= PAR_MIN_RUNS => runs
+                .len()
+                .div_ceil(pool.current_num_threads().max(1) * 4)
+                .max(PAR_RUNS_CHUNK_MIN),
+            _ => runs.len().max(1),
+        };
+        Self::with_chunk(runs, tuning, pool, chunk)
+    }
+
+    /// The split of `runs` into chunks of `chunk` runs.
+    fn with_chunk(
+        runs: &[Run],
+        tuning: &CopyTuning,
+        pool: Option<&rayon::ThreadPool>,
+        chunk: usize,
+    ) -> Self {
+        use rayon::prelude::*;
+        let chunk = chunk.max(1);
+        let count = |c: &[Run]| run_entries(c, tuning);
+        let entries: Vec<usize> = match pool {
+            Some(pool) if runs.len() > chunk => {
+                pool.install(|| runs.par_chunks(chunk).map(count).collect())
+            }
+            _ => runs.chunks(chunk).map(count).collect(),
+        };
+        let total = entries.iter().fold(0usize, |a, &n| a.saturating_add(n));
+        Self {
+            chunk,
+            entries,
+            total,
+        }
+    }
+
+    /// Slot entries preparing the runs writes (before pieces).
+    pub fn entries(&self) -> usize {
+        self.total
+    }
+}
+
 /// [`prepare`] for strided runs: check each run's whole source span against
 /// `local` and destination span against `remote` (one range each), translate
 /// the destination and write run descriptors of at most [`RUN_MAX_COUNT`]
-/// copies into `out` (at least [`run_entries`] long). Runs the run kernel
-/// cannot take (long copies, wide strides) are expanded into block pieces
-/// or memcpy blocks in `acc`. Returns the first failing run.
+/// copies into `out` from entry `2 * acc.runs` on (at least
+/// `split.entries()` more), a chunk of `split` per task on `pool`. Runs
+/// the run kernel cannot take (long copies, wide strides) are expanded into
+/// block pieces or memcpy blocks in `acc`. Returns the first failing run
+/// (run 0 with [`Miss::Shape`] when `split` is not the split of `runs`).
+///
+/// [`prepare`]: super::prepare
+#[allow(clippy::too_many_arguments)]
 pub fn prepare_runs(
+    runs: &[Run],
+    split: &RunSplit,
+    local: &RangeMap,
+    remote: &RangeMap,
+    tuning: &CopyTuning,
+    pool: Option<&rayon::ThreadPool>,
+    out: &mut [[u64; 2]],
+    acc: &mut Prepared,
+) -> Result<(), (usize, Miss)> {
+    use rayon::prelude::*;
+    if split.chunk == 0 || split.entries.len() != runs.len().div_ceil(split.chunk) {
+        return Err((0, Miss::Shape));
+    }
+    let base = (2 * acc.runs).min(out.len());
+    let out = &mut out[base..];
+    let first = acc.used.len();
+    let parts = match pool {
+        Some(pool) if split.entries.len() > 1 => {
+            // Each chunk writes its own slice of `out`, sized by its runs.
+            let mut slices = Vec::with_capacity(split.entries.len());
+            let mut rest = &mut *out;
+            let chunks = runs.chunks(split.chunk).zip(&split.entries);
+            for (k, (c, &n)) in chunks.enumerate() {
+                let (mine, tail) = rest.split_at_mut(n.min(rest.len()));
+                slices.push((k * split.chunk, c, mine, n));
+                rest = tail;
+            }
+            pool.install(|| {
+                slices
+                    .into_par_iter()
+                    .map(|(at, c, o, n)| {
+                        let mut part = Prepared::default();
+                        let r = prepare_runs_chunk(c, local, remote, tuning, o, &mut part);
+                        (at, r, part, n)
+                    })
+                    .collect::<Vec<_>>()
+            })
+        }
+        _ => {
+            let mut part = Prepared::default();
+            let r = prepare_runs_chunk(runs, local, remote, tuning, out, &mut part);
+            vec![(0, r, part, split.total)]
+        }
+    };
+    for (at, r, part, n) in parts {
+        if let Err((i, m)) = r {
+            return Err((at + i, m));
+        }
+        if 2 * part.runs != n {
+            // Not the split of these runs: the descriptors would have gaps.
+            return Err((at, Miss::Shape));
+        }
+        acc.merge(part);
+    }
+    if acc.used.len() > first {
+        acc.used.sort_unstable();
+        acc.used.dedup();
+    }
+    Ok(())
+}
+
+/// One thread's share of [`prepare_runs`]: descriptors from `out[0]` on,
+/// everything else into `acc` (fresh).
+fn prepare_runs_chunk(
     runs: &[Run],
     local: &RangeMap,
     remote: &RangeMap,
@@ -64,8 +191,7 @@ pub fn prepare_runs(
 ) -> Result<(), (usize, Miss)> {
     let (piece, memcpy_from) = (tuning.piece.max(16), memcpy_from(tuning));
     let (mut src, mut dst) = (Cursor::new(local), Cursor::new(remote));
-    let first = acc.used.len();
-    let mut at = 2 * acc.runs;
+    let mut at = 0;
     for (i, r) in runs.iter().enumerate() {
         if !r.is_well_formed() {
             return Err((i, Miss::Shape));
@@ -116,10 +242,6 @@ pub fn prepare_runs(
         acc.run_copies += t.count;
         acc.kernel_bytes += t.bytes();
     }
-    if acc.used.len() > first {
-        acc.used.sort_unstable();
-        acc.used.dedup();
-    }
     Ok(())
 }
 
@@ -165,13 +287,152 @@ mod tests {
     ) -> Result<(Vec<Run>, Prepared), (usize, Miss)> {
         let mut out = vec![[0u64; 2]; run_entries(runs, t)];
         let mut acc = Prepared::default();
-        prepare_runs(runs, local, remote, t, &mut out, &mut acc)?;
+        let split = RunSplit::new(runs, t, None);
+        assert_eq!(split.entries(), out.len());
+        prepare_runs(runs, &split, local, remote, t, None, &mut out, &mut acc)?;
         assert_eq!(2 * acc.runs, out.len(), "run_entries is exact");
         let descs = out
             .chunks_exact(2)
             .map(|d| unpack_run([d[0], d[1]]))
             .collect();
         Ok((descs, acc))
+    }
+
+    /// Timing aid (`cargo test --release -- --ignored --nocapture`):
+    /// preparing head-slice runs as `bench ipc --run-copies 64` submits them.
+    #[test]
+    #[ignore]
+    fn prepare_runs_speed() {
+        let (n, copies) = (16u64 << 10, 64u64);
+        let local = RangeMap::new(vec![(1 << 30, 1 << 30, 0)]);
+        let remote = RangeMap::new(vec![(8 << 30, 1 << 30, 1 << 12)]);
+        let runs: Vec<Run> = (0..n)
+            .map(|i| {
+                let p = (i * 0x9E37_79B9) % n;
+                r(
+                    (1 << 30) + i * copies * 256,
+                    (8 << 30) + p * copies * 512,
+                    256,
+                    copies,
+                    256,
+                    512,
+                )
+            })
+            .collect();
+        let t = CopyTuning::default();
+        let mut out = vec![[0u64; 2]; run_entries(&runs, &t)];
+        let mut acc = Prepared::default();
+        let threads = rayon::ThreadPoolBuilder::new().build().unwrap();
+        for _ in 0..3 {
+            let t0 = std::time::Instant::now();
+            let e = run_entries(std::hint::black_box(&runs), &t);
+            println!(
+                "run_entries {e}: {:.1} us",
+                t0.elapsed().as_secs_f64() * 1e6
+            );
+        }
+        for pool in [None, None, Some(&threads), Some(&threads), Some(&threads)] {
+            acc.clear();
+            let t0 = std::time::Instant::now();
+            let split = RunSplit::new(&runs, &t, pool);
+            prepare_runs(&runs, &split, &local, &remote, &t, pool, &mut out, &mut acc).unwrap();
+            let dt = t0.elapsed();
+            println!(
+                "prepare {n} runs, pool {}: {:.1} us, {:.2} ns/run",
+                pool.is_some(),
+                dt.as_secs_f64() * 1e6,
+                dt.as_secs_f64() * 1e9 / n as f64
+            );
+        }
+    }
+
+    /// Preparing in chunks on a pool gives the very descriptors, pieces,
+    /// memcpy blocks, counters and first failure of one sequential pass.
+    #[test]
+    fn parallel_prepare_runs_matches_sequential() {
+        use rand::{Rng, SeedableRng, rngs::StdRng};
+        let local = RangeMap::new(vec![(0x10_0000, 1 << 30, 0)]);
+        let remote = RangeMap::new(vec![
+            (8 << 30, 1 << 30, 1 << 12),
+            (12 << 30, 1 << 30, -(1 << 20)),
+        ]);
+        let t = CopyTuning {
+            memcpy_min_block: 1 << 20,
+            ..CopyTuning::default()
+        };
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(3)
+            .build()
+            .unwrap();
+        let mut rng = StdRng::seed_from_u64(7);
+        for round in 0..40 {
+            let runs: Vec<Run> = (0..rng.gen_range(1..300))
+                .map(|i| {
+                    let len = match rng.gen_range(0..10) {
+                        0 => 0,
+                        1 => 100 << 10, // past a piece: pieces
+                        2 => 2 << 20,   // memcpy blocks
+                        _ => rng.gen_range(1..4096),
+                    };
+                    let count = rng.gen_range(1..200);
+                    let ds = len.max(1) + rng.gen_range(0..64);
+                    let base = if i % 2 == 0 { 8u64 << 30 } else { 12 << 30 };
+                    r(
+                        0x10_0000 + rng.gen_range(0..1u64 << 16),
+                        base + rng.gen_range(0..1u64 << 20),
+                        len,
+                        count,
+                        len,
+                        ds,
+                    )
+                })
+                .collect();
+            let mut runs = runs;
+            if round % 4 == 3 {
+                // A failure in a later chunk.
+                let k = runs.len() * 2 / 3;
+                runs[k].dst = 1 << 45;
+            }
+            let n = run_entries(&runs, &t);
+            let mut one = (vec![[0u64; 2]; n], Prepared::default());
+            let split = RunSplit::new(&runs, &t, None);
+            assert_eq!(split.entries(), n);
+            let seq = prepare_runs(
+                &runs, &split, &local, &remote, &t, None, &mut one.0, &mut one.1,
+            );
+            for chunk in [1, 7, 64] {
+                let mut par = (vec![[0u64; 2]; n], Prepared::default());
+                let split = RunSplit::with_chunk(&runs, &t, Some(&pool), chunk);
+                assert_eq!(split.entries(), n);
+                let got = prepare_runs(
+                    &runs,
+                    &split,
+                    &local,
+                    &remote,
+                    &t,
+                    Some(&pool),
+                    &mut par.0,
+                    &mut par.1,
+                );
+                assert_eq!(got, seq, "round {round} chunk {chunk}");
+                if runs.len() > chunk {
+                    // A split of other runs is refused before anything is written.
+                    let mut acc = Prepared::default();
+                    let other = &runs[..runs.len() - 1];
+                    let wrong = RunSplit::with_chunk(other, &t, None, chunk);
+                    let got = prepare_runs(
+                        &runs, &wrong, &local, &remote, &t, None, &mut par.0, &mut acc,
+                    );
+                    let same = RunSplit::with_chunk(&runs, &t, None, chunk);
+                    if seq.is_ok() && wrong.entries != same.entries {
+                        assert!(matches!(got, Err((_, Miss::Shape))), "{got:?}");
+                    }
+                }
+                if seq.is_ok() {
+                    assert_eq!(par, one, "round {round} chunk {chunk}");
+                }
+            }
+        }
     }
 
     #[test]
