@@ -461,7 +461,13 @@ fn initiate(args: &IpcArgs) -> Result<()> {
             inflight,
             ipc_gbps: ipc,
             of_memcpy: ipc / memcpy,
-            path: "run kernel",
+            path: if size <= tuning.piece {
+                "run kernel"
+            } else if tuning.wants_memcpy(&local[0]) {
+                "cuMemcpyAsync per block"
+            } else {
+                "batched kernel (pieces)"
+            },
             kernel_gbps: kernel,
             per_block_gbps: None,
             memcpy_gbps: memcpy,
