@@ -93,9 +93,7 @@ impl Pipeline {
     /// Submits one batch of the chunk, first waiting for the oldest batch
     /// while `depth` are in flight.
     pub fn submit(&mut self, shared: &Shared, ticket: u64, target: Target<'_>, blocks: &[Block]) {
-        while self.pending.len() >= self.depth {
-            self.complete_oldest(shared);
-        }
+        self.make_room(shared);
         let bytes = blocks.iter().map(|b| b.len).sum();
         let engine_blocks = bytemuck::cast_slice(blocks);
         let handle = if target.incarnation == 0 {
@@ -110,9 +108,7 @@ impl Pipeline {
 
     /// [`Pipeline::submit`] for strided runs (engines that copy them natively).
     pub fn submit_runs(&mut self, shared: &Shared, ticket: u64, target: Target<'_>, runs: &[Run]) {
-        while self.pending.len() >= self.depth {
-            self.complete_oldest(shared);
-        }
+        self.make_room(shared);
         let bytes = runs.iter().map(Run::bytes).fold(0, u64::saturating_add);
         let copies = runs.iter().map(|r| r.count).fold(0, u64::saturating_add);
         let handle = shared.engine.submit_runs_to(
@@ -121,6 +117,13 @@ impl Pipeline {
             bytemuck::cast_slice(runs),
         );
         self.push(ticket, target, handle, bytes, copies);
+    }
+
+    /// Waits for the oldest batches while `depth` are in flight.
+    fn make_room(&mut self, shared: &Shared) {
+        while self.pending.len() >= self.depth {
+            self.complete_oldest(shared);
+        }
     }
 
     fn push(
