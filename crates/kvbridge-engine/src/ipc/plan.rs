@@ -354,8 +354,17 @@ impl Prepared {
         self.run_max_count = 0;
     }
 
+    /// Sort `used` and drop its duplicates after entries were appended past
+    /// `first`.
+    fn settle_used(&mut self, first: usize) {
+        if self.used.len() > first {
+            self.used.sort_unstable();
+            self.used.dedup();
+        }
+    }
+
     /// Append what a later slice of the same batch found (`used` is left
-    /// unsorted).
+    /// unsorted: see [`Prepared::settle_used`]).
     fn merge(&mut self, o: Prepared) {
         self.pieces.extend_from_slice(&o.pieces);
         self.memcpy.extend_from_slice(&o.memcpy);
@@ -574,10 +583,7 @@ fn prepare_impl<const NT: bool>(
             acc.push_irregular(t, tuning, piece);
         }
     }
-    if acc.used.len() > first {
-        acc.used.sort_unstable();
-        acc.used.dedup();
-    }
+    acc.settle_used(first);
     Ok(())
 }
 

@@ -172,10 +172,7 @@ pub fn prepare_runs(
         }
         acc.merge(part);
     }
-    if acc.used.len() > first {
-        acc.used.sort_unstable();
-        acc.used.dedup();
-    }
+    acc.settle_used(first);
     Ok(())
 }
 
