@@ -311,27 +311,12 @@ impl Copier {
         let bytes: &[u8] = bytemuck::cast_slice(&words);
         let dev = DeviceBuffer::new(self.ordinal, bytes.len().max(16))?;
         dev.write(0, bytes)?;
-        let (start, end) = (Event::new(self.ordinal)?, Event::new(self.ordinal)?);
-        let launch = |k: &Kernel, stream: &Stream| -> Result<(), CudaError> {
-            let mut descs = dev.addr();
-            let mut n = blocks.len() as u64;
-            let mut sh = shift;
-            let mut params: [*mut c_void; 3] = [
-                (&raw mut descs).cast(),
-                (&raw mut n).cast(),
-                (&raw mut sh).cast(),
-            ];
-            // SAFETY: parameters as the kernel declares; ranges guaranteed by the caller.
-            unsafe { k.launch(stream, grid, plan::BLOCK_THREADS, &mut params) }
-        };
-        launch(&self.kernel, &self.stream)?;
-        start.record(&self.stream)?;
-        for _ in 0..reps.max(1) {
-            launch(&self.kernel, &self.stream)?;
-        }
-        end.record(&self.stream)?;
-        end.synchronize()?;
-        Ok(f64::from(end.elapsed_ms(&start)?) / f64::from(reps.max(1)))
+        let n = blocks.len() as u64;
+        self.time_launches(reps, || {
+            // SAFETY: the descriptors are on the GPU (`dev`, alive until we
+            // return, after the launches finished); ranges guaranteed by the caller.
+            unsafe { self.launch_blocks(&self.stream, dev.addr(), n, shift, grid) }
+        })
     }
 
     /// Benchmark aid: device time of one run-kernel launch over `runs` (all
@@ -359,23 +344,21 @@ impl Copier {
         let dev = DeviceBuffer::new(self.ordinal, bytes.len().max(16))?;
         dev.write(0, bytes)?;
         let k = compiled(self.ordinal, kernel::RUN_ENTRY)?;
-        let (kshift, shift) = plan::run_shifts(&acc);
-        let grid = plan::grid_size(acc.runs << kshift, shift, self.sms);
+        let shifts = plan::run_shifts(&acc);
+        self.time_launches(reps, || {
+            // SAFETY: as in `time_kernel_with`, for the run descriptors.
+            unsafe { self.launch_runs(&k, &self.stream, dev.addr(), acc.runs as u64, shifts) }
+        })
+    }
+
+    /// Device time of one `launch` (after a warm-up one), averaged over
+    /// `reps` launches on the kernel stream, in milliseconds.
+    fn time_launches(
+        &self,
+        reps: u32,
+        launch: impl Fn() -> Result<(), CudaError>,
+    ) -> Result<f64, CudaError> {
         let (start, end) = (Event::new(self.ordinal)?, Event::new(self.ordinal)?);
-        let launch = || -> Result<(), CudaError> {
-            let mut descs = dev.addr();
-            let mut n = acc.runs as u64;
-            let (mut ks, mut sh) = (kshift, shift);
-            let mut params: [*mut c_void; 4] = [
-                (&raw mut descs).cast(),
-                (&raw mut n).cast(),
-                (&raw mut ks).cast(),
-                (&raw mut sh).cast(),
-            ];
-            // SAFETY: parameters as the run kernel declares; ranges
-            // guaranteed by the caller.
-            unsafe { k.launch(&self.stream, grid, plan::BLOCK_THREADS, &mut params) }
-        };
         launch()?;
         start.record(&self.stream)?;
         for _ in 0..reps.max(1) {
@@ -384,6 +367,61 @@ impl Copier {
         end.record(&self.stream)?;
         end.synchronize()?;
         Ok(f64::from(end.elapsed_ms(&start)?) / f64::from(reps.max(1)))
+    }
+
+    /// Launch the block kernel on `stream` over the `n` descriptors at
+    /// device address `descs`, `1 << shift` threads each, `grid` CTAs.
+    ///
+    /// # Safety
+    /// The descriptors must be on the GPU when the launch runs (ordered on
+    /// `stream`) and name ranges valid as for [`Copier::copy`] until it finished.
+    unsafe fn launch_blocks(
+        &self,
+        stream: &Stream,
+        descs: u64,
+        n: u64,
+        shift: u32,
+        grid: u32,
+    ) -> Result<(), CudaError> {
+        let (mut p_descs, mut p_n, mut p_shift) = (descs, n, shift);
+        let mut params: [*mut c_void; 3] = [
+            (&raw mut p_descs).cast(),
+            (&raw mut p_n).cast(),
+            (&raw mut p_shift).cast(),
+        ];
+        // SAFETY: the parameters are (const ulonglong2*, u64, u32) as the
+        // kernel declares; the descriptors' ranges are the caller's contract.
+        unsafe {
+            self.kernel
+                .launch(stream, grid, plan::BLOCK_THREADS, &mut params)
+        }
+    }
+
+    /// Launch the run kernel `k` on `stream` over the `n` run descriptors
+    /// at device address `descs`, shaped by `(kshift, shift)`
+    /// ([`plan::run_shifts`]).
+    ///
+    /// # Safety
+    /// As for [`Copier::launch_blocks`], for every copy of every run.
+    unsafe fn launch_runs(
+        &self,
+        k: &Kernel,
+        stream: &Stream,
+        descs: u64,
+        n: u64,
+        (kshift, shift): (u32, u32),
+    ) -> Result<(), CudaError> {
+        let grid = plan::grid_size((n as usize) << kshift, shift, self.sms);
+        let (mut p_descs, mut p_n, mut p_kshift, mut p_shift) = (descs, n, kshift, shift);
+        let mut params: [*mut c_void; 4] = [
+            (&raw mut p_descs).cast(),
+            (&raw mut p_n).cast(),
+            (&raw mut p_kshift).cast(),
+            (&raw mut p_shift).cast(),
+        ];
+        // SAFETY: the parameters are (const ulonglong2*, u64, u32, u32) as
+        // the run kernel declares; the ranges are the caller's contract.
+        unsafe { k.launch(stream, grid, plan::BLOCK_THREADS, &mut params) }
     }
 
     /// Copy every block (addresses valid in this process) and wait for it.
@@ -503,42 +541,19 @@ impl Copier {
         }
         if acc.runs > 0 {
             let k = compiled(self.ordinal, kernel::RUN_ENTRY)?;
-            let (kshift, shift) = plan::run_shifts(acc);
-            let mut p_descs = slot.dev.addr();
-            let mut p_n = (run_entries / 2) as u64;
-            let (mut p_kshift, mut p_shift) = (kshift, shift);
-            let mut params: [*mut c_void; 4] = [
-                (&raw mut p_descs).cast(),
-                (&raw mut p_n).cast(),
-                (&raw mut p_kshift).cast(),
-                (&raw mut p_shift).cast(),
-            ];
-            let grid = plan::grid_size((run_entries / 2) << kshift, shift, self.sms);
-            // SAFETY: the parameters are (const ulonglong2*, u64, u32, u32)
-            // as the kernel declares; the run descriptors (uploaded before,
-            // ordered by the event) name ranges the caller guarantees valid.
-            unsafe { k.launch(stream, grid, plan::BLOCK_THREADS, &mut params) }?;
+            let n = (run_entries / 2) as u64;
+            // SAFETY: the run descriptors were uploaded before (ordered by
+            // the event) and name ranges the caller guarantees valid.
+            unsafe { self.launch_runs(&k, stream, slot.dev.addr(), n, plan::run_shifts(acc)) }?;
             stats.launches += 1;
         }
         if descs > run_entries {
             let n = descs - run_entries;
             let shift = plan::shift_for(acc.kernel_bytes - acc.run_bytes, n);
-            let mut p_descs = slot.dev.addr() + run_entries as u64 * 16;
-            let mut p_n = n as u64;
-            let mut p_shift = shift;
-            let mut params: [*mut c_void; 3] = [
-                (&raw mut p_descs).cast(),
-                (&raw mut p_n).cast(),
-                (&raw mut p_shift).cast(),
-            ];
             let grid = plan::grid_size(n, shift, self.sms);
-            // SAFETY: the parameters are (const ulonglong2*, u64, u32) as the
-            // kernel declares; the descriptors (uploaded before, ordered by
-            // the event) name ranges the caller guarantees valid.
-            unsafe {
-                self.kernel
-                    .launch(stream, grid, plan::BLOCK_THREADS, &mut params)
-            }?;
+            let at = slot.dev.addr() + run_entries as u64 * 16;
+            // SAFETY: as for the runs above, for the block descriptors.
+            unsafe { self.launch_blocks(stream, at, n as u64, shift, grid) }?;
             stats.launches += 1;
         }
         stats.kernel_blocks = (descs - run_entries) as u64 + acc.run_copies;
