@@ -46,6 +46,7 @@ mod config;
 mod error;
 pub mod ipc;
 mod loopback;
+pub mod secret;
 pub mod tcp;
 #[cfg(feature = "ucx")]
 pub mod ucx;
@@ -57,6 +58,7 @@ pub use error::{ErrorKind, Side, TransferError};
 pub use ipc::IpcEngine;
 pub use kvbridge_mem::{MemError, MemoryKind, Region};
 pub use loopback::LoopbackEngine;
+pub use secret::{ClusterSecret, SecretError};
 pub use tcp::{EngineStats, TcpEngine};
 #[cfg(feature = "ucx")]
 pub use ucx::{UcxEngine, UcxError, UcxStats};

@@ -159,6 +159,11 @@ pub struct PrefillConfig {
     /// engine; host-sourced blocks and aux travel over zmq. Also on when
     /// the engine moves device memory only.
     pub nvlink_intra: bool,
+    /// The cluster secret guarding the zmq control plane and bootstrap
+    /// writes; `None` runs in sglang-compatible open mode. Never read from
+    /// or written to a config file.
+    #[serde(skip)]
+    pub secret: Option<kvbridge_engine::ClusterSecret>,
 }
 
 impl Default for PrefillConfig {
@@ -178,6 +183,7 @@ impl Default for PrefillConfig {
             max_batch_blocks: 1 << 16,
             metrics_addr: None,
             nvlink_intra: false,
+            secret: None,
         }
     }
 }
@@ -273,6 +279,10 @@ pub struct DecodeConfig {
     /// engine; host regions receive `STATE_DATA` / `AUX_DATA` over zmq.
     /// Also on when the engine moves device memory only.
     pub nvlink_intra: bool,
+    /// The cluster secret guarding the zmq control plane; `None` runs in
+    /// sglang-compatible open mode. Never read from or written to a config file.
+    #[serde(skip)]
+    pub secret: Option<kvbridge_engine::ClusterSecret>,
 }
 
 impl Default for DecodeConfig {
@@ -291,6 +301,7 @@ impl Default for DecodeConfig {
             zmq_send_timeout: Duration::from_secs(1),
             metrics_addr: None,
             nvlink_intra: false,
+            secret: None,
         }
     }
 }
