@@ -159,7 +159,7 @@ pub fn hex(bytes: &[u8]) -> String {
 /// Bytes of lower- or upper-case hex; `None` for anything else.
 pub fn unhex(text: &str) -> Option<Vec<u8>> {
     let text = text.as_bytes();
-    if text.len() % 2 != 0 {
+    if !text.len().is_multiple_of(2) {
         return None;
     }
     text.chunks(2)

@@ -149,6 +149,9 @@ pub struct PrefillConfig {
     /// How long a zmq send may block before it fails.
     #[serde(with = "duration_secs")]
     pub zmq_send_timeout: Duration,
+    /// Largest control message accepted from a peer, in bytes (zmq
+    /// `MAXMSGSIZE`); a peer sending a larger one is disconnected.
+    pub zmq_max_message_bytes: usize,
     /// Most blocks handed to the engine in one batch (0 = no cap beyond
     /// `max_transfer_batch_indices`).
     pub max_batch_blocks: usize,
@@ -180,6 +183,7 @@ impl Default for PrefillConfig {
             deferred_release: true,
             probe: ProbeConfig::default(),
             zmq_send_timeout: Duration::from_secs(30),
+            zmq_max_message_bytes: crate::control::DEFAULT_MAX_MESSAGE_BYTES,
             max_batch_blocks: 1 << 16,
             metrics_addr: None,
             nvlink_intra: false,
@@ -273,6 +277,9 @@ pub struct DecodeConfig {
     /// How long a zmq send may block (`SGLANG_DISAGGREGATION_ZMQ_SEND_TIMEOUT`).
     #[serde(with = "duration_secs")]
     pub zmq_send_timeout: Duration,
+    /// Largest control message accepted from a peer, in bytes (zmq
+    /// `MAXMSGSIZE`); a peer sending a larger one is disconnected.
+    pub zmq_max_message_bytes: usize,
     /// Serve Prometheus metrics here when set.
     pub metrics_addr: Option<SocketAddr>,
     /// Intra-node transport: only device regions are registered with the
@@ -299,6 +306,7 @@ impl Default for DecodeConfig {
             bootstrap_timeout: Duration::from_secs(300),
             deferred_release: true,
             zmq_send_timeout: Duration::from_secs(1),
+            zmq_max_message_bytes: crate::control::DEFAULT_MAX_MESSAGE_BYTES,
             metrics_addr: None,
             nvlink_intra: false,
             secret: None,

@@ -19,7 +19,7 @@ use kvbridge_wire::KvPoll;
 use parking_lot::Mutex;
 
 use crate::config::DecodeConfig;
-use crate::control::{PullSocket, PushPool};
+use crate::control::{ControlContext, ControlSecurity, PullSocket, PushPool};
 use crate::error::StartError;
 use crate::kv_args::KvArgs;
 use crate::metrics::{Metrics, MetricsServer};
@@ -101,7 +101,7 @@ pub struct DecodeManager {
     threads: Vec<JoinHandle<()>>,
     metrics_server: Option<MetricsServer>,
     stop: StopTrigger,
-    context: Option<zmq::Context>,
+    context: Option<ControlContext>,
 }
 
 impl std::fmt::Debug for DecodeManager {
@@ -133,18 +133,29 @@ impl DecodeManager {
         let regions = local.engine_regions.clone();
         // SAFETY: as above; the manager deregisters them in `teardown`.
         unsafe { engine.batch_register(&regions)? };
-        let context = zmq::Context::new();
         let deregister = |engine: &Arc<dyn TransferEngine>| {
             let addrs: Vec<u64> = regions.iter().map(|r| r.0).collect();
             let _ = engine.batch_deregister(&addrs);
         };
-        let pull = match PullSocket::bind(&context, &config.local_ip, 0) {
-            Ok(p) => p,
+        let security = ControlSecurity::from_secret(config.secret.as_ref());
+        if !security.is_secret() {
+            kvbridge_engine::secret::warn_open_mode("decode");
+        }
+        let context = match ControlContext::new(security) {
+            Ok(c) => c,
             Err(e) => {
                 deregister(&engine);
                 return Err(e.into());
             }
         };
+        let pull =
+            match PullSocket::bind(&context, &config.local_ip, 0, config.zmq_max_message_bytes) {
+                Ok(p) => p,
+                Err(e) => {
+                    deregister(&engine);
+                    return Err(e.into());
+                }
+            };
         let metrics = Arc::new(Metrics::new());
         let metrics_server = match config.metrics_addr {
             Some(addr) => match MetricsServer::start(addr, metrics.clone()) {
@@ -158,7 +169,7 @@ impl DecodeManager {
         };
         let (mut stop, stop_signal) = stop_pair();
         let shared = Arc::new(Shared {
-            push: PushPool::new(context.clone(), config.zmq_send_timeout),
+            push: PushPool::new(&context, config.zmq_send_timeout),
             rank_port: pull.port(),
             http: crate::http::agent(Duration::from_secs(5)),
             config,

@@ -26,7 +26,7 @@ use kvbridge_wire::{AbortAck, KvPoll, Status};
 use parking_lot::{Mutex, RwLock};
 
 use crate::config::PrefillConfig;
-use crate::control::{PullSocket, PushPool, tcp_endpoint};
+use crate::control::{ControlContext, ControlSecurity, PullSocket, PushPool, tcp_endpoint};
 use crate::error::{ConfigError, StartError};
 use crate::health::SessionHealth;
 use crate::kv_args::KvArgs;
@@ -185,7 +185,7 @@ pub struct PrefillManager {
     rank_port: u16,
     metrics_server: Option<MetricsServer>,
     stop: StopTrigger,
-    context: Option<zmq::Context>,
+    context: Option<ControlContext>,
 }
 
 impl std::fmt::Debug for PrefillManager {
@@ -220,7 +220,18 @@ impl PrefillManager {
         // SAFETY: as above; the manager deregisters them in `teardown`
         // before returning.
         unsafe { engine.batch_register(&regions)? };
-        let context = zmq::Context::new();
+        let security = ControlSecurity::from_secret(config.secret.as_ref());
+        if !security.is_secret() {
+            kvbridge_engine::secret::warn_open_mode("prefill");
+        }
+        let context = match ControlContext::new(security) {
+            Ok(c) => c,
+            Err(e) => {
+                let addrs: Vec<u64> = regions.iter().map(|r| r.0).collect();
+                let _ = engine.batch_deregister(&addrs);
+                return Err(e.into());
+            }
+        };
         let (mut stop, stop_signal) = stop_pair();
         let started = Self::start_threads(
             config,
@@ -254,11 +265,11 @@ impl PrefillManager {
         kv_args: KvArgs,
         local: crate::local::LocalMemory,
         engine: Arc<dyn TransferEngine>,
-        context: &zmq::Context,
+        context: &ControlContext,
         (queue_count, in_flight): (usize, usize),
         (stop, stop_signal): (&mut StopTrigger, StopSignal),
     ) -> Result<(Arc<Shared>, Vec<JoinHandle<()>>, u16, Option<MetricsServer>), StartError> {
-        let pull = PullSocket::bind(context, &config.local_ip, 0)?;
+        let pull = PullSocket::bind(context, &config.local_ip, 0, config.zmq_max_message_bytes)?;
         let rank_port = pull.port();
         let mut senders = Vec::with_capacity(queue_count);
         let mut receivers: Vec<Receiver<Option<QueuedChunk>>> = Vec::with_capacity(queue_count);
@@ -275,7 +286,7 @@ impl PrefillManager {
         let probe = config.probe;
         let shared = Arc::new(Shared {
             unique_rank: config.rank.unique_rank(),
-            push: PushPool::new(context.clone(), config.zmq_send_timeout),
+            push: PushPool::new(context, config.zmq_send_timeout),
             health: Mutex::new(SessionHealth::new(
                 probe.interval,
                 probe.max_interval,

@@ -3,10 +3,20 @@
 //!
 //! zmq sockets are not thread-safe, so each PUSH socket sits behind its own
 //! lock and the PULL socket belongs to one receiving thread. Receives poll
-//! with a timeout so the thread notices teardown.
+//! with a timeout so the thread notices teardown. With a cluster secret
+//! every socket speaks CURVE ([`curve`]); inbound messages are capped in
+//! size; a send from a thread that must never block
+//! ([`PushPool::try_send`]) drops the message, counted, when the peer's
+//! queue is full.
+
+mod curve;
+mod nacl;
+
+pub use curve::{ControlContext, ControlSecurity};
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use parking_lot::Mutex;
@@ -29,7 +39,23 @@ pub enum ControlError {
     /// The bound endpoint could not be read back.
     #[error("cannot read the bound endpoint of {0}")]
     Endpoint(String),
+    /// A cluster secret is set but libzmq was built without CURVE.
+    #[error(
+        "a cluster secret is set but this build's libzmq has no CURVE support; \
+         rebuild with the workspace's .cargo/config.toml"
+    )]
+    NoCurve,
+    /// A control-plane thread could not be started.
+    #[error("cannot start a control-plane thread: {0}")]
+    Thread(#[source] std::io::Error),
 }
+
+/// Largest inbound control message by default (`ZMQ_MAXMSGSIZE`): far above
+/// any legitimate frame (a 1 M-page transfer request is 4 MiB).
+pub const DEFAULT_MAX_MESSAGE_BYTES: usize = 64 << 20;
+
+/// Messages a PUSH socket queues for one peer before sends fail (`ZMQ_SNDHWM`).
+pub const SEND_QUEUE_MESSAGES: i32 = 1000;
 
 fn zmq_err<'a>(
     op: &'static str,
@@ -66,9 +92,23 @@ impl std::fmt::Debug for PullSocket {
 }
 
 impl PullSocket {
-    /// Binds a PULL socket on `host`, on `port` or (0) a free port.
-    pub fn bind(context: &zmq::Context, host: &str, port: u16) -> Result<Self, ControlError> {
-        let socket = context.socket(zmq::PULL).map_err(zmq_err("socket", host))?;
+    /// Binds a PULL socket on `host`, on `port` or (0) a free port, secured
+    /// as `control` says; a peer sending a frame over `max_message_bytes`
+    /// is disconnected.
+    pub fn bind(
+        control: &ControlContext,
+        host: &str,
+        port: u16,
+        max_message_bytes: usize,
+    ) -> Result<Self, ControlError> {
+        let socket = control
+            .context()
+            .socket(zmq::PULL)
+            .map_err(zmq_err("socket", host))?;
+        control.security().apply_server(&socket, host)?;
+        socket
+            .set_maxmsgsize(i64::try_from(max_message_bytes).unwrap_or(i64::MAX))
+            .map_err(zmq_err("set_maxmsgsize", host))?;
         let wanted = if port == 0 {
             if host.contains(':') {
                 format!("tcp://[{host}]:*")
@@ -124,8 +164,10 @@ impl PullSocket {
 /// PUSH sockets to peers, one per endpoint, created on first use.
 pub struct PushPool {
     context: zmq::Context,
+    security: ControlSecurity,
     send_timeout: Duration,
     sockets: Mutex<HashMap<String, Arc<Mutex<zmq::Socket>>>>,
+    dropped: AtomicU64,
 }
 
 impl std::fmt::Debug for PushPool {
@@ -137,12 +179,15 @@ impl std::fmt::Debug for PushPool {
 }
 
 impl PushPool {
-    /// A pool whose sends give up after `send_timeout` (zmq `SNDTIMEO`).
-    pub fn new(context: zmq::Context, send_timeout: Duration) -> Self {
+    /// A pool of sockets secured as `control` says, whose sends give up
+    /// after `send_timeout` (zmq `SNDTIMEO`).
+    pub fn new(control: &ControlContext, send_timeout: Duration) -> Self {
         Self {
-            context,
+            context: control.context().clone(),
+            security: control.security().clone(),
             send_timeout,
             sockets: Mutex::new(HashMap::new()),
+            dropped: AtomicU64::new(0),
         }
     }
 
@@ -160,6 +205,10 @@ impl PushPool {
                 .set_ipv6(true)
                 .map_err(zmq_err("set_ipv6", endpoint))?;
         }
+        self.security.apply_client(&socket, endpoint)?;
+        socket
+            .set_sndhwm(SEND_QUEUE_MESSAGES)
+            .map_err(zmq_err("set_sndhwm", endpoint))?;
         let ms = i32::try_from(self.send_timeout.as_millis()).unwrap_or(i32::MAX);
         socket
             .set_sndtimeo(ms)
@@ -189,6 +238,49 @@ impl PushPool {
         guard
             .send_multipart(frames, 0)
             .map_err(zmq_err("send", endpoint))
+    }
+
+    /// Sends without ever blocking, for threads that serve every peer (an
+    /// inbox): when `endpoint`'s queue is full the message is dropped,
+    /// counted and logged (once per burst), and `false` returned.
+    pub fn try_send<I, F>(&self, endpoint: &str, frames: I) -> bool
+    where
+        I: IntoIterator<Item = F>,
+        F: Into<zmq::Message>,
+    {
+        let socket = match self.socket(endpoint) {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!(%endpoint, error = %e, "cannot open a control socket; message dropped");
+                return false;
+            }
+        };
+        let Some(guard) = socket.try_lock() else {
+            // Another thread is sending to this peer right now (and may be
+            // blocked on it): never wait behind it.
+            self.note_dropped(endpoint, "socket busy");
+            return false;
+        };
+        match guard.send_multipart(frames, zmq::DONTWAIT) {
+            Ok(()) => true,
+            Err(e) => {
+                drop(guard);
+                self.note_dropped(endpoint, &e.to_string());
+                false
+            }
+        }
+    }
+
+    fn note_dropped(&self, endpoint: &str, why: &str) {
+        let n = self.dropped.fetch_add(1, Ordering::Relaxed) + 1;
+        if n.is_power_of_two() {
+            tracing::warn!(%endpoint, why, dropped_total = n, "control message dropped: peer not keeping up");
+        }
+    }
+
+    /// Messages [`PushPool::try_send`] dropped so far.
+    pub fn dropped(&self) -> u64 {
+        self.dropped.load(Ordering::Relaxed)
     }
 
     /// Closes the socket to `endpoint` (a peer known to be gone).
