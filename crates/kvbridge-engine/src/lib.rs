@@ -44,6 +44,8 @@
 mod batch;
 mod config;
 mod error;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod ipc;
 mod loopback;
 pub mod secret;
