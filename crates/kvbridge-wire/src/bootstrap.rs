@@ -9,6 +9,121 @@
 
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
+use thiserror::Error;
+
+/// Largest parallel size (TP, CP, DP or PP) a peer may report.
+pub const MAX_PARALLEL_SIZE: u64 = 4096;
+/// Largest number of ranks (DP × CP × TP × PP) one prefill server may have.
+pub const MAX_TOTAL_RANKS: u64 = 65536;
+/// Largest page size, in tokens, a peer may report.
+pub const MAX_PAGE_SIZE: u64 = 1 << 20;
+/// Longest name (dtype, layout, policy, host) a peer may send, in bytes.
+pub const MAX_NAME_LEN: usize = 253;
+
+/// Why a bootstrap body's values are out of range (its JSON parsed).
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[non_exhaustive]
+pub enum FieldError {
+    /// A size is 0.
+    #[error("{field} must be at least 1")]
+    Zero {
+        /// The field.
+        field: &'static str,
+    },
+    /// A value is above its cap.
+    #[error("{field}={value} is above the limit {max}")]
+    TooLarge {
+        /// The field.
+        field: &'static str,
+        /// The value sent.
+        value: u64,
+        /// The cap.
+        max: u64,
+    },
+    /// A rank is not below its size.
+    #[error("{field}={rank} is not below its size {size}")]
+    RankOutOfRange {
+        /// The rank field.
+        field: &'static str,
+        /// The rank sent.
+        rank: u64,
+        /// The size it must be below.
+        size: u64,
+    },
+    /// A port is 0.
+    #[error("{field} must not be 0")]
+    ZeroPort {
+        /// The field.
+        field: &'static str,
+    },
+    /// A name is empty where one is required, too long, or not a host.
+    #[error("{field} is not acceptable: {reason}")]
+    BadName {
+        /// The field.
+        field: &'static str,
+        /// What is wrong with it.
+        reason: &'static str,
+    },
+}
+
+/// Checks `1 <= value <= max`.
+fn size(field: &'static str, value: u64, max: u64) -> Result<u64, FieldError> {
+    if value == 0 {
+        return Err(FieldError::Zero { field });
+    }
+    if value > max {
+        return Err(FieldError::TooLarge { field, value, max });
+    }
+    Ok(value)
+}
+
+/// Checks `rank < size`.
+fn rank(field: &'static str, rank: u64, size: u64) -> Result<(), FieldError> {
+    if rank >= size {
+        return Err(FieldError::RankOutOfRange { field, rank, size });
+    }
+    Ok(())
+}
+
+/// Checks an optional name's length.
+fn name(field: &'static str, value: Option<&str>) -> Result<(), FieldError> {
+    match value {
+        Some(v) if v.len() > MAX_NAME_LEN => Err(FieldError::BadName {
+            field,
+            reason: "longer than 253 bytes",
+        }),
+        _ => Ok(()),
+    }
+}
+
+/// Whether `host` is an IP address (IPv6 with or without brackets) or a DNS
+/// name of letters, digits, `-`, `_` and `.`, at most [`MAX_NAME_LEN`] bytes.
+pub fn is_valid_host(host: &str) -> bool {
+    if host.is_empty() || host.len() > MAX_NAME_LEN {
+        return false;
+    }
+    let bare = host
+        .strip_prefix('[')
+        .and_then(|h| h.strip_suffix(']'))
+        .unwrap_or(host);
+    bare.parse::<std::net::IpAddr>().is_ok()
+        || host
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
+}
+
+/// The product of the sizes, when it is at most [`MAX_TOTAL_RANKS`].
+fn total_ranks(sizes: [u64; 4]) -> Result<u64, FieldError> {
+    let total = sizes.iter().try_fold(1u64, |acc, s| acc.checked_mul(*s));
+    match total {
+        Some(t) if t <= MAX_TOTAL_RANKS => Ok(t),
+        _ => Err(FieldError::TooLarge {
+            field: "dp_size * attn_cp_size * attn_tp_size * pp_size",
+            value: total.unwrap_or(u64::MAX),
+            max: MAX_TOTAL_RANKS,
+        }),
+    }
+}
 
 /// Integers that sglang's server passes through Python's `int()`, which
 /// also takes decimal strings.
@@ -104,6 +219,56 @@ pub struct RouteRegistration {
     pub decode_allocation_policy: Option<String>,
 }
 
+impl RouteRegistration {
+    /// The rank's DP group and the server's DP size as sglang's server
+    /// derives them (system DP when it is not 1, attention DP otherwise).
+    pub fn dp_group(&self) -> (u64, u64) {
+        if self.system_dp_size == 1 {
+            (self.attn_dp_rank, self.attn_dp_size)
+        } else {
+            (self.system_dp_rank, self.system_dp_size)
+        }
+    }
+
+    /// Checks every size against [`MAX_PARALLEL_SIZE`] (and their product
+    /// against [`MAX_TOTAL_RANKS`]), every rank against its size, the port,
+    /// the page size, the host and the names.
+    pub fn validate(&self) -> Result<(), FieldError> {
+        let m = MAX_PARALLEL_SIZE;
+        let tp = size("attn_tp_size", self.attn_tp_size, m)?;
+        let cp = size("attn_cp_size", self.attn_cp_size, m)?;
+        let dp = size("attn_dp_size", self.attn_dp_size, m)?;
+        let pp = size("pp_size", self.pp_size, m)?;
+        let sys = size("system_dp_size", self.system_dp_size, m)?;
+        rank("attn_tp_rank", self.attn_tp_rank, tp)?;
+        rank("attn_cp_rank", self.attn_cp_rank, cp)?;
+        rank("attn_dp_rank", self.attn_dp_rank, dp)?;
+        rank("pp_rank", self.pp_rank, pp)?;
+        rank("system_dp_rank", self.system_dp_rank, sys)?;
+        total_ranks([self.dp_group().1, cp, tp, pp])?;
+        size("page_size", self.page_size, MAX_PAGE_SIZE)?;
+        if self.rank_port == 0 {
+            return Err(FieldError::ZeroPort { field: "rank_port" });
+        }
+        if let Some(port) = self.prefill_http_port {
+            size("prefill_http_port", port, u64::from(u16::MAX))?;
+        }
+        if !is_valid_host(&self.rank_ip) {
+            return Err(FieldError::BadName {
+                field: "rank_ip",
+                reason: "not an IP address or host name",
+            });
+        }
+        name("kv_cache_dtype", self.kv_cache_dtype.as_deref())?;
+        name("kv_layout", self.kv_layout.as_deref())?;
+        name("load_balance_method", self.load_balance_method.as_deref())?;
+        name(
+            "decode_allocation_policy",
+            self.decode_allocation_policy.as_deref(),
+        )
+    }
+}
+
 /// `GET /route` query: the rank to look up, or all `-1` for the server info.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RouteQuery {
@@ -188,6 +353,24 @@ pub struct PrefillServerInfo {
     pub required_prefill_response_num: Option<u64>,
 }
 
+impl PrefillServerInfo {
+    /// Checks the four sizes against [`MAX_PARALLEL_SIZE`] and their
+    /// product against [`MAX_TOTAL_RANKS`], and the page size, before a
+    /// decode rank computes anything from them.
+    pub fn validate_sizes(&self) -> Result<(), FieldError> {
+        let m = MAX_PARALLEL_SIZE;
+        let tp = size("attn_tp_size", self.attn_tp_size, m)?;
+        let cp = size("attn_cp_size", self.attn_cp_size, m)?;
+        let dp = size("dp_size", self.dp_size, m)?;
+        let pp = size("pp_size", self.pp_size, m)?;
+        total_ranks([dp, cp, tp, pp])?;
+        if let Some(page) = self.page_size {
+            size("page_size", page, MAX_PAGE_SIZE)?;
+        }
+        Ok(())
+    }
+}
+
 fn early() -> String {
     "early".to_owned()
 }
@@ -211,6 +394,18 @@ pub struct RegisterDpRank {
     /// The DP rank serving it.
     #[serde(deserialize_with = "lenient::u64")]
     pub dp_rank: u64,
+}
+
+impl RegisterDpRank {
+    /// Checks the DP rank against [`MAX_PARALLEL_SIZE`] (and against the
+    /// server's DP size when one is known).
+    pub fn validate(&self, dp_size: Option<u64>) -> Result<(), FieldError> {
+        rank(
+            "dp_rank",
+            self.dp_rank,
+            dp_size.unwrap_or(MAX_PARALLEL_SIZE).min(MAX_PARALLEL_SIZE),
+        )
+    }
 }
 
 /// `POST /query_dp_ranks`: the rooms to look up; the answer maps each known
@@ -283,6 +478,71 @@ mod tests {
         );
         let back: PrefillServerInfo = serde_json::from_str(&json).unwrap();
         assert_eq!(back, info);
+    }
+
+    fn good() -> RouteRegistration {
+        serde_json::from_value(serde_json::json!({
+            "attn_tp_size": 2, "attn_tp_rank": 1, "attn_cp_size": 1, "attn_cp_rank": 0,
+            "attn_dp_size": 1, "attn_dp_rank": 0, "pp_size": 1, "pp_rank": 0,
+            "system_dp_size": 1, "system_dp_rank": 0, "rank_ip": "10.0.0.2",
+            "rank_port": 17000, "page_size": 64, "kv_cache_dtype": "auto"
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn registration_ranges_are_checked() {
+        assert_eq!(good().validate(), Ok(()));
+        let bad: [(fn(&mut RouteRegistration), &str); 10] = [
+            (|r| r.attn_tp_size = 0, "attn_tp_size must be at least 1"),
+            (|r| r.pp_size = MAX_PARALLEL_SIZE + 1, "pp_size=4097"),
+            (
+                |r| r.attn_tp_rank = 2,
+                "attn_tp_rank=2 is not below its size 2",
+            ),
+            (|r| r.system_dp_rank = 1, "system_dp_rank=1"),
+            (|r| r.rank_port = 0, "rank_port must not be 0"),
+            (|r| r.page_size = 0, "page_size"),
+            (|r| r.rank_ip = "evil host/x".into(), "rank_ip"),
+            (|r| r.rank_ip = String::new(), "rank_ip"),
+            (
+                |r| r.kv_cache_dtype = Some("x".repeat(300)),
+                "kv_cache_dtype",
+            ),
+            (
+                |r| {
+                    r.attn_tp_size = 4096;
+                    r.pp_size = 4096;
+                },
+                "is above the limit 65536",
+            ),
+        ];
+        for (spoil, what) in bad {
+            let mut r = good();
+            spoil(&mut r);
+            let e = r.validate().unwrap_err().to_string();
+            assert!(e.contains(what), "{e} lacks {what}");
+        }
+        let mut r = good();
+        r.rank_ip = "[::1]".into();
+        assert_eq!(r.validate(), Ok(()));
+        r.rank_ip = "prefill-0.cluster.local".into();
+        assert_eq!(r.validate(), Ok(()));
+        let d = RegisterDpRank {
+            bootstrap_room: 1,
+            dp_rank: 3,
+        };
+        assert!(d.validate(Some(4)).is_ok());
+        assert!(d.validate(Some(3)).is_err());
+        assert!(d.validate(None).is_ok());
+        assert!(
+            RegisterDpRank {
+                bootstrap_room: 1,
+                dp_rank: MAX_PARALLEL_SIZE
+            }
+            .validate(None)
+            .is_err()
+        );
     }
 
     #[test]
