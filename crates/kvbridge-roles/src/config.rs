@@ -155,6 +155,14 @@ pub struct PrefillConfig {
     /// Most blocks handed to the engine in one batch (0 = no cap beyond
     /// `max_transfer_batch_indices`).
     pub max_batch_blocks: usize,
+    /// Most decode sessions registered at once; registrations of further
+    /// sessions are refused (counted) until others are replaced.
+    pub max_sessions: usize,
+    /// Most rooms with pending transfer requests at once; requests for
+    /// further new rooms are refused (counted).
+    pub max_rooms: usize,
+    /// Most abort ACK endpoints remembered per room.
+    pub max_abort_endpoints: usize,
     /// Serve Prometheus metrics here when set.
     pub metrics_addr: Option<SocketAddr>,
     /// Intra-node transport (`MC_INTRANODE_NVLINK`, `MC_INTRA_NVLINK`,
@@ -185,6 +193,9 @@ impl Default for PrefillConfig {
             zmq_send_timeout: Duration::from_secs(30),
             zmq_max_message_bytes: crate::control::DEFAULT_MAX_MESSAGE_BYTES,
             max_batch_blocks: 1 << 16,
+            max_sessions: 4096,
+            max_rooms: 1 << 16,
+            max_abort_endpoints: 64,
             metrics_addr: None,
             nvlink_intra: false,
             secret: None,
@@ -274,6 +285,10 @@ pub struct DecodeConfig {
     pub bootstrap_timeout: Duration,
     /// Track abort ACKs per generation (deferred KV release).
     pub deferred_release: bool,
+    /// How long an aborted or failed room may wait for its prefill ranks'
+    /// ABORT_ACKs before it is reported (once) as holding its pages.
+    #[serde(with = "duration_secs")]
+    pub abort_ack_timeout: Duration,
     /// How long a zmq send may block (`SGLANG_DISAGGREGATION_ZMQ_SEND_TIMEOUT`).
     #[serde(with = "duration_secs")]
     pub zmq_send_timeout: Duration,
@@ -305,6 +320,7 @@ impl Default for DecodeConfig {
             waiting_timeout: Duration::from_secs(300),
             bootstrap_timeout: Duration::from_secs(300),
             deferred_release: true,
+            abort_ack_timeout: Duration::from_secs(60),
             zmq_send_timeout: Duration::from_secs(1),
             zmq_max_message_bytes: crate::control::DEFAULT_MAX_MESSAGE_BYTES,
             metrics_addr: None,

@@ -57,6 +57,10 @@ pub const DEFAULT_MAX_MESSAGE_BYTES: usize = 64 << 20;
 /// Messages a PUSH socket queues for one peer before sends fail (`ZMQ_SNDHWM`).
 pub const SEND_QUEUE_MESSAGES: i32 = 1000;
 
+/// How long [`PushPool::try_send`] waits for another thread's send to the
+/// same peer to finish (non-blocking sends finish in microseconds).
+const BUSY_WAIT: Duration = Duration::from_millis(100);
+
 fn zmq_err<'a>(
     op: &'static str,
     endpoint: &'a str,
@@ -255,9 +259,9 @@ impl PushPool {
                 return false;
             }
         };
-        let Some(guard) = socket.try_lock() else {
-            // Another thread is sending to this peer right now (and may be
-            // blocked on it): never wait behind it.
+        let Some(guard) = socket.try_lock_for(BUSY_WAIT) else {
+            // Another thread has been sending to this peer for a while (and
+            // may be blocked on it): never wait behind it for long.
             self.note_dropped(endpoint, "socket busy");
             return false;
         };

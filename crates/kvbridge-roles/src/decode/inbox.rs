@@ -1,7 +1,10 @@
 //! The decode thread: status, aux, state, staging notices and abort ACKs
-//! arrive from prefill ranks on one PULL socket. Every address a message
-//! names is checked against our registered regions; anything else is
-//! dropped, logged and counted.
+//! arrive from prefill ranks on one PULL socket. A message is applied only
+//! if the room expects it: status and ABORT_ACK from the room's own prefill
+//! ranks (each counted once, ACKs with the generation of our ABORT),
+//! STATE_DATA and AUX_DATA only into the room's own slots while it takes
+//! writes, and every address also checked against our registered regions.
+//! Anything else is dropped, logged and counted.
 
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -101,12 +104,30 @@ pub(crate) fn run(shared: &Shared, socket: PullSocket) {
     }
 }
 
+/// Most staging notices kept per room.
+const MAX_CHUNK_NOTICES_PER_ROOM: usize = 4096;
+
 /// sglang `apply_prefill_status`: Success counts once per prefill rank until
-/// every expected rank reported; Failed records the reason.
+/// every expected rank reported; Failed records the reason. Only the room's
+/// own prefill ranks are heard.
 fn on_status(shared: &Shared, s: &Status<'_>) {
     let mut rooms = shared.rooms.lock();
     if !rooms.table.contains(s.room) {
         tracing::debug!(room = s.room, "dropping late status for a cleared room");
+        return;
+    }
+    let from_rank = rooms
+        .expected
+        .get(&s.room)
+        .is_some_and(|e| e.status.contains(&s.prefill_rank));
+    if !from_rank {
+        drop(rooms);
+        shared.metrics.dropped("status_foreign");
+        tracing::warn!(
+            room = s.room,
+            rank = s.prefill_rank,
+            "dropping a status from a rank that does not serve this room"
+        );
         return;
     }
     match s.status {
@@ -147,13 +168,18 @@ fn on_status(shared: &Shared, s: &Status<'_>) {
     }
 }
 
-/// Whether writes for `room` may still land: it exists and has not failed
-/// (an aborted room's pages may already be reused).
-fn accepts_writes(shared: &Shared, room: u64) -> bool {
+/// Whether `[dst, dst + len)` may be written for `room` now: the room
+/// waits for its KV (told its ranks where, not concluded) and the range
+/// lies in its own slots.
+fn room_takes(shared: &Shared, room: u64, dst: u64, len: u64) -> bool {
+    let rooms = shared.rooms.lock();
     matches!(
-        shared.rooms.lock().table.get(room),
-        Some(s) if s != KvPoll::Failed
-    )
+        rooms.table.get(room),
+        Some(KvPoll::WaitingForInput | KvPoll::Transferring)
+    ) && rooms
+        .slots
+        .get(&room)
+        .is_some_and(|s| s.allows(&shared.kv_args.layout, dst, len))
 }
 
 fn on_aux(shared: &Shared, a: &AuxData<'_>) {
@@ -175,9 +201,15 @@ fn on_aux(shared: &Shared, a: &AuxData<'_>) {
         );
         return;
     };
-    if a.data.len() as u64 > item || !accepts_writes(shared, a.room) {
+    if a.data.len() as u64 > item || !room_takes(shared, a.room, addr, a.data.len() as u64) {
         shared.metrics.dropped("aux_data");
-        tracing::warn!(room = a.room, len = a.data.len(), item, "dropping AUX_DATA");
+        tracing::warn!(
+            room = a.room,
+            aux_index = a.aux_index,
+            len = a.data.len(),
+            item,
+            "dropping AUX_DATA: not this room's aux slot, or the room takes no writes"
+        );
         return;
     }
     if let Err(e) = shared.local.registry.write_bytes(addr, &a.data) {
@@ -187,11 +219,13 @@ fn on_aux(shared: &Shared, a: &AuxData<'_>) {
 }
 
 fn on_state(shared: &Shared, s: &StateData<'_>, batch: &mut StateBatch) {
-    if !accepts_writes(shared, s.room) {
+    if !room_takes(shared, s.room, s.dst_addr, s.data.len() as u64) {
         shared.metrics.dropped("state_data");
         tracing::warn!(
             room = s.room,
-            "dropping STATE_DATA for a room that takes no writes"
+            addr = format_args!("{:#x}", s.dst_addr),
+            len = s.data.len(),
+            "dropping STATE_DATA: outside this room's slots, or the room takes no writes"
         );
         return;
     }
@@ -201,8 +235,19 @@ fn on_state(shared: &Shared, s: &StateData<'_>, batch: &mut StateBatch) {
 
 fn on_chunk_ready(shared: &Shared, c: &ChunkReady<'_>) {
     let mut rooms = shared.rooms.lock();
-    if rooms.table.contains(c.room) {
+    if !rooms.table.contains(c.room) {
+        return;
+    }
+    let held = rooms
+        .chunk_ready
+        .iter()
+        .filter(|(r, _)| *r == c.room)
+        .count();
+    if held < MAX_CHUNK_NOTICES_PER_ROOM {
         rooms.chunk_ready.insert((c.room, c.chunk_idx));
+    } else {
+        drop(rooms);
+        shared.metrics.dropped("chunk_ready");
     }
 }
 
@@ -217,22 +262,37 @@ fn on_staging_req(shared: &Shared, r: &StagingReq<'_>) {
     );
 }
 
+/// An ACK counts once per rank of the room, and only with the generation
+/// our ABORT carried: a missing or older generation is stale or forged.
+/// The reference's unranked 2-frame form counts only when our ABORT
+/// carried no generation (deferred release off), as sglang answers then.
 fn on_abort_ack(shared: &Shared, a: &AbortAck) {
     let mut rooms = shared.rooms.lock();
-    let Some(acks) = rooms.abort_acks.get_mut(&a.room) else {
+    let rooms = &mut *rooms;
+    let (Some(acks), Some(expected)) = (
+        rooms.abort_acks.get_mut(&a.room),
+        rooms.expected.get(&a.room),
+    ) else {
         return;
     };
-    match a.prefill_rank {
-        Some(rank) => {
-            // An ACK for an older generation of this room id is stale.
-            if acks.generation.is_some()
-                && a.generation.is_some()
-                && acks.generation != a.generation
-            {
-                return;
-            }
+    let accepted = match a.prefill_rank {
+        Some(rank) if expected.all.contains(&rank) && a.generation == acks.generation => {
             acks.ranks.insert(rank);
+            true
         }
-        None => acks.unranked += 1,
+        None if acks.generation.is_none() && acks.unranked < expected.all.len() => {
+            acks.unranked += 1;
+            true
+        }
+        _ => false,
+    };
+    if !accepted {
+        shared.metrics.dropped("abort_ack_foreign");
+        tracing::warn!(
+            room = a.room,
+            rank = ?a.prefill_rank,
+            generation = ?a.generation,
+            "dropping an ABORT_ACK that is not from this room's ranks or not for our ABORT"
+        );
     }
 }

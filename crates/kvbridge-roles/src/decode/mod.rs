@@ -6,6 +6,7 @@
 mod heartbeat;
 mod inbox;
 mod receiver;
+mod slots;
 pub(crate) mod state;
 pub mod topology;
 
@@ -27,7 +28,7 @@ use crate::stop::{StopSignal, StopTrigger, stop_pair};
 
 pub use receiver::KvReceiver;
 pub use state::BootstrapInfo;
-use state::{AbortAcks, DecodeRooms, Prefills};
+use state::{DecodeRooms, Prefills};
 
 /// State shared by the decode manager's threads and its receivers.
 #[derive(Debug)]
@@ -49,27 +50,19 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
-    /// Fails every live room of a prefill server that stopped answering.
+    /// Fails every live room of a prefill server whose bootstrap server
+    /// stopped answering. Losing the bootstrap is no evidence that the
+    /// prefill ranks are dead: each failed room's receiver still sends
+    /// ABORT to its ranks on its next poll and its pages stay pinned until
+    /// they acknowledge (see `docs/security.md`).
     pub fn fail_prefill(&self, addr: &str) {
-        let stale: Vec<String> = {
+        {
             let mut prefills = self.prefills.lock();
             prefills.mapping.remove(addr);
+            prefills.sizes.remove(addr);
             prefills.heartbeat_failures.remove(addr);
             let prefix = format!("{addr}_");
-            let keys: Vec<String> = prefills
-                .pool
-                .keys()
-                .filter(|k| k.starts_with(&prefix))
-                .cloned()
-                .collect();
-            keys.iter()
-                .filter_map(|k| prefills.pool.remove(k))
-                .flatten()
-                .map(|info| info.endpoint())
-                .collect()
-        };
-        for endpoint in stale {
-            self.push.disconnect(&endpoint);
+            prefills.pool.retain(|k, _| !k.starts_with(&prefix));
         }
         let reason = format!("Lost connection with prefill instance (bootstrap_addr: {addr})");
         let mut affected = 0usize;
@@ -80,12 +73,6 @@ impl Shared {
                 if rooms.table.get(room).is_some_and(|s| s != KvPoll::Success) {
                     rooms.table.record_failure(room, reason.clone());
                     rooms.table.update(room, KvPoll::Failed);
-                    // Its prefill ranks are gone: none will write or ACK.
-                    let dead = AbortAcks {
-                        peers_lost: true,
-                        ..AbortAcks::default()
-                    };
-                    rooms.abort_acks.entry(room).or_insert(dead).peers_lost = true;
                     affected += 1;
                 }
             }

@@ -7,6 +7,7 @@ use kvbridge_wire::bootstrap::{PrefillRankInfo, PrefillServerInfo};
 use kvbridge_wire::{Abort, KvPoll, PackedArray, PackedLists, Transfer, TransferPages};
 
 use super::Shared;
+use super::slots::{ExpectedRanks, RoomSlots};
 use super::state::{AbortAcks, BootstrapInfo};
 use super::topology::{LocalTopology, RankMapping, resolve};
 use crate::error::KvTransferError;
@@ -41,6 +42,8 @@ impl KvReceiver {
                 .insert(room);
             rooms.responded.insert(room, Default::default());
             rooms.abort_acks.remove(&room);
+            rooms.expected.remove(&room);
+            rooms.slots.remove(&room);
             rooms.table.update(room, KvPoll::Bootstrapping);
         }
         Self {
@@ -98,6 +101,7 @@ impl KvReceiver {
                 self.room,
                 AbortAcks {
                     generation,
+                    sent_at: Some(Instant::now()),
                     ..AbortAcks::default()
                 },
             );
@@ -156,6 +160,19 @@ impl KvReceiver {
                 Err(reason) => return self.fail(reason),
             }
         }
+        let expected = ExpectedRanks {
+            status: all
+                .iter()
+                .filter(|i| !i.is_dummy)
+                .map(|i| i.unique_rank)
+                .collect(),
+            all: all.iter().map(|i| i.unique_rank).collect(),
+        };
+        self.shared
+            .rooms
+            .lock()
+            .expected
+            .insert(self.room, expected);
         self.infos = Some(all);
         self.mapping = Some(mapping);
         self.shared
@@ -198,9 +215,12 @@ impl KvReceiver {
         };
         match resolve(&info, &local, &self.shared.config.kv_cache_dtype) {
             Ok(m) => {
-                self.shared
-                    .prefills
-                    .lock()
+                let mut prefills = self.shared.prefills.lock();
+                prefills.sizes.insert(
+                    self.bootstrap_addr.clone(),
+                    (info.pp_size, info.attn_cp_size),
+                );
+                prefills
                     .mapping
                     .insert(self.bootstrap_addr.clone(), m.clone());
                 Fetch::Ready(m)
@@ -242,6 +262,19 @@ impl KvReceiver {
         if let Some(cached) = self.shared.prefills.lock().pool.get(&key) {
             return Ok(cached.clone());
         }
+        let Some((pp_size, cp_size)) = self
+            .shared
+            .prefills
+            .lock()
+            .sizes
+            .get(&self.bootstrap_addr)
+            .copied()
+        else {
+            return Err(format!(
+                "prefill server {} was forgotten while resolving its ranks",
+                self.bootstrap_addr
+            ));
+        };
         let mut infos = Vec::new();
         for &tp in &m.target_tp_ranks {
             for &pp in m.target_pp_ranks.iter().rev() {
@@ -260,11 +293,19 @@ impl KvReceiver {
                 };
                 let is_dummy = self.shared.kv_args.layout.is_mla_backend
                     && !(m.target_tp_rank.is_none() || m.target_tp_rank == Some(tp));
+                let unique_rank = tp
+                    .checked_mul(pp_size.saturating_mul(cp_size))
+                    .and_then(|r| r.checked_add(pp.checked_mul(cp_size)?))
+                    .and_then(|r| r.checked_add(cp))
+                    .ok_or_else(|| {
+                        format!("prefill rank numbers overflow (tp {tp}, pp {pp}, cp {cp})")
+                    })?;
                 infos.push(BootstrapInfo {
                     rank_ip: rank.rank_ip,
                     rank_port: rank.rank_port,
                     pp_rank: pp,
                     is_dummy,
+                    unique_rank,
                 });
             }
         }
@@ -306,6 +347,10 @@ impl KvReceiver {
                 self.bootstrap_addr
             ));
         };
+        self.shared.rooms.lock().slots.insert(
+            self.room,
+            RoomSlots::new(kv_indices, aux_index, state_indices),
+        );
         let required = self.mapping.as_ref().map_or(1, |m| m.required_dst_info_num);
         let session = self.shared.engine.session_id().to_owned();
         for info in &infos {
@@ -396,17 +441,38 @@ impl KvReceiver {
 
     /// Whether every prefill rank that could write this room's pages has
     /// acknowledged the abort, sent by [`KvReceiver::abort`] or when the
-    /// room failed (the pages may be reused). True when no prefill rank
-    /// was ever told about the room.
+    /// room failed: only then may the pages be reused. True when no
+    /// prefill rank was ever told about the room. Nothing else counts as
+    /// drained (not a lost bootstrap server, not a timeout): past the
+    /// `abort_ack_timeout` the room is logged, once, as holding its pages.
     pub fn abort_acknowledged(&self) -> bool {
         let Some(needed) = self.infos.as_ref().map(Vec::len) else {
             return true;
         };
-        let rooms = self.shared.rooms.lock();
-        rooms
-            .abort_acks
-            .get(&self.room)
-            .is_some_and(|a| a.peers_lost || a.ranks.len() + a.unranked >= needed)
+        let mut rooms = self.shared.rooms.lock();
+        let Some(acks) = rooms.abort_acks.get_mut(&self.room) else {
+            return false;
+        };
+        if acks.ranks.len() + acks.unranked >= needed {
+            return true;
+        }
+        let overdue = acks
+            .sent_at
+            .is_some_and(|t| t.elapsed() >= self.shared.config.abort_ack_timeout);
+        if overdue && !acks.overdue_logged {
+            acks.overdue_logged = true;
+            let acked = acks.ranks.len() + acks.unranked;
+            drop(rooms);
+            self.shared.metrics.failure("abort_ack_overdue");
+            tracing::error!(
+                room = self.room,
+                acked,
+                needed,
+                "prefill ranks have not acknowledged the abort; the room's pages stay pinned \
+                 until they do (a write could still land)"
+            );
+        }
+        false
     }
 
     /// Clears the room and returns its failure: the recorded reason, or a
@@ -430,6 +496,8 @@ impl KvReceiver {
         rooms.required_responses.remove(&self.room);
         rooms.responded.remove(&self.room);
         rooms.abort_acks.remove(&self.room);
+        rooms.expected.remove(&self.room);
+        rooms.slots.remove(&self.room);
         rooms.chunk_ready.retain(|(r, _)| *r != self.room);
         if let Some(set) = rooms.addr_rooms.get_mut(&self.bootstrap_addr) {
             set.remove(&self.room);

@@ -4,6 +4,7 @@ use std::collections::{HashMap, HashSet};
 
 use crate::rooms::RoomTable;
 
+use super::slots::{ExpectedRanks, SlotsByRoom};
 use super::topology::RankMapping;
 
 /// One prefill rank a room's KV comes from.
@@ -17,6 +18,9 @@ pub struct BootstrapInfo {
     pub pp_rank: u64,
     /// Whether the rank holds none of our KV (MLA: one real rank).
     pub is_dummy: bool,
+    /// The rank's unique number, as it signs status and ABORT_ACK frames
+    /// (`tp * pp_size * cp_size + pp * cp_size + cp`).
+    pub unique_rank: u64,
 }
 
 impl BootstrapInfo {
@@ -33,11 +37,14 @@ pub(crate) struct AbortAcks {
     pub generation: Option<u64>,
     /// Prefill ranks that acknowledged (ranked form).
     pub ranks: HashSet<u64>,
-    /// ACKs in the seed's 2-frame form (no rank).
+    /// ACKs in the reference's 2-frame form (no rank), accepted only when
+    /// our ABORT carried no generation (a stock sglang prefill without
+    /// deferred release answers so).
     pub unranked: usize,
-    /// The room's prefill server was declared dead (missed heartbeats): no
-    /// ACK will come and no write either.
-    pub peers_lost: bool,
+    /// When the ABORT went out (the ACK deadline counts from here).
+    pub sent_at: Option<std::time::Instant>,
+    /// Whether the missed-deadline warning was logged.
+    pub overdue_logged: bool,
 }
 
 /// Room-level state of the decode side.
@@ -56,6 +63,10 @@ pub(crate) struct DecodeRooms {
     pub generation: u64,
     /// Staging notices received: `(room, chunk)`.
     pub chunk_ready: HashSet<(u64, u64)>,
+    /// The prefill ranks each room expects to hear from.
+    pub expected: HashMap<u64, ExpectedRanks>,
+    /// The slots each room's prefill ranks may write outside the engine.
+    pub slots: SlotsByRoom,
 }
 
 /// Prefill servers this decode rank has resolved.
@@ -63,6 +74,9 @@ pub(crate) struct DecodeRooms {
 pub(crate) struct Prefills {
     /// Rank mapping per bootstrap address.
     pub mapping: HashMap<String, RankMapping>,
+    /// The prefill server's `(pp_size, attn_cp_size)` per bootstrap
+    /// address (to number its ranks).
+    pub sizes: HashMap<String, (u64, u64)>,
     /// Resolved prefill ranks per `addr_dp_cp_tp` key (registered with).
     pub pool: HashMap<String, Vec<BootstrapInfo>>,
     /// Consecutive missed heartbeats per bootstrap address.

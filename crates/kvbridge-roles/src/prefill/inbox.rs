@@ -45,6 +45,19 @@ pub(crate) fn run(shared: &Shared, socket: PullSocket) {
 /// blacklisting lifted.
 fn on_register(shared: &Shared, r: &Register<'_>) {
     let session = r.mooncake_session_id.to_string();
+    {
+        let peers = shared.peers.read();
+        if !peers.contains_key(&session) && peers.len() >= shared.config.max_sessions {
+            drop(peers);
+            shared.metrics.dropped("registration_over_limit");
+            tracing::warn!(
+                %session,
+                max = shared.config.max_sessions,
+                "refusing a registration: too many decode sessions registered"
+            );
+            return;
+        }
+    }
     let peer = match PreparedPeer::new(&shared.kv_args.layout, peer_registration(r)) {
         Ok(p) => {
             if r.dst_aux_ptrs.len() != shared.kv_args.layout.aux_data_ptrs.len() {
@@ -104,6 +117,16 @@ fn on_transfer(shared: &Shared, t: &Transfer<'_>) {
     });
     let room = t.room;
     let mut rooms = shared.rooms.lock();
+    if !rooms.infos.contains_key(&room) && rooms.infos.len() >= shared.config.max_rooms {
+        drop(rooms);
+        shared.metrics.dropped("transfer_over_limit");
+        tracing::warn!(
+            room,
+            max = shared.config.max_rooms,
+            "refusing a transfer request: too many rooms pending"
+        );
+        return;
+    }
     let already_sent = || {
         Some(format!(
             "room {room} was already sent in full to an earlier request; it cannot be sent again"
@@ -183,7 +206,15 @@ fn on_abort(shared: &Shared, a: &Abort<'_>) {
         }
         let targets = rooms.ack_targets.entry(room).or_default();
         targets.retain(|t| (t.ip.as_str(), t.port) != (target.ip.as_str(), target.port));
-        targets.push(target);
+        if targets.len() >= shared.config.max_abort_endpoints {
+            shared.metrics.dropped("abort_over_limit");
+            tracing::warn!(
+                room,
+                "too many abort endpoints for one room; ignoring another"
+            );
+        } else {
+            targets.push(target);
+        }
         tracing::debug!(room, active, "abort received; ACK once drained");
     }
     shared.ack_if_drained(room);

@@ -82,8 +82,12 @@ impl Shared {
         let frames = message.encode();
         for (ip, port) in targets {
             let endpoint = tcp_endpoint(ip, *port);
-            if let Err(e) = self.push.send(&endpoint, frames.iter().map(|f| f.as_ref())) {
-                tracing::warn!(room, %endpoint, error = %e, ?status, "cannot send room status");
+            if !self
+                .push
+                .try_send(&endpoint, frames.iter().map(|f| f.as_ref()))
+            {
+                self.metrics.dropped("status_send");
+                tracing::warn!(room, %endpoint, ?status, "cannot send room status");
             }
         }
     }
@@ -168,12 +172,13 @@ impl Shared {
             }
         };
         let endpoint = tcp_endpoint(&target.ip, target.port);
-        match self
+        if self
             .push
-            .send(&endpoint, ack.encode().iter().map(|f| f.as_ref()))
+            .try_send(&endpoint, ack.encode().iter().map(|f| f.as_ref()))
         {
-            Ok(()) => tracing::debug!(room, %endpoint, "sent ABORT_ACK"),
-            Err(e) => tracing::debug!(room, %endpoint, error = %e, "cannot send ABORT_ACK"),
+            tracing::debug!(room, %endpoint, "sent ABORT_ACK");
+        } else {
+            self.metrics.dropped("abort_ack_send");
         }
     }
 }

@@ -333,14 +333,25 @@ fn send_chunk(
     }
 }
 
-/// Counts an engine failure and blacklists the session (not for a restarted
-/// peer, which is alive).
+/// Counts an engine failure and blacklists the session, only on
+/// session-level evidence: a restarted peer is alive, and a block outside
+/// the peer's regions (one bad transfer request) or a malformed call is the
+/// room's own fault, so neither blacklists the session and other rooms to
+/// it go on.
 pub(crate) fn engine_failure(shared: &Shared, session: &str, error: &TransferError) {
-    if error.kind == ErrorKind::PeerRestarted {
-        // The session is alive (a new incarnation answers); only rooms
-        // planned for the old one are stale. Nothing to blacklist.
-        shared.metrics.failure("stale_registration");
-        return;
+    match error.kind {
+        ErrorKind::PeerRestarted => {
+            // The session is alive (a new incarnation answers); only rooms
+            // planned for the old one are stale.
+            shared.metrics.failure("stale_registration");
+            return;
+        }
+        ErrorKind::OutOfRegion(_) | ErrorKind::InvalidArgument => {
+            shared.metrics.failure("room_request");
+            tracing::warn!(%session, error = %error, "transfer refused for this room only; session stays usable");
+            return;
+        }
+        _ => {}
     }
     shared.metrics.failure("engine");
     let outcome = shared.health.lock().record_failure(session, Instant::now());

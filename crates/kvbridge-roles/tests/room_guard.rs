@@ -1,0 +1,242 @@
+//! A decode accepts only what a room expects: status and ABORT_ACK from the
+//! room's own prefill ranks (ACKs with our generation), STATE_DATA into the
+//! room's own slots; and a room's pages are released only after its ranks
+//! acknowledged the abort, even when the prefill's bootstrap server is lost.
+// Test code: a failed unwrap is a failed test.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+use kvbridge_roles::KvPoll;
+use kvbridge_wire::{AbortAck, StateData, Status};
+
+fn rogue_socket(port: u16) -> (zmq::Context, zmq::Socket) {
+    let ctx = zmq::Context::new();
+    let sock = ctx.socket(zmq::PUSH).unwrap();
+    sock.set_linger(1000).unwrap();
+    sock.connect(&format!("tcp://127.0.0.1:{port}")).unwrap();
+    (ctx, sock)
+}
+
+fn send_frames(sock: &zmq::Socket, frames: &[impl AsRef<[u8]>]) {
+    sock.send_multipart(frames.iter().map(|f| f.as_ref()), 0)
+        .unwrap();
+}
+
+fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !f() {
+        assert!(Instant::now() < deadline, "{what}: not reached");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+#[test]
+fn status_from_a_rank_that_does_not_serve_the_room_is_dropped() {
+    let mut cluster = Cluster::new(tiny_model(false, 2), 1, 1, 1, 16);
+    let addr = cluster.bootstrap.local_addr().to_string();
+    let (decode, _) = &mut cluster.decode[0];
+    let mut rx = decode.receiver(&addr, 300);
+    assert_eq!(rx.init(0), KvPoll::WaitingForInput);
+    rx.send_metadata(&[1, 2], 0, &[], None);
+    let (_ctx, sock) = rogue_socket(decode.rank_port());
+    // The room's only prefill rank is unique rank 0: rank 7 is nobody's.
+    let forged = Status {
+        room: 300,
+        status: KvPoll::Success,
+        prefill_rank: 7,
+        failure_reason: None,
+    };
+    send_frames(&sock, &forged.encode());
+    let metrics = decode.metrics().clone();
+    wait_until("foreign status dropped", || {
+        metrics.dropped_for("status_foreign") >= 1
+    });
+    assert_eq!(
+        rx.poll(),
+        KvPoll::WaitingForInput,
+        "a forged Success landed"
+    );
+    rx.clear();
+    let out = cluster.run(301, &[1, 2], &[3, 4], 1);
+    assert_eq!(out[0].0, KvPoll::Success);
+    assert_eq!(out[0].1.mismatched, 0);
+    cluster.shutdown();
+}
+
+#[test]
+fn state_data_lands_only_in_the_rooms_own_slots() {
+    let mut cluster = Cluster::new(tiny_model(false, 2), 1, 1, 1, 16);
+    let addr = cluster.bootstrap.local_addr().to_string();
+    let (decode, pools) = &mut cluster.decode[0];
+    let mut a = decode.receiver(&addr, 400);
+    let mut b = decode.receiver(&addr, 401);
+    assert_eq!(a.init(0), KvPoll::WaitingForInput);
+    assert_eq!(b.init(0), KvPoll::WaitingForInput);
+    a.send_metadata(&[1, 2], 0, &[], None);
+    b.send_metadata(&[5, 6], 1, &[], None);
+    let layout = pools.kv_args().layout;
+    let (base, item) = (layout.kv_data_ptrs[0], layout.kv_item_lens[0]);
+    pools.poison(&[1, 2, 3, 5, 6], 0x11);
+    let (_ctx, sock) = rogue_socket(decode.rank_port());
+    // Room 400 naming room 401's page 5, and a run from its own page 2
+    // into page 3 (nobody's).
+    for (dst, len) in [(base + 5 * item, 8), (base + 3 * item - 4, 8)] {
+        let m = StateData {
+            room: 400,
+            dst_addr: dst,
+            data: vec![0xee; len].into(),
+        };
+        send_frames(&sock, &m.encode());
+    }
+    // Its own page 1: written.
+    let own = StateData {
+        room: 400,
+        dst_addr: base + item,
+        data: vec![0x5a; 8].into(),
+    };
+    send_frames(&sock, &own.encode());
+    let metrics = decode.metrics().clone();
+    wait_until("foreign state dropped", || {
+        metrics.dropped_for("state_data") >= 2
+    });
+    wait_until("own state written", || !pools.still_poisoned(&[1], 0x11));
+    assert!(
+        pools.still_poisoned(&[5, 6], 0x11),
+        "room 401's pages were written"
+    );
+    assert!(
+        pools.still_poisoned(&[2, 3], 0x11),
+        "a write straddling into another page landed"
+    );
+    a.clear();
+    b.clear();
+    cluster.shutdown();
+}
+
+#[test]
+fn forged_abort_acks_do_not_release_pages() {
+    let mut cluster = Cluster::new(tiny_model(false, 2), 1, 1, 1, 16);
+    let addr = cluster.bootstrap.local_addr().to_string();
+    // The prefill rank goes away (as if partitioned): it will never ACK.
+    let (prefill, _pools) = cluster.prefill.pop().unwrap();
+    let (decode, _) = &cluster.decode[0];
+    let mut rx = decode.receiver(&addr, 500);
+    assert_eq!(rx.init(0), KvPoll::WaitingForInput);
+    rx.send_metadata(&[1, 2], 0, &[], None);
+    prefill.teardown();
+    rx.abort();
+    let (_ctx, sock) = rogue_socket(decode.rank_port());
+    // Our ABORT carried generation 1. Right rank without a generation, the
+    // right generation from a rank that does not serve the room, an older
+    // generation, and the unranked form: none counts.
+    let forged = [
+        AbortAck {
+            room: 500,
+            prefill_rank: Some(0),
+            generation: None,
+        },
+        AbortAck {
+            room: 500,
+            prefill_rank: Some(9),
+            generation: Some(1),
+        },
+        AbortAck {
+            room: 500,
+            prefill_rank: Some(0),
+            generation: Some(0),
+        },
+        AbortAck {
+            room: 500,
+            prefill_rank: None,
+            generation: None,
+        },
+    ];
+    for ack in &forged {
+        send_frames(&sock, &ack.encode());
+    }
+    let metrics = decode.metrics().clone();
+    wait_until("forged ACKs dropped", || {
+        metrics.dropped_for("abort_ack_foreign") >= 4
+    });
+    assert!(!rx.abort_acknowledged(), "a forged ACK released the pages");
+    // The real rank's ACK (rank 0, our generation) does.
+    let real = AbortAck {
+        room: 500,
+        prefill_rank: Some(0),
+        generation: Some(1),
+    };
+    send_frames(&sock, &real.encode());
+    wait_until("real ACK counted", || rx.abort_acknowledged());
+    rx.clear();
+    cluster.shutdown();
+}
+
+#[test]
+fn a_lost_bootstrap_server_does_not_release_pages() {
+    let mut cluster = Cluster::new(tiny_model(false, 2), 1, 1, 1, 16);
+    let addr = cluster.bootstrap.local_addr().to_string();
+    let (prefill, _pools) = cluster.prefill.pop().unwrap();
+    let (decode, _) = &cluster.decode[0];
+    let mut rx = decode.receiver(&addr, 600);
+    assert_eq!(rx.init(0), KvPoll::WaitingForInput);
+    rx.send_metadata(&[1, 2], 0, &[], None);
+    // The bootstrap server stops and the prefill is unreachable (not known
+    // dead): the room fails, but its pages must stay pinned.
+    prefill.teardown();
+    let Cluster {
+        bootstrap,
+        decode: decodes,
+        ..
+    } = cluster;
+    bootstrap.shutdown();
+    let (decode, _pools) = &decodes[0];
+    assert_eq!(
+        wait_terminal(Duration::from_secs(10), || rx.poll()),
+        KvPoll::Failed
+    );
+    assert!(
+        !rx.abort_acknowledged(),
+        "losing the bootstrap server released pages a live prefill could still write"
+    );
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(!rx.abort_acknowledged());
+    let reason = rx.failure_exception().reason;
+    assert!(reason.contains("Lost connection with prefill"), "{reason}");
+    let _ = decode;
+    for (m, _) in decodes {
+        m.teardown();
+    }
+}
+
+#[test]
+fn a_lost_bootstrap_server_with_a_live_prefill_drains_through_its_ack() {
+    let mut cluster = Cluster::new(tiny_model(false, 2), 1, 1, 1, 16);
+    let addr = cluster.bootstrap.local_addr().to_string();
+    let mut rx = cluster.decode[0].0.receiver(&addr, 700);
+    assert_eq!(rx.init(0), KvPoll::WaitingForInput);
+    rx.send_metadata(&[1, 2], 0, &[], None);
+    let Cluster {
+        bootstrap,
+        decode: decodes,
+        prefill: prefills,
+        ..
+    } = cluster;
+    bootstrap.shutdown();
+    assert_eq!(
+        wait_terminal(Duration::from_secs(10), || rx.poll()),
+        KvPoll::Failed
+    );
+    // The prefill lives: it receives the ABORT and acknowledges it.
+    wait_until("the live prefill's ACK", || rx.abort_acknowledged());
+    rx.clear();
+    for (m, _) in prefills {
+        m.teardown();
+    }
+    for (m, _) in decodes {
+        m.teardown();
+    }
+}
