@@ -16,7 +16,8 @@ pub struct EngineConfig {
     pub port: u16,
     /// Parallel connections (and sender threads) per peer.
     pub connections_per_peer: usize,
-    /// Limit on establishing a connection and its handshake, in milliseconds.
+    /// Limit on establishing a connection and its whole handshake (not per
+    /// read: a peer trickling its hello is dropped when it passes), in milliseconds.
     pub connect_timeout_ms: u64,
     /// Limit on any single read or write making no progress, in milliseconds.
     pub io_timeout_ms: u64,
@@ -31,6 +32,18 @@ pub struct EngineConfig {
     pub request_bytes: usize,
     /// Requests a connection may have in flight before waiting for an ack.
     pub pipeline_depth: usize,
+    /// Most accepted connections open at once; connections beyond it are
+    /// closed at once (counted in `connections_rejected`).
+    pub max_connections: usize,
+    /// An authenticated connection that sends no request for this long is
+    /// closed (counted in `idle_closed`), in milliseconds. Connections that
+    /// hold regions (CUDA IPC leases) are exempt.
+    pub idle_timeout_ms: u64,
+    /// Limit on receiving (or sending) one whole request — header,
+    /// descriptors and payload — once its first byte moved, in
+    /// milliseconds: a peer that trickles a request is dropped when it
+    /// passes (counted in `request_timeouts`).
+    pub request_timeout_ms: u64,
     /// Debug aid: treat every region like device memory (stage all bytes
     /// through host bounce buffers), to exercise the staging path.
     #[doc(hidden)]
@@ -50,6 +63,9 @@ impl Default for EngineConfig {
             coalesce_threshold: 2048,
             request_bytes: 8 << 20,
             pipeline_depth: 2,
+            max_connections: 1024,
+            idle_timeout_ms: 600_000,
+            request_timeout_ms: 60_000,
             force_staging: false,
         }
     }
@@ -64,6 +80,16 @@ impl EngineConfig {
     /// `io_timeout_ms` as a duration.
     pub fn io_timeout(&self) -> Duration {
         Duration::from_millis(self.io_timeout_ms.max(1))
+    }
+
+    /// `idle_timeout_ms` as a duration.
+    pub fn idle_timeout(&self) -> Duration {
+        Duration::from_millis(self.idle_timeout_ms.max(1))
+    }
+
+    /// `request_timeout_ms` as a duration.
+    pub fn request_timeout(&self) -> Duration {
+        Duration::from_millis(self.request_timeout_ms.max(1))
     }
 }
 
@@ -80,6 +106,9 @@ impl fmt::Debug for EngineConfig {
             .field("coalesce_threshold", &self.coalesce_threshold)
             .field("request_bytes", &self.request_bytes)
             .field("pipeline_depth", &self.pipeline_depth)
+            .field("max_connections", &self.max_connections)
+            .field("idle_timeout_ms", &self.idle_timeout_ms)
+            .field("request_timeout_ms", &self.request_timeout_ms)
             .field("force_staging", &self.force_staging)
             .finish()
     }
@@ -98,6 +127,9 @@ mod tests {
             c.connections_per_peer,
             EngineConfig::default().connections_per_peer
         );
+        assert_eq!(c.max_connections, 1024);
+        assert_eq!(c.idle_timeout(), Duration::from_secs(600));
+        assert_eq!(c.request_timeout(), Duration::from_secs(60));
         assert!(!format!("{c:?}").contains("s3cret"));
         assert!(serde_json::from_str::<EngineConfig>(r#"{"prot": 1}"#).is_err());
         let back: EngineConfig =

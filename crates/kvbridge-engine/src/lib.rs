@@ -226,6 +226,29 @@ pub trait TransferEngine: Send + Sync + std::fmt::Debug {
         self.submit(session, blocks).wait()
     }
 
+    /// Fence the peer whose engine session id is `session` (exactly what
+    /// that peer's [`TransferEngine::session_id`] returns): on `Ok(true)`, no
+    /// write from it can land in our memory any more — its writes in
+    /// progress have finished (the call waits for them), its connections
+    /// are closed, and new connections and requests from it are refused
+    /// (its batches fail with a typed error, `Refused`) until
+    /// [`TransferEngine::unfence_peer`].
+    ///
+    /// `Ok(false)` (the default) means this engine cannot fence (UCX: the
+    /// peer puts one-sidedly; CUDA IPC: the peer copies into mapped memory):
+    /// the caller must instead wait for the peer's acknowledgement that it
+    /// stopped writing before reusing the memory.
+    fn fence_peer(&self, session: &str) -> Result<bool, TransferError> {
+        let _ = session;
+        Ok(false)
+    }
+
+    /// Lift the fence of `session` set by [`TransferEngine::fence_peer`]
+    /// (no-op for engines that cannot fence, or a session not fenced).
+    fn unfence_peer(&self, session: &str) {
+        let _ = session;
+    }
+
     /// Check that `session` is reachable and answering now (fresh connection
     /// and handshake); used to un-blacklist failed sessions.
     fn probe(&self, session: &str) -> Result<(), TransferError>;

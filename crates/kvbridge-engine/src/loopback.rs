@@ -1,7 +1,10 @@
 //! The in-process loopback engine, for tests: engines find each other by
 //! session id in a process-wide directory and copy with plain CPU copies.
+//! Fencing: a copy into an engine holds that engine's registry read lock
+//! and checks its fence set under it, so `fence_peer` (fence set, then the
+//! write lock once) returns only after copies in progress finished.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock, Weak};
 
@@ -13,6 +16,8 @@ use crate::{BatchHandle, Block, ErrorKind, Side, TransferEngine, TransferError};
 struct Shared {
     session: String,
     regions: RwLock<RegionRegistry>,
+    /// Sessions whose writes into this engine are refused.
+    fenced: Mutex<HashSet<String>>,
 }
 
 type Directory = Mutex<HashMap<String, Weak<Shared>>>;
@@ -50,6 +55,7 @@ impl LoopbackEngine {
         let shared = Arc::new(Shared {
             session: session.clone(),
             regions: RwLock::new(RegionRegistry::new()),
+            fenced: Mutex::new(HashSet::new()),
         });
         directory().lock().insert(session, Arc::downgrade(&shared));
         Self { shared }
@@ -82,6 +88,16 @@ impl LoopbackEngine {
                 )
             })?;
         let remote = peer.regions.read_recursive();
+        if peer.fenced.lock().contains(&self.shared.session) {
+            return Err(err(
+                None,
+                ErrorKind::Refused,
+                format!(
+                    "peer has fenced this engine ({}): it accepts no writes from it",
+                    self.shared.session
+                ),
+            ));
+        }
         let mut dsts = Vec::with_capacity(blocks.len());
         for (i, b) in blocks.iter().enumerate() {
             let r = remote
@@ -140,6 +156,20 @@ impl TransferEngine for LoopbackEngine {
 
     fn submit(&self, session: &str, blocks: &[Block]) -> BatchHandle {
         BatchHandle::ready(self.transfer(session, blocks))
+    }
+
+    /// Refuse writes from `session`; returns once copies from it in
+    /// progress finished. Always `Ok(true)`.
+    fn fence_peer(&self, session: &str) -> Result<bool, TransferError> {
+        self.shared.fenced.lock().insert(session.to_owned());
+        // Every copy into us holds our read lock and checks the fence set
+        // under it: once we had the write lock, none from `session` runs.
+        drop(self.shared.regions.write());
+        Ok(true)
+    }
+
+    fn unfence_peer(&self, session: &str) {
+        self.shared.fenced.lock().remove(session);
     }
 
     fn probe(&self, session: &str) -> Result<(), TransferError> {

@@ -13,6 +13,9 @@ type HmacSha256 = Hmac<Sha256>;
 
 const CLIENT_LABEL: &[u8] = b"kvbridge-tcp/1 client";
 const SERVER_LABEL: &[u8] = b"kvbridge-tcp/1 server";
+/// Label of the engine wire v2 client proof, which also covers the
+/// client's announcement (its incarnation and session id).
+const CLIENT_LABEL_V2: &[u8] = b"kvbridge-tcp/2 client";
 
 /// A fresh random nonce.
 pub(crate) fn nonce() -> [u8; NONCE_LEN] {
@@ -88,6 +91,69 @@ pub(crate) fn verify_client(
     .is_ok()
 }
 
+/// What a client announces about itself in its hello: bound into its
+/// proof, so that in secret mode nobody can alter it in transit.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Announce<'a> {
+    /// The client engine's incarnation.
+    pub incarnation: u64,
+    /// The client engine's session id.
+    pub session: &'a str,
+}
+
+fn announced_mac(
+    secret: &[u8],
+    server_nonce: &[u8; NONCE_LEN],
+    client_nonce: &[u8; NONCE_LEN],
+    incarnation: u64,
+    a: Announce<'_>,
+) -> HmacSha256 {
+    let inc = incarnation.to_le_bytes();
+    let client_inc = a.incarnation.to_le_bytes();
+    // Fixed-size fields, then the length-prefixed session id: unambiguous.
+    let len = (a.session.len() as u64).to_le_bytes();
+    mac(
+        secret,
+        CLIENT_LABEL_V2,
+        &[
+            server_nonce,
+            client_nonce,
+            &inc,
+            &client_inc,
+            &len,
+            a.session.as_bytes(),
+        ],
+    )
+}
+
+/// The client's proof (wire v2): as [`client_proof`], also covering its announcement.
+pub(crate) fn client_proof_announced(
+    secret: &[u8],
+    server_nonce: &[u8; NONCE_LEN],
+    client_nonce: &[u8; NONCE_LEN],
+    incarnation: u64,
+    announce: Announce<'_>,
+) -> [u8; NONCE_LEN] {
+    announced_mac(secret, server_nonce, client_nonce, incarnation, announce)
+        .finalize()
+        .into_bytes()
+        .into()
+}
+
+/// Constant-time check of a client proof made by [`client_proof_announced`].
+pub(crate) fn verify_client_announced(
+    secret: &[u8],
+    server_nonce: &[u8; NONCE_LEN],
+    client_nonce: &[u8; NONCE_LEN],
+    incarnation: u64,
+    announce: Announce<'_>,
+    proof: &[u8; NONCE_LEN],
+) -> bool {
+    announced_mac(secret, server_nonce, client_nonce, incarnation, announce)
+        .verify_slice(proof)
+        .is_ok()
+}
+
 /// Constant-time check of a server proof.
 pub(crate) fn verify_server(
     secret: &[u8],
@@ -122,5 +188,42 @@ mod tests {
         let q = server_proof(b"s3cret", &cn, &sn, 5);
         assert!(verify_server(b"s3cret", &cn, &sn, 5, &q));
         assert!(!verify_client(b"s3cret", &sn, &cn, 5, &q), "labels differ");
+    }
+
+    #[test]
+    fn the_announcement_is_covered_by_the_client_proof() {
+        let (cn, sn) = (nonce(), nonce());
+        let a = Announce {
+            incarnation: 9,
+            session: "10.0.0.1:7000",
+        };
+        let p = client_proof_announced(b"s3cret", &sn, &cn, 5, a);
+        assert!(verify_client_announced(b"s3cret", &sn, &cn, 5, a, &p));
+        let other_session = Announce {
+            session: "10.0.0.2:7000",
+            ..a
+        };
+        assert!(!verify_client_announced(
+            b"s3cret",
+            &sn,
+            &cn,
+            5,
+            other_session,
+            &p
+        ));
+        let other_incarnation = Announce {
+            incarnation: 10,
+            ..a
+        };
+        assert!(!verify_client_announced(
+            b"s3cret",
+            &sn,
+            &cn,
+            5,
+            other_incarnation,
+            &p
+        ));
+        assert!(!verify_client_announced(b"other", &sn, &cn, 5, a, &p));
+        assert!(!verify_client(b"s3cret", &sn, &cn, 5, &p), "labels differ");
     }
 }

@@ -7,25 +7,24 @@ use std::net::{SocketAddr, TcpStream};
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-
-use crossbeam_channel::Receiver;
-use kvbridge_mem::{MemoryKind, access_for};
+use std::time::Instant;
 
 use super::request::{Item, Work};
-use super::wire::{self, Ack, Challenge, Header, Hello, Op, Status};
-use super::{Inner, PeerInfo, auth, io};
+use super::send::{LaneBufs, SendError, send_item};
+use super::wire::{self, Ack, Header, Op, Status};
+use super::{Inner, PeerInfo, handshake, io};
 use crate::{ErrorKind, Side, TransferError};
-
-/// Size of a lane's frame buffer, into which short blocks are coalesced.
-pub(crate) const FRAME_CAP: usize = 1 << 20;
+use crossbeam_channel::Receiver;
 
 /// An established, authenticated connection to one incarnation of a peer.
 #[derive(Debug)]
 pub(crate) struct Conn {
     stream: TcpStream,
     incarnation: u64,
-    seq: u64,
+    pub(super) seq: u64,
     id: u64,
+    /// When the connection last carried a request (or was opened).
+    pub(super) last_used: Instant,
 }
 
 impl Conn {
@@ -40,102 +39,35 @@ impl Conn {
     }
 }
 
-/// Connect to `addr` and run the client side of the handshake.
+/// Connect to `addr` and run the client side of the handshake (all of it
+/// within the connect timeout, see [`handshake::client`]).
 pub(crate) fn connect(
     inner: &Inner,
     session: &str,
     addr: SocketAddr,
 ) -> Result<Conn, TransferError> {
     let cfg = &inner.cfg;
-    let err = |kind, d: String| TransferError::new(session, None, kind, d);
-    let stream = TcpStream::connect_timeout(&addr, cfg.connect_timeout())
-        .map_err(|e| err(ErrorKind::Unreachable, format!("connect to {addr}: {e}")))?;
-    let setup = || -> std::io::Result<()> {
-        stream.set_nodelay(true)?;
-        stream.set_read_timeout(Some(cfg.connect_timeout()))?;
-        stream.set_write_timeout(Some(cfg.connect_timeout()))
-    };
-    setup().map_err(|e| TransferError::from_io(session, None, &e))?;
-    let fd = stream.as_raw_fd();
-    let io_err = |e: std::io::Error| TransferError::from_io(session, None, &e);
-    let secret = inner.secret.as_deref();
-    let hello = Hello {
-        version: wire::VERSION,
-        flags: if secret.is_some() {
-            wire::FLAG_SECRET
-        } else {
-            0
-        },
-        nonce: auth::nonce(),
-    };
-    io::write_all(fd, &hello.encode()).map_err(io_err)?;
-    let mut cb = [0u8; wire::CHALLENGE_LEN];
-    io::read_exact(fd, &mut cb).map_err(io_err)?;
-    let ch = Challenge::decode(&cb).ok_or_else(|| {
-        err(
-            ErrorKind::Refused,
-            "peer is not a kvbridge tcp engine".into(),
+    let stream = TcpStream::connect_timeout(&addr, cfg.connect_timeout()).map_err(|e| {
+        TransferError::new(
+            session,
+            None,
+            ErrorKind::Unreachable,
+            format!("connect to {addr}: {e}"),
         )
     })?;
-    if ch.version != wire::VERSION {
-        return Err(err(
-            ErrorKind::Refused,
-            format!(
-                "peer speaks protocol version {}, we speak {}",
-                ch.version,
-                wire::VERSION
-            ),
-        ));
-    }
-    let proof = match secret {
-        Some(s) => {
-            if ch.flags & wire::FLAG_SECRET == 0 {
-                return Err(err(ErrorKind::Auth, "peer has no cluster secret".into()));
-            }
-            if !auth::verify_server(s, &hello.nonce, &ch.nonce, ch.incarnation, &ch.proof) {
-                return Err(err(
-                    ErrorKind::Auth,
-                    "peer failed to prove the cluster secret".into(),
-                ));
-            }
-            auth::client_proof(s, &ch.nonce, &hello.nonce, ch.incarnation)
-        }
-        None => [0u8; wire::NONCE_LEN],
-    };
-    io::write_all(fd, &proof).map_err(io_err)?;
-    let mut vb = [0u8; wire::VERDICT_LEN];
-    io::read_exact(fd, &mut vb).map_err(|e| {
-        if ch.flags & wire::FLAG_SECRET != 0 && secret.is_none() {
-            err(ErrorKind::Auth, "peer requires a cluster secret".into())
-        } else {
-            io_err(e)
-        }
-    })?;
-    match wire::decode_verdict(&vb) {
-        wire::VERDICT_OK => {}
-        wire::VERDICT_AUTH => {
-            return Err(err(
-                ErrorKind::Auth,
-                "peer refused our cluster secret proof".into(),
-            ));
-        }
-        v => {
-            return Err(err(
-                ErrorKind::Refused,
-                format!("peer refused the connection ({v})"),
-            ));
-        }
-    }
-    let run = || -> std::io::Result<()> {
+    let setup = || -> std::io::Result<()> {
+        stream.set_nodelay(true)?;
         stream.set_read_timeout(Some(cfg.io_timeout()))?;
         stream.set_write_timeout(Some(cfg.io_timeout()))
     };
-    run().map_err(io_err)?;
+    setup().map_err(|e| TransferError::from_io(session, None, &e))?;
+    let incarnation = handshake::client(inner, session, stream.as_raw_fd())?;
     Ok(Conn {
         stream,
-        incarnation: ch.incarnation,
+        incarnation,
         seq: 0,
         id: inner.next_id(),
+        last_used: Instant::now(),
     })
 }
 
@@ -166,152 +98,6 @@ fn read_ack(fd: RawFd) -> std::io::Result<Option<Ack>> {
     let mut b = [0u8; wire::ACK_LEN];
     io::read_exact(fd, &mut b)?;
     Ok(Ack::decode(&b))
-}
-
-/// Buffers a lane reuses across requests.
-struct LaneBufs {
-    head: Vec<u8>,
-    frame: Vec<u8>,
-    iovs: Vec<libc::iovec>,
-}
-
-/// Why a request could not be sent.
-enum SendError {
-    /// Failed before any byte went out: the connection is still in step.
-    Local(TransferError),
-    /// Failed on the connection: it must be dropped.
-    Conn(TransferError),
-}
-
-/// Send one request. Holds the local region read guard while the payload
-/// is read from registered memory.
-fn send_item(
-    inner: &Inner,
-    c: &mut Conn,
-    item: &Item,
-    bufs: &mut LaneBufs,
-) -> Result<u64, SendError> {
-    c.seq += 1;
-    let seq = c.seq;
-    let fd = c.fd();
-    let pieces = item.pieces();
-    let count = u32::try_from(pieces.len())
-        .map_err(|_| SendError::Local(item.error(ErrorKind::InvalidArgument, "too many blocks")))?;
-    bufs.head.clear();
-    let op = match item.work {
-        Work::Check(_) => Op::Check,
-        Work::Write(_) => Op::Write,
-    };
-    let payload = match op {
-        Op::Write => pieces.iter().map(|p| p.len).sum(),
-        _ => 0,
-    };
-    bufs.head.extend_from_slice(
-        &Header {
-            op,
-            count,
-            seq,
-            payload,
-        }
-        .encode(),
-    );
-    for p in pieces {
-        wire::push_desc(&mut bufs.head, p.dst, p.len);
-    }
-    if op == Op::Check {
-        io::write_all(fd, &bufs.head).map_err(|e| SendError::Conn(item.io_error(&e)))?;
-        return Ok(seq);
-    }
-    let regions = inner.regions.read_recursive();
-    let mut kinds: Vec<MemoryKind> = Vec::with_capacity(pieces.len());
-    for p in pieces {
-        let r = regions.check(p.src, p.len).map_err(|e| {
-            SendError::Local(TransferError::new(
-                &item.batch.session,
-                Some(p.block),
-                ErrorKind::OutOfRegion(Side::Local),
-                e.to_string(),
-            ))
-        })?;
-        kinds.push(r.kind);
-    }
-    let threshold = inner.cfg.coalesce_threshold as u64;
-    let force_copy = inner.cfg.force_staging;
-    if bufs.frame.len() < FRAME_CAP {
-        bufs.frame.resize(FRAME_CAP, 0);
-    }
-    let conn_err = |e: std::io::Error| SendError::Conn(item.io_error(&e));
-    let iovs = &mut bufs.iovs;
-    iovs.clear();
-    iovs.push(io::iov(bufs.head.as_ptr(), bufs.head.len()));
-    let frame_ptr = bufs.frame.as_mut_ptr();
-    let mut used = 0usize;
-    // Sends what `iovs` describes. SAFETY (for each call site): the iovecs
-    // point into `bufs.head`, `bufs.frame` (both alive and not resized until
-    // the function returns) and registered source ranges checked above,
-    // kept registered by the `regions` read guard held until we return.
-    let flush = |iovs: &mut Vec<libc::iovec>, used: &mut usize| -> std::io::Result<()> {
-        // SAFETY: see above.
-        let r = unsafe { io::send_all(fd, iovs) };
-        iovs.clear();
-        *used = 0;
-        r
-    };
-    for (p, kind) in pieces.iter().zip(kinds) {
-        let len = p.len as usize;
-        if len == 0 {
-            continue;
-        }
-        if kind.is_host_accessible() && !force_copy && p.len >= threshold {
-            let src = std::ptr::with_exposed_provenance::<u8>(p.src as usize);
-            iovs.push(io::iov(src, len));
-            if iovs.len() >= io::MAX_IOV {
-                flush(iovs, &mut used).map_err(conn_err)?;
-            }
-            continue;
-        }
-        let mut off = 0usize;
-        while off < len {
-            if used == FRAME_CAP {
-                flush(iovs, &mut used).map_err(conn_err)?;
-            }
-            let k = (len - off).min(FRAME_CAP - used);
-            // SAFETY: `used + k <= FRAME_CAP == frame.len()`, so the slice is in
-            // bounds; no iovec currently covers `frame[used..]`.
-            let dst = unsafe { std::slice::from_raw_parts_mut(frame_ptr.add(used), k) };
-            // SAFETY: `[p.src + off, +k)` lies in a registered region of `kind`
-            // (checked above), kept registered by the guard.
-            let r = unsafe { access_for(kind).read(p.src + off as u64, dst) };
-            if let Err(e) = r {
-                // Bytes of this request may already be on the wire: drop the connection.
-                let err = TransferError::new(
-                    &item.batch.session,
-                    Some(p.block),
-                    ErrorKind::Io,
-                    e.to_string(),
-                );
-                return Err(SendError::Conn(err));
-            }
-            // SAFETY: in bounds as above.
-            let start = unsafe { frame_ptr.add(used) };
-            match iovs.last_mut() {
-                Some(last) if last.iov_base.cast::<u8>().wrapping_add(last.iov_len) == start => {
-                    last.iov_len += k;
-                }
-                _ => iovs.push(io::iov(start, k)),
-            }
-            used += k;
-            off += k;
-            if iovs.len() >= io::MAX_IOV {
-                flush(iovs, &mut used).map_err(conn_err)?;
-            }
-        }
-    }
-    if !iovs.is_empty() {
-        flush(iovs, &mut used).map_err(conn_err)?;
-    }
-    drop(regions);
-    Ok(seq)
 }
 
 /// Turn an ack into the item's result.
@@ -367,7 +153,10 @@ fn ensure_conn(
 ) -> Result<(), TransferError> {
     if let Some(c) = conn {
         let known = info.incarnation.load(Ordering::Acquire);
-        if (known != 0 && known != c.incarnation) || io::idle_peer_gone(c.fd()) {
+        // Idle for half the idle timeout: the peer may be about to close
+        // it, so open a fresh one rather than race with its close.
+        let stale = c.last_used.elapsed() >= inner.cfg.idle_timeout() / 2;
+        if (known != 0 && known != c.incarnation) || stale || io::idle_peer_gone(c.fd()) {
             tracing::debug!(session = %info.session, "pooled connection is stale; reconnecting");
             close(info, conn);
         }

@@ -12,7 +12,7 @@
 //! answer within the I/O timeout has its connection shut down (as a
 //! request that stalls past the timeout would).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -22,7 +22,10 @@ use parking_lot::{Condvar, Mutex};
 /// The hold of one connection.
 #[derive(Debug)]
 struct Hold {
+    /// The held ranges, in lease order; `seen` has the same ones, for
+    /// constant-time duplicate checks (a lease is linear in its length).
     regions: Vec<(u64, u64)>,
+    seen: HashSet<(u64, u64)>,
     revoke: bool,
     wake: Arc<OwnedFd>,
 }
@@ -67,19 +70,28 @@ fn overlaps(a: &[(u64, u64)], b: &[(u64, u64)]) -> bool {
 }
 
 impl Holds {
-    /// Add `regions` to the hold of connection `conn` (woken through `wake`).
+    /// Add `regions` to the hold of connection `conn` (woken through
+    /// `wake`). Linear in `regions.len()` (expected; hashed duplicate
+    /// checks), whatever the connection already holds.
     pub(crate) fn add(&self, conn: u64, wake: &Arc<OwnedFd>, regions: &[(u64, u64)]) {
         let mut m = self.map.lock();
         let h = m.entry(conn).or_insert_with(|| Hold {
             regions: Vec::new(),
+            seen: HashSet::new(),
             revoke: false,
             wake: wake.clone(),
         });
+        h.seen.reserve(regions.len());
         for r in regions {
-            if !h.regions.contains(r) {
+            if h.seen.insert(*r) {
                 h.regions.push(*r);
             }
         }
+    }
+
+    /// Whether connection `conn` holds any region.
+    pub(crate) fn holding(&self, conn: u64) -> bool {
+        self.map.lock().contains_key(&conn)
     }
 
     /// Drop the hold of `conn` (its `Release`, or its end).
@@ -137,7 +149,10 @@ mod tests {
         let holds = Arc::new(Holds::default());
         let wake = eventfd().unwrap();
         holds.add(1, &wake, &[(0x1000, 0x100)]);
+        holds.add(1, &wake, &[(0x1000, 0x100), (0x1000, 0x100)]);
         holds.add(2, &wake, &[(0x5000, 0x100)]);
+        assert_eq!(holds.map.lock()[&1].regions, vec![(0x1000, 0x100)]);
+        assert!(holds.holding(1) && !holds.holding(3));
         // Not overlapping: nothing to wait for.
         assert!(
             holds

@@ -8,6 +8,7 @@
 
 use std::io;
 use std::os::fd::RawFd;
+use std::time::{Duration, Instant};
 
 /// Most iovecs handed to one syscall (Linux `UIO_MAXIOV` is 1024).
 pub(crate) const MAX_IOV: usize = 1024;
@@ -29,7 +30,7 @@ fn map_err(e: io::Error) -> io::Error {
 }
 
 /// Drop `n` consumed bytes from the front of `iovs`, returning the remaining tail.
-fn advance(iovs: &mut [libc::iovec], mut n: usize) -> &mut [libc::iovec] {
+pub(crate) fn advance(iovs: &mut [libc::iovec], mut n: usize) -> &mut [libc::iovec] {
     let mut first = 0;
     while first < iovs.len() && n >= iovs[first].iov_len {
         n -= iovs[first].iov_len;
@@ -121,16 +122,6 @@ pub(crate) fn read_exact(fd: RawFd, buf: &mut [u8]) -> io::Result<()> {
     unsafe { recv_all(fd, &mut v) }
 }
 
-/// Read and discard `n` bytes into `scratch`.
-pub(crate) fn discard(fd: RawFd, mut n: u64, scratch: &mut [u8]) -> io::Result<()> {
-    while n > 0 {
-        let k = scratch.len().min(usize::try_from(n).unwrap_or(usize::MAX));
-        read_exact(fd, &mut scratch[..k])?;
-        n -= k as u64;
-    }
-    Ok(())
-}
-
 /// Wait up to `timeout_ms` for `fd` to become readable (or hung up).
 pub(crate) fn wait_readable(fd: RawFd, timeout_ms: i32) -> io::Result<bool> {
     let mut p = libc::pollfd {
@@ -179,6 +170,203 @@ pub(crate) fn wait_readable2(a: RawFd, b: RawFd, timeout_ms: i32) -> io::Result<
         }
         return Ok((p[0].revents != 0, p[1].revents != 0));
     }
+}
+
+/// How often deadline-bound I/O wakes up to check its stop condition.
+pub(crate) const TICK: Duration = Duration::from_millis(100);
+
+/// The limits of one deadline-bound exchange (a handshake, one request):
+/// a deadline for the whole, a limit on making no progress, and a stop
+/// condition (shutdown, abort) checked at least every [`TICK`].
+pub(crate) struct Budget<'a> {
+    hard: Instant,
+    stall: Duration,
+    last: Instant,
+    stop: &'a dyn Fn() -> bool,
+}
+
+/// The error of an exchange stopped by its stop condition.
+pub(crate) fn aborted() -> io::Error {
+    io::Error::new(
+        io::ErrorKind::ConnectionAborted,
+        "stopped (shutdown or abort)",
+    )
+}
+
+impl<'a> Budget<'a> {
+    /// Everything by `hard`, no pause longer than `stall`, give up when `stop()`.
+    pub(crate) fn new(hard: Instant, stall: Duration, stop: &'a dyn Fn() -> bool) -> Self {
+        Self {
+            hard,
+            stall,
+            last: Instant::now(),
+            stop,
+        }
+    }
+
+    /// Whether the stop condition holds now.
+    pub(crate) fn stopped(&self) -> bool {
+        (self.stop)()
+    }
+
+    /// Note progress (restarts the no-progress limit).
+    pub(crate) fn progressed(&mut self) {
+        self.last = Instant::now();
+    }
+
+    /// Wait until `fd` is ready for `events` (`POLLIN`, `POLLOUT`):
+    /// `TimedOut` past the deadline or the no-progress limit,
+    /// `ConnectionAborted` once the stop condition holds.
+    pub(crate) fn wait(&self, fd: RawFd, events: libc::c_short) -> io::Result<()> {
+        loop {
+            if (self.stop)() {
+                return Err(aborted());
+            }
+            let now = Instant::now();
+            if now >= self.hard {
+                return Err(io::Error::new(io::ErrorKind::TimedOut, "deadline passed"));
+            }
+            let stall_at = self.last + self.stall;
+            if now >= stall_at {
+                return Err(io::Error::new(io::ErrorKind::TimedOut, "no progress"));
+            }
+            let left = self.hard.min(stall_at).duration_since(now).min(TICK);
+            let ms = i32::try_from(left.as_millis()).unwrap_or(i32::MAX).max(1);
+            if poll_one(fd, events, ms)? {
+                return Ok(());
+            }
+        }
+    }
+}
+
+fn poll_one(fd: RawFd, events: libc::c_short, timeout_ms: i32) -> io::Result<bool> {
+    let mut p = libc::pollfd {
+        fd,
+        events,
+        revents: 0,
+    };
+    loop {
+        // SAFETY: one valid pollfd, borrowed for the call.
+        let r = unsafe { libc::poll(&mut p, 1, timeout_ms) };
+        if r < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        return Ok(r > 0);
+    }
+}
+
+/// Readiness for reading (or a hang-up).
+pub(crate) const READABLE: libc::c_short = libc::POLLIN | libc::POLLRDHUP;
+/// Readiness for writing.
+pub(crate) const WRITABLE: libc::c_short = libc::POLLOUT;
+
+/// One non-blocking receive into `iovs`: `Some(n)` bytes (n > 0), `None`
+/// when nothing is there yet; end of stream is `UnexpectedEof`.
+///
+/// # Safety
+/// Every iovec must describe memory valid for writes for the whole call,
+/// which nothing else reads or writes meanwhile.
+pub(crate) unsafe fn recv_some(fd: RawFd, iovs: &mut [libc::iovec]) -> io::Result<Option<usize>> {
+    loop {
+        // SAFETY: msghdr is plain data; zeroed is a valid empty header.
+        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+        msg.msg_iov = iovs.as_mut_ptr();
+        msg.msg_iovlen = iovs.len().min(MAX_IOV) as _;
+        // SAFETY: `msg` points at iovecs the caller guarantees writable.
+        let r = unsafe { libc::recvmsg(fd, &mut msg, libc::MSG_DONTWAIT) };
+        if r > 0 {
+            return Ok(Some(r as usize));
+        }
+        if r == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                "peer closed the connection",
+            ));
+        }
+        let e = io::Error::last_os_error();
+        match e.kind() {
+            io::ErrorKind::Interrupted => continue,
+            io::ErrorKind::WouldBlock => return Ok(None),
+            _ => return Err(e),
+        }
+    }
+}
+
+/// One non-blocking send from `iovs` (no `SIGPIPE`): `Some(n)` bytes, `None` when the socket is full.
+///
+/// # Safety
+/// Every iovec must describe memory valid for reads for the whole call.
+pub(crate) unsafe fn send_some(fd: RawFd, iovs: &mut [libc::iovec]) -> io::Result<Option<usize>> {
+    loop {
+        // SAFETY: msghdr is plain data; zeroed is a valid empty header.
+        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+        msg.msg_iov = iovs.as_mut_ptr();
+        msg.msg_iovlen = iovs.len().min(MAX_IOV) as _;
+        // SAFETY: `msg` points at iovecs the caller guarantees readable.
+        let r = unsafe { libc::sendmsg(fd, &msg, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL) };
+        if r >= 0 {
+            return Ok(Some(r as usize));
+        }
+        let e = io::Error::last_os_error();
+        match e.kind() {
+            io::ErrorKind::Interrupted => continue,
+            io::ErrorKind::WouldBlock => return Ok(None),
+            _ => return Err(e),
+        }
+    }
+}
+
+/// Fill all of `buf` within `budget`.
+pub(crate) fn read_exact_by(fd: RawFd, buf: &mut [u8], budget: &mut Budget<'_>) -> io::Result<()> {
+    let mut v = [iov(buf.as_mut_ptr(), buf.len())];
+    let mut rest: &mut [libc::iovec] = &mut v;
+    while rest.first().is_some_and(|v| v.iov_len > 0) {
+        // SAFETY: the iovec covers (the unfilled tail of) `buf`, mutably borrowed.
+        match unsafe { recv_some(fd, rest) }? {
+            Some(n) => {
+                budget.progressed();
+                rest = advance(rest, n);
+            }
+            None => budget.wait(fd, READABLE)?,
+        }
+    }
+    Ok(())
+}
+
+/// Send all of `buf` within `budget`.
+pub(crate) fn write_all_by(fd: RawFd, buf: &[u8], budget: &mut Budget<'_>) -> io::Result<()> {
+    let mut v = [iov(buf.as_ptr(), buf.len())];
+    let mut rest: &mut [libc::iovec] = &mut v;
+    while rest.first().is_some_and(|v| v.iov_len > 0) {
+        // SAFETY: the iovec covers (the unsent tail of) `buf`, borrowed for the call.
+        match unsafe { send_some(fd, rest) }? {
+            Some(n) => {
+                budget.progressed();
+                rest = advance(rest, n);
+            }
+            None => budget.wait(fd, WRITABLE)?,
+        }
+    }
+    Ok(())
+}
+
+/// Read and discard `n` bytes into `scratch`, within `budget`.
+pub(crate) fn discard_by(
+    fd: RawFd,
+    mut n: u64,
+    scratch: &mut [u8],
+    budget: &mut Budget<'_>,
+) -> io::Result<()> {
+    while n > 0 {
+        let k = scratch.len().min(usize::try_from(n).unwrap_or(usize::MAX));
+        read_exact_by(fd, &mut scratch[..k], budget)?;
+        n -= k as u64;
+    }
+    Ok(())
 }
 
 /// On a connection where the peer never speaks unprompted: has it closed or reset?

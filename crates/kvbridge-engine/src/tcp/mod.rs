@@ -15,7 +15,12 @@
 //!   memory. Memory that is not host-accessible (device, later) takes the
 //!   copying path through its [`kvbridge_mem::MemoryAccess`].
 //! * Optional cluster secret: mutual HMAC challenge-response at connection
-//!   set-up. Every connect, read and write has a timeout.
+//!   set-up; the client's hello announces its own session id and
+//!   incarnation (covered by its proof), which [`TcpEngine::fence_peer`]
+//!   keys on. Every connect, read and write has a timeout; the handshake
+//!   and each request have a total deadline.
+//! * Limits against hostile peers: `max_connections`, `idle_timeout_ms`,
+//!   `request_timeout_ms`; refusals are counted in [`EngineStats`].
 //!
 //! See `docs/engines.md` for the framing and the reasoning.
 
@@ -23,10 +28,15 @@ pub(crate) mod auth;
 mod conn;
 #[cfg(feature = "cuda")]
 pub(crate) mod control;
+mod fence;
+mod handshake;
 mod holds;
 mod io;
 mod request;
+mod scatter;
+mod send;
 mod server;
+mod stats;
 mod wire;
 
 use std::collections::HashMap;
@@ -42,34 +52,8 @@ use parking_lot::{Mutex, RwLock};
 
 use crate::{BatchHandle, Block, EngineConfig, ErrorKind, Side, TransferEngine, TransferError};
 use request::{BatchCtx, Item, Piece, Work};
-
-/// Counters of one TCP engine, for logs, metrics and tests.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct EngineStats {
-    /// Payload bytes sent and acknowledged.
-    pub bytes_sent: u64,
-    /// Payload bytes received into registered memory.
-    pub bytes_received: u64,
-    /// Requests refused because a destination lay outside our regions.
-    pub requests_refused: u64,
-    /// Connections refused at authentication.
-    pub auth_failures: u64,
-    /// Malformed frames (connection dropped).
-    pub bad_frames: u64,
-    /// Connections accepted.
-    pub connections_accepted: u64,
-}
-
-#[derive(Debug, Default)]
-struct Stats {
-    bytes_sent: AtomicU64,
-    bytes_received: AtomicU64,
-    requests_refused: AtomicU64,
-    auth_failures: AtomicU64,
-    bad_frames: AtomicU64,
-    connections_accepted: AtomicU64,
-}
+pub use stats::EngineStats;
+use stats::Stats;
 
 /// What lanes know about a peer: where it is and which incarnation answered last.
 #[derive(Debug)]
@@ -106,6 +90,8 @@ struct Inner {
     exports: RwLock<Vec<u8>>,
     /// Regions that peers hold through `Lease` (CUDA IPC copies may be in flight).
     holds: holds::Holds,
+    /// Fenced peers and the busy state of accepted connections.
+    fences: fence::Fences,
     next_id: AtomicU64,
     stats: Stats,
 }
@@ -226,6 +212,7 @@ impl TcpEngine {
             accepted: Mutex::new(HashMap::new()),
             exports: RwLock::new(Vec::new()),
             holds: holds::Holds::default(),
+            fences: fence::Fences::default(),
             next_id: AtomicU64::new(1),
             stats: Stats::default(),
         });
@@ -263,20 +250,16 @@ impl TcpEngine {
         if let Some(h) = self.accept.lock().take() {
             let _ = h.join();
         }
+        // Wait until no thread touches registered memory any more: each
+        // step of a receive or send runs under the registry's read lock and
+        // checks the shutdown flag first, so none starts after this.
+        drop(self.inner.regions.write());
         tracing::info!(session = %self.inner.session, "tcp engine shut down");
     }
 
     /// The engine's counters.
     pub fn stats(&self) -> EngineStats {
-        let s = &self.inner.stats;
-        EngineStats {
-            bytes_sent: s.bytes_sent.load(Ordering::Relaxed),
-            bytes_received: s.bytes_received.load(Ordering::Relaxed),
-            requests_refused: s.requests_refused.load(Ordering::Relaxed),
-            auth_failures: s.auth_failures.load(Ordering::Relaxed),
-            bad_frames: s.bad_frames.load(Ordering::Relaxed),
-            connections_accepted: s.connections_accepted.load(Ordering::Relaxed),
-        }
+        self.inner.stats.snapshot()
     }
 
     /// The configuration the engine runs with.
@@ -360,6 +343,30 @@ impl TransferEngine for TcpEngine {
 
     fn incarnation(&self) -> u64 {
         self.inner.incarnation
+    }
+
+    /// Refuse the peer announcing `session` from now on; returns once its
+    /// request in progress (if any) finished — or was aborted, when it
+    /// runs past `min(io_timeout, request_timeout)` — with its connections
+    /// closed. Always `Ok(true)`.
+    fn fence_peer(&self, session: &str) -> Result<bool, TransferError> {
+        let cfg = &self.inner.cfg;
+        let grace = cfg.io_timeout().min(cfg.request_timeout());
+        let ids = self.inner.fences.fence(session, grace);
+        let accepted = self.inner.accepted.lock();
+        for id in &ids {
+            if let Some(s) = accepted.get(id) {
+                let _ = s.shutdown(std::net::Shutdown::Both);
+            }
+        }
+        drop(accepted);
+        tracing::info!(%session, connections = ids.len(), "peer fenced");
+        Ok(true)
+    }
+
+    fn unfence_peer(&self, session: &str) {
+        self.inner.fences.unfence(session);
+        tracing::info!(%session, "peer unfenced");
     }
 
     fn submit_to(&self, session: &str, expected: u64, blocks: &[Block]) -> BatchHandle {
@@ -482,7 +489,12 @@ impl TcpEngine {
         }
         let peer = self.inner.peer(session)?;
         let (handle, completer) = BatchHandle::pending();
-        let ctx = BatchCtx::new(session, expected, completer);
+        let ctx = BatchCtx::new(
+            session,
+            expected,
+            completer,
+            self.inner.stats.live_batches.clone(),
+        );
         let first = if requests.len() == 1 {
             let pieces = requests.pop().unwrap_or_default();
             Item::new(ctx, Work::Write(pieces))

@@ -3,7 +3,7 @@
 //! last item finished, with the first error.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 
 use parking_lot::Mutex;
 
@@ -30,6 +30,11 @@ pub(crate) enum Work {
 }
 
 /// Shared state of one submitted batch.
+///
+/// Its deferred write items each hold an `Arc` of it: that cycle is broken
+/// when the deferred items are queued (a successful check) or dropped
+/// unsent ([`BatchCtx::discard_deferred`], when the batch fails or
+/// completes), so a refused batch does not leak.
 #[derive(Debug)]
 pub(crate) struct BatchCtx {
     pub(super) session: String,
@@ -40,10 +45,18 @@ pub(crate) struct BatchCtx {
     error: Mutex<Option<TransferError>>,
     completer: Mutex<Option<Completer>>,
     pub(super) deferred: Mutex<Vec<Item>>,
+    /// The engine's gauge of live batch states (this one counts itself in and out).
+    live: Arc<AtomicU64>,
 }
 
 impl BatchCtx {
-    pub(crate) fn new(session: &str, expected: u64, completer: Completer) -> Arc<Self> {
+    pub(crate) fn new(
+        session: &str,
+        expected: u64,
+        completer: Completer,
+        live: Arc<AtomicU64>,
+    ) -> Arc<Self> {
+        live.fetch_add(1, Ordering::Relaxed);
         Arc::new(Self {
             session: session.to_owned(),
             expected,
@@ -52,7 +65,15 @@ impl BatchCtx {
             error: Mutex::new(None),
             completer: Mutex::new(Some(completer)),
             deferred: Mutex::new(Vec::new()),
+            live,
         })
+    }
+
+    /// Drop the deferred items without sending them (they were never
+    /// counted in `remaining`), breaking their references to the batch.
+    fn discard_deferred(&self) {
+        let items = std::mem::take(&mut *self.deferred.lock());
+        items.into_iter().for_each(Item::discard);
     }
 
     /// Park the write items that run once the batch's check succeeded.
@@ -73,8 +94,10 @@ impl BatchCtx {
                 *slot = Some(e);
             }
             self.failed.store(true, Ordering::Release);
+            self.discard_deferred();
         }
         if self.remaining.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.discard_deferred();
             let result = match self.error.lock().take() {
                 Some(e) => Err(e),
                 None => Ok(()),
@@ -83,6 +106,12 @@ impl BatchCtx {
                 c.complete(result);
             }
         }
+    }
+}
+
+impl Drop for BatchCtx {
+    fn drop(&mut self) {
+        self.live.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
@@ -101,6 +130,11 @@ impl Item {
             work,
             done: false,
         }
+    }
+
+    /// Drop an item that never counted in its batch's `remaining`.
+    fn discard(mut self) {
+        self.done = true;
     }
 
     pub(super) fn finish(mut self, result: Result<(), TransferError>) {

@@ -1,28 +1,51 @@
 //! The receiving side: the accept loop and one thread per connection that
 //! authenticates the peer, validates every request against our registered
-//! regions, and scatters payloads straight into them.
+//! regions, and scatters payloads straight into them ([`super::scatter`]).
+//!
+//! Limits against hostile or failing peers: at most `max_connections`
+//! accepted connections (more are closed at once); `accept` running out of
+//! descriptors or memory backs off instead of spinning; the handshake has a
+//! total deadline (`connect_timeout_ms`), each request one too
+//! (`request_timeout_ms`, besides the `io_timeout_ms` no-progress limit),
+//! and a connection idle for `idle_timeout_ms` is closed. Every wait is cut
+//! into ticks that check for shutdown and for the connection's abort flag
+//! (set when its peer is fenced).
 
 use std::net::{TcpListener, TcpStream};
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
-use std::time::Duration;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
 
-use kvbridge_mem::{MemoryKind, RegionRegistry, access_for};
-
-use super::wire::{self, Ack, Challenge, Header, Hello, Op, Status};
-use super::{Inner, auth, holds, io};
+use super::handshake::{self, PeerId, Refusal};
+use super::io::{self, Budget};
+use super::stats::bump;
+use super::wire::{self, Ack, Header, Op, Status};
+use super::{Inner, holds};
 
 /// Size of a connection's bounce buffer for short (or staged) blocks.
-const BOUNCE_CAP: usize = 1 << 20;
+pub(super) const BOUNCE_CAP: usize = 1 << 20;
 /// Descriptors validated per chunk of a `Check` request.
 const CHECK_CHUNK: usize = 4096;
-/// Poll tick while waiting for the next request (shutdown / freeze checks).
+/// Poll tick while waiting for the next request (shutdown / freeze / idle checks).
 const IDLE_TICK_MS: i32 = 200;
+/// Back-off of the accept loop when `accept` runs out of resources.
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
+
+/// Whether an `accept` error means "out of descriptors or memory": the
+/// pending connection stays queued, so retrying at once would spin.
+fn is_exhaustion(e: &std::io::Error) -> bool {
+    matches!(
+        e.raw_os_error(),
+        Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM)
+    )
+}
 
 /// Accept connections until the engine shuts down.
 pub(super) fn accept_loop(inner: Arc<Inner>, listener: TcpListener) {
     let fd = listener.as_raw_fd();
+    // Resource errors in the current episode (logged once, at its start).
+    let mut episode: u64 = 0;
     while !inner.is_shutdown() {
         match io::wait_readable(fd, IDLE_TICK_MS) {
             Ok(false) => continue,
@@ -38,18 +61,49 @@ pub(super) fn accept_loop(inner: Arc<Inner>, listener: TcpListener) {
         }
         match listener.accept() {
             Ok((stream, from)) => {
-                inner
-                    .stats
-                    .connections_accepted
-                    .fetch_add(1, Ordering::Relaxed);
+                if episode > 0 {
+                    tracing::info!(errors = episode, "accept works again");
+                    episode = 0;
+                }
+                let stats = &inner.stats;
+                let open = stats.connections_open.load(Ordering::Acquire);
+                if open >= inner.cfg.max_connections as u64 {
+                    bump(&stats.connections_rejected);
+                    if let Some(suppressed) = stats.log_rejected.hit() {
+                        tracing::warn!(
+                            %from,
+                            open,
+                            max = inner.cfg.max_connections,
+                            suppressed,
+                            "connection limit reached; closing new connections at once"
+                        );
+                    }
+                    drop(stream);
+                    continue;
+                }
+                bump(&stats.connections_accepted);
+                bump(&stats.connections_open);
                 tracing::debug!(%from, "accepted data connection");
-                let i2 = inner.clone();
+                let (i2, at) = (inner.clone(), Instant::now());
+                let id = inner.next_id();
                 let spawned = std::thread::Builder::new()
                     .name("kvb-tcp-serve".into())
-                    .spawn(move || serve(i2, stream));
+                    .spawn(move || serve(i2, stream, id, at));
                 if let Err(e) = spawned {
+                    stats.connections_open.fetch_sub(1, Ordering::AcqRel);
                     tracing::warn!(error = %e, "cannot spawn a connection thread; dropping connection");
                 }
+            }
+            Err(e) if is_exhaustion(&e) => {
+                bump(&inner.stats.accept_errors);
+                if episode == 0 {
+                    tracing::warn!(
+                        error = %e,
+                        "accept is out of resources; backing off (logged once per episode)"
+                    );
+                }
+                episode += 1;
+                std::thread::sleep(ACCEPT_BACKOFF);
             }
             Err(e) => {
                 if !inner.is_shutdown() {
@@ -60,7 +114,7 @@ pub(super) fn accept_loop(inner: Arc<Inner>, listener: TcpListener) {
     }
 }
 
-/// Removes a connection's shutdown clone when its thread ends.
+/// Undoes a connection's registrations when its thread ends.
 struct Registered<'a> {
     inner: &'a Inner,
     id: u64,
@@ -68,116 +122,101 @@ struct Registered<'a> {
 
 impl Drop for Registered<'_> {
     fn drop(&mut self) {
+        self.inner.fences.leave(self.id);
         self.inner.holds.release(self.id);
         self.inner.accepted.lock().remove(&self.id);
+        self.inner
+            .stats
+            .connections_open
+            .fetch_sub(1, Ordering::AcqRel);
     }
 }
 
-fn serve(inner: Arc<Inner>, stream: TcpStream) {
-    let id = inner.next_id();
+/// Serve connection `id`, accepted at `accepted_at` (counted open by the accept loop).
+fn serve(inner: Arc<Inner>, stream: TcpStream, id: u64, accepted_at: Instant) {
+    let _reg = Registered { inner: &inner, id };
     if let Ok(c) = stream.try_clone() {
         inner.accepted.lock().insert(id, c);
     }
-    let _reg = Registered { inner: &inner, id };
     if inner.is_shutdown() {
         return;
     }
-    let peer = stream
+    let from = stream
         .peer_addr()
         .map(|a| a.to_string())
         .unwrap_or_default();
     let cfg = &inner.cfg;
+    // Reads and most writes go through deadline-bound non-blocking calls;
+    // the socket timeout bounds the few blocking writes left.
     let setup = stream
         .set_nodelay(true)
-        .and_then(|()| stream.set_read_timeout(Some(cfg.connect_timeout())))
-        .and_then(|()| stream.set_write_timeout(Some(cfg.connect_timeout())));
+        .and_then(|()| stream.set_write_timeout(Some(cfg.io_timeout())));
     if setup.is_err() {
         return;
     }
     let fd = stream.as_raw_fd();
-    match handshake(&inner, fd) {
-        Ok(true) => {}
-        Ok(false) => return,
-        Err(e) => {
-            tracing::debug!(%peer, error = %e, "handshake failed");
-            return;
+    let deadline = accepted_at + cfg.connect_timeout();
+    let handshake_failed = |e: std::io::Error| {
+        if e.kind() == std::io::ErrorKind::TimedOut {
+            bump(&inner.stats.handshake_timeouts);
+            if let Some(suppressed) = inner.stats.log_handshake.hit() {
+                tracing::warn!(
+                    %from,
+                    suppressed,
+                    "handshake not done within the connect timeout; connection dropped"
+                );
+            }
+        } else {
+            tracing::debug!(%from, error = %e, "handshake failed");
         }
-    }
-    let run = stream
-        .set_read_timeout(Some(cfg.io_timeout()))
-        .and_then(|()| stream.set_write_timeout(Some(cfg.io_timeout())));
-    if run.is_err() {
+    };
+    let peer = match handshake::server(&inner, fd, deadline) {
+        Ok(p) => p,
+        Err(Refusal::Refused) => return,
+        Err(Refusal::Io(e)) => return handshake_failed(e),
+    };
+    let Some(abort) = inner.fences.admit(id, &peer.session) else {
+        bump(&inner.stats.fenced_refusals);
+        if let Some(suppressed) = inner.stats.log_fenced.hit() {
+            tracing::warn!(peer = %peer.session, suppressed, "connection from a fenced peer refused");
+        }
+        let _ = handshake::verdict(&inner, fd, deadline, wire::VERDICT_FENCED);
         return;
+    };
+    if let Err(e) = handshake::verdict(&inner, fd, deadline, wire::VERDICT_OK) {
+        return handshake_failed(e);
     }
     let mut conn = ServerConn {
         inner: &inner,
         fd,
         id,
+        peer,
+        abort,
+        idle_since: Instant::now(),
         descs: Vec::new(),
         bounce: Vec::new(),
         wake: None,
         revoke_sent: false,
     };
     match conn.run() {
-        Ok(()) => tracing::debug!(%peer, "data connection closed"),
-        Err(e) => tracing::debug!(%peer, error = %e, "data connection dropped"),
+        Ok(()) => tracing::debug!(%from, "data connection closed"),
+        Err(e) => conn.dropped(&e),
     }
 }
 
-/// Server side of the handshake; `Ok(false)` when the peer was refused.
-fn handshake(inner: &Inner, fd: RawFd) -> std::io::Result<bool> {
-    let mut hb = [0u8; wire::HELLO_LEN];
-    io::read_exact(fd, &mut hb)?;
-    let Some(hello) = Hello::decode(&hb) else {
-        inner.stats.bad_frames.fetch_add(1, Ordering::Relaxed);
-        tracing::warn!("connection without kvbridge hello dropped");
-        return Ok(false);
-    };
-    let secret = inner.secret.as_deref();
-    let nonce = auth::nonce();
-    let proof = match secret {
-        Some(s) if hello.flags & wire::FLAG_SECRET != 0 => {
-            auth::server_proof(s, &hello.nonce, &nonce, inner.incarnation)
-        }
-        _ => [0u8; wire::NONCE_LEN],
-    };
-    let ch = Challenge {
-        version: wire::VERSION,
-        flags: if secret.is_some() {
-            wire::FLAG_SECRET
-        } else {
-            0
-        },
-        incarnation: inner.incarnation,
-        nonce,
-        proof,
-    };
-    io::write_all(fd, &ch.encode())?;
-    let mut rb = [0u8; wire::RESPONSE_LEN];
-    io::read_exact(fd, &mut rb)?;
-    if hello.version != wire::VERSION {
-        io::write_all(fd, &wire::encode_verdict(wire::VERDICT_VERSION))?;
-        return Ok(false);
-    }
-    if let Some(s) = secret
-        && !auth::verify_client(s, &nonce, &hello.nonce, inner.incarnation, &rb)
-    {
-        inner.stats.auth_failures.fetch_add(1, Ordering::Relaxed);
-        tracing::warn!("data connection failed cluster-secret authentication; dropped");
-        io::write_all(fd, &wire::encode_verdict(wire::VERDICT_AUTH))?;
-        return Ok(false);
-    }
-    io::write_all(fd, &wire::encode_verdict(wire::VERDICT_OK))?;
-    Ok(true)
-}
-
-struct ServerConn<'a> {
-    inner: &'a Inner,
-    fd: RawFd,
-    /// The connection's id (its holds are keyed by it).
+pub(super) struct ServerConn<'a> {
+    pub(super) inner: &'a Inner,
+    pub(super) fd: RawFd,
+    /// The connection's id (its holds and fence entry are keyed by it).
     id: u64,
-    descs: Vec<u8>,
-    bounce: Vec<u8>,
+    /// The peer, as it announced itself.
+    peer: PeerId,
+    /// Set when the peer is fenced: stop at the next tick.
+    abort: Arc<AtomicBool>,
+    /// When the last request finished (or the connection was set up).
+    idle_since: Instant,
+    pub(super) descs: Vec<u8>,
+    pub(super) bounce: Vec<u8>,
     /// Wakes this thread when a hold of the connection is revoked (made at
     /// the first lease).
     wake: Option<Arc<OwnedFd>>,
@@ -186,88 +225,152 @@ struct ServerConn<'a> {
 }
 
 impl ServerConn<'_> {
-    /// Serve requests until the peer closes, a frame is malformed, or we shut down.
+    /// Serve requests until the peer closes, a frame is malformed, the
+    /// connection idles out, its peer is fenced or we shut down.
     fn run(&mut self) -> std::io::Result<()> {
         loop {
             if !self.wait_request()? {
                 return Ok(());
             }
-            let mut hb = [0u8; wire::HEADER_LEN];
-            match io::read_exact(self.fd, &mut hb) {
-                Ok(()) => {}
-                Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
-                Err(e) => return Err(e),
+            if !self.inner.fences.begin(self.id) {
+                bump(&self.inner.stats.fenced_refusals);
+                if let Some(suppressed) = self.inner.stats.log_fenced.hit() {
+                    tracing::warn!(
+                        peer = %self.peer.session,
+                        suppressed,
+                        "request from a fenced peer refused; connection closed"
+                    );
+                }
+                return Ok(());
             }
-            let Some(h) = Header::decode(&hb) else {
-                return self.bad_frame("malformed request header", None);
-            };
-            let (status, index) = match h.op {
-                Op::Ping => (Status::Ok, 0),
-                Op::Exports => {
-                    if h.count != 0 || h.payload != 0 {
-                        return self.bad_frame("exports request with a body", Some(h.seq));
-                    }
-                    let table = self.inner.exports.read().clone();
-                    let ack = Ack {
-                        seq: h.seq,
-                        status: Status::Ok,
-                        index: 0,
-                    };
-                    let mut out = ack.encode().to_vec();
-                    out.extend_from_slice(&(table.len() as u64).to_le_bytes());
-                    out.extend_from_slice(&table);
-                    io::write_all(self.fd, &out)?;
-                    continue;
-                }
-                Op::Lease => {
-                    if h.payload != 0 || h.count > wire::MAX_LEASE_REGIONS {
-                        return self.bad_frame("malformed lease request", Some(h.seq));
-                    }
-                    self.lease(h.count)?
-                }
-                Op::Release => {
-                    if h.count != 0 || h.payload != 0 {
-                        return self.bad_frame("release request with a body", Some(h.seq));
-                    }
-                    self.inner.holds.release(self.id);
-                    self.revoke_sent = false;
-                    (Status::Ok, 0)
-                }
-                Op::Check => {
-                    if h.payload != 0 {
-                        return self.bad_frame("check request with payload", Some(h.seq));
-                    }
-                    self.check(h.count)?
-                }
-                Op::Write => {
-                    if h.count > wire::MAX_WRITE_BLOCKS || h.payload > wire::MAX_WRITE_BYTES {
-                        return self.bad_frame("write request over limits", Some(h.seq));
-                    }
-                    match self.write(&h)? {
-                        Some(r) => r,
-                        None => return self.bad_frame("write lengths do not add up", Some(h.seq)),
-                    }
-                }
-            };
-            let ack = Ack {
-                seq: h.seq,
-                status,
-                index,
-            };
-            io::write_all(self.fd, &ack.encode())?;
+            let r = self.request();
+            self.inner.fences.end(self.id);
+            self.idle_since = Instant::now();
+            if !r? {
+                return Ok(());
+            }
         }
     }
 
-    /// Wait for the next request header; `false` on shutdown or peer
-    /// close. Sends the `Revoke` of a revoked hold meanwhile.
+    /// Count and log why the connection was dropped.
+    fn dropped(&self, e: &std::io::Error) {
+        let stats = &self.inner.stats;
+        let peer = &self.peer.session;
+        match e.kind() {
+            std::io::ErrorKind::TimedOut => {
+                bump(&stats.request_timeouts);
+                if let Some(suppressed) = stats.log_request.hit() {
+                    tracing::warn!(%peer, error = %e, suppressed, "request not received in time; connection dropped");
+                }
+            }
+            std::io::ErrorKind::ConnectionAborted => {
+                bump(&stats.requests_aborted);
+                tracing::debug!(%peer, error = %e, "request abandoned; connection dropped");
+            }
+            _ => tracing::debug!(%peer, error = %e, "data connection dropped"),
+        }
+    }
+
+    /// Receive, carry out and acknowledge one request, within
+    /// `request_timeout_ms`; `false` when the connection is to be closed.
+    fn request(&mut self) -> std::io::Result<bool> {
+        let inner = self.inner;
+        let abort = self.abort.clone();
+        let stop = move || inner.is_shutdown() || abort.load(Ordering::Acquire);
+        let cfg = &inner.cfg;
+        let hard = Instant::now() + cfg.request_timeout();
+        let mut b = Budget::new(hard, cfg.io_timeout(), &stop);
+        let mut hb = [0u8; wire::HEADER_LEN];
+        match io::read_exact_by(self.fd, &mut hb, &mut b) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(false),
+            Err(e) => return Err(e),
+        }
+        let Some(h) = Header::decode(&hb) else {
+            return self.bad_frame("malformed request header", None, &mut b);
+        };
+        let (status, index) = match h.op {
+            Op::Ping => (Status::Ok, 0),
+            Op::Exports => {
+                if h.count != 0 || h.payload != 0 {
+                    return self.bad_frame("exports request with a body", Some(h.seq), &mut b);
+                }
+                let table = self.inner.exports.read().clone();
+                let ack = Ack {
+                    seq: h.seq,
+                    status: Status::Ok,
+                    index: 0,
+                };
+                let mut out = ack.encode().to_vec();
+                out.extend_from_slice(&(table.len() as u64).to_le_bytes());
+                out.extend_from_slice(&table);
+                io::write_all_by(self.fd, &out, &mut b)?;
+                return Ok(true);
+            }
+            Op::Lease => {
+                if h.payload != 0 || h.count > wire::MAX_LEASE_REGIONS {
+                    return self.bad_frame("malformed lease request", Some(h.seq), &mut b);
+                }
+                self.lease(h.count, &mut b)?
+            }
+            Op::Release => {
+                if h.count != 0 || h.payload != 0 {
+                    return self.bad_frame("release request with a body", Some(h.seq), &mut b);
+                }
+                self.inner.holds.release(self.id);
+                self.revoke_sent = false;
+                (Status::Ok, 0)
+            }
+            Op::Check => {
+                if h.payload != 0 {
+                    return self.bad_frame("check request with payload", Some(h.seq), &mut b);
+                }
+                self.check(h.count, &mut b)?
+            }
+            Op::Write => {
+                if h.count > wire::MAX_WRITE_BLOCKS || h.payload > wire::MAX_WRITE_BYTES {
+                    return self.bad_frame("write request over limits", Some(h.seq), &mut b);
+                }
+                match self.write(&h, &mut b)? {
+                    Some(r) => r,
+                    None => {
+                        return self.bad_frame("write lengths do not add up", Some(h.seq), &mut b);
+                    }
+                }
+            }
+        };
+        let ack = Ack {
+            seq: h.seq,
+            status,
+            index,
+        };
+        io::write_all_by(self.fd, &ack.encode(), &mut b)?;
+        Ok(true)
+    }
+
+    /// Wait for the next request; `false` on shutdown, peer close, fence
+    /// or idle timeout. Sends the `Revoke` of a revoked hold meanwhile.
     fn wait_request(&mut self) -> std::io::Result<bool> {
+        let idle = self.inner.cfg.idle_timeout();
         loop {
-            if self.inner.is_shutdown() {
+            if self.inner.is_shutdown() || self.abort.load(Ordering::Acquire) {
                 return Ok(false);
             }
             if self.inner.frozen.load(Ordering::Acquire) {
                 std::thread::sleep(Duration::from_millis(10));
                 continue;
+            }
+            if self.idle_since.elapsed() >= idle && !self.inner.holds.holding(self.id) {
+                let stats = &self.inner.stats;
+                bump(&stats.idle_closed);
+                if let Some(suppressed) = stats.log_idle.hit() {
+                    tracing::info!(
+                        peer = %self.peer.session,
+                        suppressed,
+                        "closing a connection idle for longer than the idle timeout"
+                    );
+                }
+                return Ok(false);
             }
             let Some(wake) = self.wake.clone() else {
                 if io::wait_readable(self.fd, IDLE_TICK_MS)? {
@@ -294,28 +397,38 @@ impl ServerConn<'_> {
         }
     }
 
-    /// Count a malformed frame, answer `BadRequest` when possible, and end the connection.
-    fn bad_frame(&self, what: &str, seq: Option<u64>) -> std::io::Result<()> {
-        self.inner.stats.bad_frames.fetch_add(1, Ordering::Relaxed);
-        tracing::warn!(what, "malformed request; dropping data connection");
+    /// Count a malformed frame, answer `BadRequest` when possible; the
+    /// connection is then closed (`Ok(false)`).
+    fn bad_frame(&self, what: &str, seq: Option<u64>, b: &mut Budget<'_>) -> std::io::Result<bool> {
+        bump(&self.inner.stats.bad_frames);
+        if let Some(suppressed) = self.inner.stats.log_bad_frame.hit() {
+            tracing::warn!(
+                what,
+                peer = %self.peer.session,
+                suppressed,
+                "malformed request; dropping data connection"
+            );
+        }
         if let Some(seq) = seq {
             let ack = Ack {
                 seq,
                 status: Status::BadRequest,
                 index: 0,
             };
-            let _ = io::write_all(self.fd, &ack.encode());
+            let _ = io::write_all_by(self.fd, &ack.encode(), b);
         }
-        Ok(())
+        Ok(false)
     }
 
     /// A lease: check that every named region is registered and add them
     /// to the connection's hold (see [`holds`]) before the read guard is
-    /// dropped, so a deregistration racing with it sees the hold.
-    fn lease(&mut self, count: u32) -> std::io::Result<(Status, u32)> {
+    /// dropped, so a deregistration racing with it sees the hold. Linear in
+    /// the number of regions (one `O(log r)` lookup and one hashed insert
+    /// each), whatever the connection held before.
+    fn lease(&mut self, count: u32, b: &mut Budget<'_>) -> std::io::Result<(Status, u32)> {
         let n = count as usize;
         self.descs.resize(n * wire::DESC_LEN, 0);
-        io::read_exact(self.fd, &mut self.descs)?;
+        io::read_exact_by(self.fd, &mut self.descs, b)?;
         let wake = match &self.wake {
             Some(w) => w.clone(),
             None => {
@@ -324,12 +437,14 @@ impl ServerConn<'_> {
                 w
             }
         };
-        let regions = self.inner.regions.read_recursive();
         let leased: Vec<(u64, u64)> = (0..n).map(|i| wire::desc_at(&self.descs, i)).collect();
+        let regions = self.inner.regions.read();
         if let Some(bad) = leased
             .iter()
             .position(|&(start, len)| regions.find(start, len).is_none())
         {
+            drop(regions);
+            self.refused("lease of a range outside our regions refused", bad);
             return Ok((Status::OutOfRegion, bad as u32));
         }
         self.inner.holds.add(self.id, &wake, &leased);
@@ -337,17 +452,27 @@ impl ServerConn<'_> {
         Ok((Status::Ok, 0))
     }
 
+    /// Count and log (rate-limited) a request refused for a destination
+    /// outside our regions.
+    pub(super) fn refused(&self, what: &'static str, index: usize) {
+        let stats = &self.inner.stats;
+        bump(&stats.requests_refused);
+        if let Some(suppressed) = stats.log_refused.hit() {
+            tracing::warn!(peer = %self.peer.session, index, suppressed, "{what}");
+        }
+    }
+
     /// Validate every destination of a batch, streaming the descriptors.
-    fn check(&mut self, count: u32) -> std::io::Result<(Status, u32)> {
+    fn check(&mut self, count: u32, b: &mut Budget<'_>) -> std::io::Result<(Status, u32)> {
         let mut first_bad: Option<u32> = None;
         let mut done: usize = 0;
         let total = count as usize;
         while done < total {
             let n = (total - done).min(CHECK_CHUNK);
             self.descs.resize(n * wire::DESC_LEN, 0);
-            io::read_exact(self.fd, &mut self.descs)?;
+            io::read_exact_by(self.fd, &mut self.descs, b)?;
             if first_bad.is_none() {
-                let regions = self.inner.regions.read_recursive();
+                let regions = self.inner.regions.read();
                 for i in 0..n {
                     let (dst, len) = wire::desc_at(&self.descs, i);
                     if regions.find(dst, len).is_none() {
@@ -360,169 +485,12 @@ impl ServerConn<'_> {
         }
         Ok(match first_bad {
             Some(i) => {
-                self.inner
-                    .stats
-                    .requests_refused
-                    .fetch_add(1, Ordering::Relaxed);
-                tracing::warn!(
-                    index = i,
-                    "batch check refused a destination outside our regions"
+                self.refused(
+                    "batch check refused a destination outside our regions",
+                    i as usize,
                 );
                 (Status::OutOfRegion, i)
             }
-            None => (Status::Ok, 0),
-        })
-    }
-
-    /// Receive one `Write` request; `None` if the descriptors contradict the header.
-    fn write(&mut self, h: &Header) -> std::io::Result<Option<(Status, u32)>> {
-        let n = h.count as usize;
-        self.descs.resize(n * wire::DESC_LEN, 0);
-        io::read_exact(self.fd, &mut self.descs)?;
-        let mut sum: u64 = 0;
-        for i in 0..n {
-            let (_, len) = wire::desc_at(&self.descs, i);
-            sum = match sum.checked_add(len) {
-                Some(s) => s,
-                None => return Ok(None),
-            };
-        }
-        if sum != h.payload {
-            return Ok(None);
-        }
-        if self.bounce.len() < BOUNCE_CAP {
-            self.bounce.resize(BOUNCE_CAP, 0);
-        }
-        let regions = self.inner.regions.read_recursive();
-        let mut kinds = Vec::with_capacity(n);
-        for i in 0..n {
-            let (dst, len) = wire::desc_at(&self.descs, i);
-            match regions.find(dst, len) {
-                Some(r) => kinds.push(r.kind),
-                None => {
-                    drop(regions);
-                    self.inner
-                        .stats
-                        .requests_refused
-                        .fetch_add(1, Ordering::Relaxed);
-                    tracing::warn!(
-                        dst = format_args!("{dst:#x}"),
-                        len,
-                        index = i,
-                        "write outside our registered regions refused; request discarded"
-                    );
-                    io::discard(self.fd, h.payload, &mut self.bounce)?;
-                    return Ok(Some((Status::OutOfRegion, i as u32)));
-                }
-            }
-        }
-        let status = self.scatter(&regions, &kinds)?;
-        drop(regions);
-        let stats = &self.inner.stats;
-        let total = stats.bytes_received.fetch_add(h.payload, Ordering::Relaxed) + h.payload;
-        if total >= self.inner.freeze_after.load(Ordering::Acquire) {
-            self.inner.frozen.store(true, Ordering::Release);
-        }
-        Ok(Some(status))
-    }
-
-    /// Read the payload into the validated destinations: long host blocks
-    /// directly, short or staged ones through the bounce buffer.
-    fn scatter(
-        &mut self,
-        _guard: &RegionRegistry,
-        kinds: &[MemoryKind],
-    ) -> std::io::Result<(Status, u32)> {
-        let threshold = self.inner.cfg.coalesce_threshold as u64;
-        let force_copy = self.inner.cfg.force_staging;
-        let bounce = self.bounce.as_mut_ptr();
-        let mut iovs: Vec<libc::iovec> = Vec::with_capacity(64);
-        // (dst, kind, bounce offset, len) of bounced bytes waiting to be copied out.
-        let mut pending: Vec<(u64, MemoryKind, usize, usize)> = Vec::new();
-        let mut used = 0usize;
-        let mut mem_error: Option<u32> = None;
-        let fd = self.fd;
-        // Receives into `iovs`, then copies bounced bytes out.
-        let flush = |iovs: &mut Vec<libc::iovec>,
-                     pending: &mut Vec<(u64, MemoryKind, usize, usize)>,
-                     used: &mut usize,
-                     mem_error: &mut Option<u32>,
-                     index: u32|
-         -> std::io::Result<()> {
-            // SAFETY: every iovec points either into `self.bounce` (alive,
-            // not resized during this call) or into a destination range that
-            // `write` checked to lie inside a registered host-accessible
-            // region; the registry read guard held by our caller keeps those
-            // regions registered, and the registration contract makes them
-            // valid, writable and untouched by others meanwhile.
-            unsafe { io::recv_all(fd, iovs) }?;
-            for &(dst, kind, off, len) in pending.iter() {
-                // SAFETY: `off + len <= BOUNCE_CAP`, inside the bounce buffer.
-                let src = unsafe { std::slice::from_raw_parts(bounce.add(off), len) };
-                // SAFETY: `[dst, dst + len)` was checked inside a registered
-                // region of `kind`, kept registered by the guard.
-                let written = unsafe { access_for(kind).write(dst, src) };
-                if let Err(e) = written
-                    && mem_error.is_none()
-                {
-                    tracing::warn!(error = %e, "writing a received block into memory failed");
-                    *mem_error = Some(index);
-                }
-            }
-            iovs.clear();
-            pending.clear();
-            *used = 0;
-            Ok(())
-        };
-        for (i, kind) in kinds.iter().copied().enumerate() {
-            let (dst, len64) = wire::desc_at(&self.descs, i);
-            let len = len64 as usize;
-            if len == 0 {
-                continue;
-            }
-            if kind.is_host_accessible() && !force_copy && len64 >= threshold {
-                let p = std::ptr::with_exposed_provenance_mut::<u8>(dst as usize);
-                iovs.push(io::iov(p, len));
-                if iovs.len() >= io::MAX_IOV {
-                    flush(&mut iovs, &mut pending, &mut used, &mut mem_error, i as u32)?;
-                }
-                continue;
-            }
-            let mut off = 0usize;
-            while off < len {
-                if used == BOUNCE_CAP {
-                    flush(&mut iovs, &mut pending, &mut used, &mut mem_error, i as u32)?;
-                }
-                let k = (len - off).min(BOUNCE_CAP - used);
-                // SAFETY: `used + k <= BOUNCE_CAP`, in bounds of the bounce buffer.
-                let start = unsafe { bounce.add(used) };
-                match iovs.last_mut() {
-                    Some(last)
-                        if last.iov_base.cast::<u8>().wrapping_add(last.iov_len) == start =>
-                    {
-                        last.iov_len += k;
-                    }
-                    _ => iovs.push(io::iov(start, k)),
-                }
-                pending.push((dst + off as u64, kind, used, k));
-                used += k;
-                off += k;
-                if iovs.len() >= io::MAX_IOV {
-                    flush(&mut iovs, &mut pending, &mut used, &mut mem_error, i as u32)?;
-                }
-            }
-        }
-        if !iovs.is_empty() {
-            flush(
-                &mut iovs,
-                &mut pending,
-                &mut used,
-                &mut mem_error,
-                kinds.len() as u32,
-            )?;
-        }
-        Ok(match mem_error {
-            Some(i) => (Status::Memory, i),
             None => (Status::Ok, 0),
         })
     }

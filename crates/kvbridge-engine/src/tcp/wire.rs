@@ -3,10 +3,14 @@
 //!
 //! ```text
 //! connection set-up (client = the side that sends data)
-//!   C->S Hello      magic "KVBT" | version u16 | flags u16 | client nonce [32]
+//!   C->S Hello      magic "KVBT" | version u16 | flags u16 | client nonce [32] |
+//!                   client incarnation u64 | session length u16 | client session id
+//!                   (its own "host:port", UTF-8, 1..=MAX_SESSION_LEN bytes)
 //!   S->C Challenge  magic | version | flags | incarnation u64 | server nonce [32] | server proof [32]
 //!   C->S Response   client proof [32]
-//!   S->C Verdict    status u32 | reserved u32
+//!   S->C Verdict    status u32 (ok, auth, version, fenced) | reserved u32
+//!   (the client's proof covers its announced incarnation and session id;
+//!   the whole set-up must finish within the connect timeout)
 //! then requests, each answered in order by one ack:
 //!   C->S Header     op u8 | reserved [3] | count u32 | seq u64 | payload bytes u64
 //!        Write: count x (dst u64, len u64), then the payload (the blocks' bytes in order)
@@ -27,15 +31,19 @@
 
 /// First bytes of both handshake messages.
 pub(crate) const MAGIC: [u8; 4] = *b"KVBT";
-/// Protocol version.
-pub(crate) const VERSION: u16 = 1;
+/// Protocol version (2: the hello announces the client's session and incarnation).
+pub(crate) const VERSION: u16 = 2;
 /// Handshake flag: the sender of the message holds a cluster secret.
 pub(crate) const FLAG_SECRET: u16 = 1;
 /// Nonce and proof length.
 pub(crate) const NONCE_LEN: usize = 32;
 
-/// Encoded sizes.
+/// Encoded sizes. `HELLO_LEN` is the fixed prefix every version shares;
+/// the announcement (`ANNOUNCE_LEN` bytes, then the session id) follows it.
 pub(crate) const HELLO_LEN: usize = 8 + NONCE_LEN;
+pub(crate) const ANNOUNCE_LEN: usize = 10;
+/// Longest session id a hello may announce.
+pub(crate) const MAX_SESSION_LEN: usize = 512;
 pub(crate) const CHALLENGE_LEN: usize = 16 + 2 * NONCE_LEN;
 pub(crate) const RESPONSE_LEN: usize = NONCE_LEN;
 pub(crate) const VERDICT_LEN: usize = 8;
@@ -51,7 +59,9 @@ pub(crate) const MAX_WRITE_BYTES: u64 = 1 << 30;
 /// Verdict statuses.
 pub(crate) const VERDICT_OK: u32 = 0;
 pub(crate) const VERDICT_AUTH: u32 = 1;
-pub(crate) const VERDICT_VERSION: u32 = 2;
+// 2 was "version mismatch" in version 1; a server now answers a hello of
+// another version with its challenge only (the client reports the mismatch).
+pub(crate) const VERDICT_FENCED: u32 = 3;
 
 /// Request opcodes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -126,24 +136,39 @@ pub(crate) struct Hello {
     pub version: u16,
     pub flags: u16,
     pub nonce: [u8; NONCE_LEN],
+    /// The client engine's incarnation.
+    pub incarnation: u64,
+    /// The client engine's own session id (`host:port`).
+    pub session: String,
 }
 
 impl Hello {
-    pub(crate) fn encode(&self) -> [u8; HELLO_LEN] {
-        let mut b = [0u8; HELLO_LEN];
-        b[..4].copy_from_slice(&MAGIC);
-        b[4..6].copy_from_slice(&self.version.to_le_bytes());
-        b[6..8].copy_from_slice(&self.flags.to_le_bytes());
-        b[8..].copy_from_slice(&self.nonce);
+    /// The whole message: prefix, announcement and session id.
+    pub(crate) fn encode(&self) -> Vec<u8> {
+        let mut b = Vec::with_capacity(HELLO_LEN + ANNOUNCE_LEN + self.session.len());
+        b.extend_from_slice(&MAGIC);
+        b.extend_from_slice(&self.version.to_le_bytes());
+        b.extend_from_slice(&self.flags.to_le_bytes());
+        b.extend_from_slice(&self.nonce);
+        b.extend_from_slice(&self.incarnation.to_le_bytes());
+        let len = u16::try_from(self.session.len()).unwrap_or(u16::MAX);
+        b.extend_from_slice(&len.to_le_bytes());
+        b.extend_from_slice(self.session.as_bytes());
         b
     }
 
-    pub(crate) fn decode(b: &[u8; HELLO_LEN]) -> Option<Self> {
-        (b[..4] == MAGIC).then(|| Self {
-            version: u16_at(b, 4),
-            flags: u16_at(b, 6),
-            nonce: nonce_at(b, 8),
-        })
+    /// The fixed prefix, `(version, flags, nonce)`; `None` without the magic.
+    pub(crate) fn decode_prefix(b: &[u8; HELLO_LEN]) -> Option<(u16, u16, [u8; NONCE_LEN])> {
+        (b[..4] == MAGIC).then(|| (u16_at(b, 4), u16_at(b, 6), nonce_at(b, 8)))
+    }
+
+    /// The announcement after the prefix: `(incarnation, session id length)`;
+    /// `None` when the length is 0 or over [`MAX_SESSION_LEN`].
+    pub(crate) fn decode_announce(b: &[u8; ANNOUNCE_LEN]) -> Option<(u64, usize)> {
+        let len = usize::from(u16_at(b, 8));
+        (1..=MAX_SESSION_LEN)
+            .contains(&len)
+            .then(|| (u64_at(b, 0), len))
     }
 }
 
@@ -281,8 +306,20 @@ mod tests {
             version: VERSION,
             flags: FLAG_SECRET,
             nonce: [7; 32],
+            incarnation: 0x1234,
+            session: "10.0.0.1:7000".into(),
         };
-        assert_eq!(Hello::decode(&h.encode()), Some(h));
+        let b = h.encode();
+        let mut prefix = [0u8; HELLO_LEN];
+        prefix.copy_from_slice(&b[..HELLO_LEN]);
+        assert_eq!(
+            Hello::decode_prefix(&prefix),
+            Some((VERSION, FLAG_SECRET, [7; 32]))
+        );
+        let mut ann = [0u8; ANNOUNCE_LEN];
+        ann.copy_from_slice(&b[HELLO_LEN..HELLO_LEN + ANNOUNCE_LEN]);
+        assert_eq!(Hello::decode_announce(&ann), Some((0x1234, 13)));
+        assert_eq!(&b[HELLO_LEN + ANNOUNCE_LEN..], b"10.0.0.1:7000");
         let c = Challenge {
             version: 1,
             flags: 0,
@@ -325,14 +362,13 @@ mod tests {
         hb[0] = 1;
         hb[2] = 1;
         assert_eq!(Header::decode(&hb), None);
-        let mut h = Hello {
-            version: 1,
-            flags: 0,
-            nonce: [0; 32],
-        }
-        .encode();
-        h[0] = b'X';
-        assert_eq!(Hello::decode(&h), None);
+        let mut h = [0u8; HELLO_LEN];
+        h[..4].copy_from_slice(b"XVBT");
+        assert_eq!(Hello::decode_prefix(&h), None);
+        let mut ann = [0u8; ANNOUNCE_LEN];
+        assert_eq!(Hello::decode_announce(&ann), None, "empty session id");
+        ann[8..].copy_from_slice(&(MAX_SESSION_LEN as u16 + 1).to_le_bytes());
+        assert_eq!(Hello::decode_announce(&ann), None, "session id too long");
         let mut a = Ack {
             seq: 1,
             status: Status::Ok,
