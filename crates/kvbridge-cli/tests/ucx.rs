@@ -67,8 +67,7 @@ fn demo_over_ucx_verifies_every_byte() {
                 "1",
                 "--decode-tp",
                 "2",
-                "--secret",
-                "s3cret",
+                "--open",
             ],
         ),
     ] {

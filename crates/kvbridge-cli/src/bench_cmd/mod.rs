@@ -46,3 +46,22 @@ pub fn run(cmd: BenchCommand) -> ExitCode {
         }
     }
 }
+
+/// The secret both bench processes use with `--auth`: the environment's
+/// (KVBRIDGE_SECRET_FILE / KVBRIDGE_SECRET), else one generated for this
+/// run; the same value for every call in the process.
+fn bench_secret(auth: bool) -> Option<String> {
+    static SECRET: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    auth.then(|| {
+        SECRET
+            .get_or_init(|| match kvbridge_engine::ClusterSecret::from_env() {
+                Ok(Some(s)) => s.to_env_value(),
+                Ok(None) => kvbridge_engine::ClusterSecret::generate().to_env_value(),
+                Err(e) => {
+                    eprintln!("kvbridge bench: {e}; using a generated secret instead");
+                    kvbridge_engine::ClusterSecret::generate().to_env_value()
+                }
+            })
+            .clone()
+    })
+}

@@ -50,9 +50,11 @@ pub struct TcpArgs {
     /// Requests in flight per connection (default: the engine's).
     #[arg(long)]
     pipeline_depth: Option<usize>,
-    /// Cluster secret for both processes (exercises authentication).
+    /// Authenticate both processes with the cluster secret (from
+    /// KVBRIDGE_SECRET_FILE / KVBRIDGE_SECRET, else a generated one handed
+    /// to the target process through its environment).
     #[arg(long)]
-    secret: Option<String>,
+    auth: bool,
     /// Skip the byte verification.
     #[arg(long)]
     no_verify: bool,
@@ -70,7 +72,7 @@ impl TcpArgs {
             coalesce_threshold: self.coalesce_threshold.unwrap_or(d.coalesce_threshold),
             request_bytes: self.request_bytes.unwrap_or(d.request_bytes),
             pipeline_depth: self.pipeline_depth.unwrap_or(d.pipeline_depth),
-            secret: self.secret.clone(),
+            secret: super::bench_secret(self.auth),
             ..d
         }
     }
@@ -176,8 +178,10 @@ impl Target {
         ]);
         let cfg = args.engine_config();
         cmd.args(["--coalesce-threshold", &cfg.coalesce_threshold.to_string()]);
-        if let Some(s) = &args.secret {
-            cmd.args(["--secret", s]);
+        if let Some(s) = super::bench_secret(args.auth) {
+            cmd.arg("--auth")
+                .env(kvbridge_engine::secret::SECRET_ENV, s)
+                .env_remove(kvbridge_engine::secret::SECRET_FILE_ENV);
         }
         let mut child = cmd
             .stdin(Stdio::piped())

@@ -47,9 +47,11 @@ pub struct UcxArgs {
     /// Scatter the destinations so that every block is its own put.
     #[arg(long)]
     scatter: bool,
-    /// Cluster secret for both processes (exercises authentication).
+    /// Authenticate both processes with the cluster secret (from
+    /// KVBRIDGE_SECRET_FILE / KVBRIDGE_SECRET, else a generated one handed
+    /// to the target process through its environment).
     #[arg(long)]
-    secret: Option<String>,
+    auth: bool,
     /// Skip the byte verification.
     #[arg(long)]
     no_verify: bool,
@@ -62,7 +64,7 @@ impl UcxArgs {
     fn engine(&self) -> Result<UcxEngine> {
         let cfg = EngineConfig {
             listen_host: "127.0.0.1".into(),
-            secret: self.secret.clone(),
+            secret: super::bench_secret(self.auth),
             io_timeout_ms: 60_000,
             ..EngineConfig::default()
         };
@@ -132,8 +134,10 @@ impl Target {
         if let Some(t) = &args.tls {
             cmd.args(["--tls", t]);
         }
-        if let Some(s) = &args.secret {
-            cmd.args(["--secret", s]);
+        if let Some(s) = super::bench_secret(args.auth) {
+            cmd.arg("--auth")
+                .env(kvbridge_engine::secret::SECRET_ENV, s)
+                .env_remove(kvbridge_engine::secret::SECRET_FILE_ENV);
         }
         let mut child = cmd
             .stdin(Stdio::piped())

@@ -81,9 +81,11 @@ pub struct DemoArgs {
     /// Transfer engine.
     #[arg(long, value_enum, default_value = "tcp")]
     engine: EngineKind,
-    /// Shared cluster secret for the engines' connections.
+    /// Run without a cluster secret (sglang-compatible open mode, every
+    /// channel unauthenticated). By default the demo generates a secret and
+    /// hands it to its processes through their environment.
     #[arg(long)]
-    secret: Option<String>,
+    open: bool,
     /// KV pools in GPU memory (`--device` = GPU 0, `--device N`).
     #[arg(long, num_args = 0..=1, default_missing_value = "0", value_name = "GPU")]
     device: Option<i32>,
@@ -197,7 +199,6 @@ fn plan(args: &DemoArgs, bootstrap: SocketAddr) -> Result<Plan> {
     let prefill_pages = all_pages.min(window * 8).max(window) + 1;
     let decode_pages = window + max_pages + 1;
     let engine = EngineConfig {
-        secret: args.secret.clone(),
         // Chunks of a few MiB: 2 MiB requests spread one chunk's batch over
         // the engine's connections (measured best on loopback).
         request_bytes: 2 << 20,
@@ -314,7 +315,18 @@ fn run_inner(args: &DemoArgs) -> Result<Summary> {
 
 fn orchestrate(args: &DemoArgs, plan: &Plan, dir: &std::path::Path) -> Result<Summary> {
     let deadline = Instant::now() + Duration::from_secs(args.timeout_s);
-    let mut children = Children::new(dir.to_path_buf());
+    let secret = if args.open {
+        eprintln!(
+            "kvbridge demo: OPEN MODE (--open): no cluster secret; every channel is unauthenticated"
+        );
+        None
+    } else {
+        Some(match kvbridge_engine::ClusterSecret::from_env()? {
+            Some(s) => s,
+            None => kvbridge_engine::ClusterSecret::generate(),
+        })
+    };
+    let mut children = Children::new(dir.to_path_buf(), secret);
     let prefill_ids: Vec<ChildId> = plan
         .prefill_files
         .iter()

@@ -26,6 +26,8 @@ struct Entry {
 /// The rank processes of one demo run.
 pub struct Children {
     dir: PathBuf,
+    /// The cluster secret handed to every child (none: open mode).
+    secret: Option<kvbridge_engine::ClusterSecret>,
     entries: Vec<Entry>,
     tx: Sender<(ChildId, Option<Event>)>,
     rx: Receiver<(ChildId, Option<Event>)>,
@@ -35,10 +37,11 @@ pub struct Children {
 
 impl Children {
     /// No children yet; configuration files go to `dir`.
-    pub fn new(dir: PathBuf) -> Self {
+    pub fn new(dir: PathBuf, secret: Option<kvbridge_engine::ClusterSecret>) -> Self {
         let (tx, rx) = channel();
         Self {
             dir,
+            secret,
             entries: Vec::new(),
             tx,
             rx,
@@ -65,6 +68,13 @@ impl Children {
         if std::env::var_os("KVBRIDGE_LOG").is_none() {
             command.env("KVBRIDGE_LOG", "error");
         }
+        // The secret travels in the environment (readable only by this
+        // user), never on a command line or in the rank's config file.
+        command.env_remove(kvbridge_engine::secret::SECRET_FILE_ENV);
+        match &self.secret {
+            Some(s) => command.env(kvbridge_engine::secret::SECRET_ENV, s.to_env_value()),
+            None => command.env_remove(kvbridge_engine::secret::SECRET_ENV),
+        };
         let mut child = command
             .spawn()
             .with_context(|| format!("starting {role} rank {rank}"))?;

@@ -64,6 +64,8 @@ pub fn run(file: &RankFile) -> Result<bool> {
     let mut pending: VecDeque<Request> = workload.requests().into();
     let mut active: Vec<Active> = Vec::new();
     let mut clean = true;
+    // Pages held back for ever because their room's abort was never acknowledged.
+    let mut quarantined: u64 = 0;
     let room_timeout =
         Duration::try_from_secs_f64(workload.room_timeout_s).unwrap_or(Duration::from_secs(60));
     let mut jitter = workload.seed | 1;
@@ -119,12 +121,25 @@ pub fn run(file: &RankFile) -> Result<bool> {
                 // every prefill rank to stop; wait for them as for an abort.
                 a.aborted_at = Some(Instant::now());
             }
+            // Pages are reused only once every prefill rank has acknowledged
+            // the abort (its in-flight writes drained). A room whose ranks
+            // stay silent is concluded after a while but its pages are
+            // quarantined, never reused: a late write could still land.
+            let mut reuse_pages = true;
             let finished = match a.aborted_at {
                 Some(at) => {
-                    // Pages are reused only once every prefill rank has
-                    // acknowledged (its in-flight writes drained).
-                    if a.receiver.abort_acknowledged() || at.elapsed() > Duration::from_secs(10) {
+                    if a.receiver.abort_acknowledged() {
                         pools.poison(&a.pages, POISON);
+                        Some(KvPoll::Failed)
+                    } else if at.elapsed() > Duration::from_secs(10) {
+                        reuse_pages = false;
+                        quarantined += a.pages.len() as u64;
+                        tracing::error!(
+                            room = a.request.room,
+                            pages = a.pages.len(),
+                            quarantined,
+                            "no ABORT_ACK from the room's prefill ranks; its pages are quarantined"
+                        );
                         Some(KvPoll::Failed)
                     } else {
                         None
@@ -164,8 +179,10 @@ pub fn run(file: &RankFile) -> Result<bool> {
                 mismatched: verified.mismatched,
                 aborted: a.abort_at.is_some(),
             });
-            pages.free(&a.pages);
-            aux_slots.free(&[a.aux]);
+            if reuse_pages {
+                pages.free(&a.pages);
+                aux_slots.free(&[a.aux]);
+            }
             progressed = true;
         }
         if !progressed {

@@ -174,9 +174,12 @@ pub struct RankArgs {
     /// Port the transfer engine listens on (0 picks one).
     #[arg(long)]
     engine_port: Option<u16>,
-    /// Shared cluster secret for engine connections.
-    #[arg(long)]
-    secret: Option<String>,
+    /// File holding the cluster secret that guards every channel (engine,
+    /// control plane, bootstrap writes). Without it the secret comes from
+    /// the environment (KVBRIDGE_SECRET_FILE, then KVBRIDGE_SECRET); with
+    /// neither the rank runs in open mode (sglang-compatible, unauthenticated).
+    #[arg(long, value_name = "PATH")]
+    secret_file: Option<std::path::PathBuf>,
     /// Transfer engine (overrides the file's `engine_kind`); the UCX engine
     /// takes its transports from UCX's environment (`UCX_TLS`, ...).
     #[arg(long, value_enum)]
@@ -245,9 +248,16 @@ impl RankArgs {
         if let Some(p) = self.engine_port {
             file.engine.port = p;
         }
-        if self.secret.is_some() {
-            file.engine.secret = self.secret;
+        let secret = kvbridge_engine::ClusterSecret::load(self.secret_file.as_deref())?;
+        if file.engine.secret.is_some() {
+            bail!(
+                "the configuration file sets engine.secret; keep the cluster secret out of \
+                 configuration files and pass it with --secret-file or KVBRIDGE_SECRET_FILE"
+            );
         }
+        file.engine.secret = secret.as_ref().map(|s| s.to_env_value());
+        file.prefill.secret = secret.clone();
+        file.decode.secret = secret;
         if let Some(kind) = self.engine {
             file.engine_kind = kind;
         }
