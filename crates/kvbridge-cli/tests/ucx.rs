@@ -60,16 +60,7 @@ fn demo_over_ucx_verifies_every_byte() {
     for (tls, topology) in [
         ("tcp", &["--prefill-tp", "1", "--decode-tp", "1"][..]),
         ("posix,cma,self", &["--prefill-tp", "2", "--decode-tp", "1"]),
-        (
-            "tcp",
-            &[
-                "--prefill-tp",
-                "1",
-                "--decode-tp",
-                "2",
-                "--open",
-            ],
-        ),
+        ("tcp", &["--prefill-tp", "1", "--decode-tp", "2", "--open"]),
     ] {
         let mut args = vec!["demo", "--json", "--engine", "ucx"];
         args.extend_from_slice(&small);
