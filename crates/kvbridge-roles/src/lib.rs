@@ -15,6 +15,8 @@ pub mod bootstrap;
 pub mod config;
 pub mod control;
 pub mod error;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod health;
 mod http;
 pub mod kv_args;

@@ -214,7 +214,7 @@ fn a_lost_bootstrap_server_does_not_release_pages() {
 
 #[test]
 fn a_lost_bootstrap_server_with_a_live_prefill_drains_through_its_ack() {
-    let mut cluster = Cluster::new(tiny_model(false, 2), 1, 1, 1, 16);
+    let cluster = Cluster::new(tiny_model(false, 2), 1, 1, 1, 16);
     let addr = cluster.bootstrap.local_addr().to_string();
     let mut rx = cluster.decode[0].0.receiver(&addr, 700);
     assert_eq!(rx.init(0), KvPoll::WaitingForInput);

@@ -26,13 +26,13 @@ const STATE_BATCH_BYTES: usize = 16 << 20;
 /// for device memory instead of one per block). Flushed before any other
 /// message is handled, so a room's status never overtakes its blocks.
 #[derive(Default)]
-struct StateBatch {
+pub(crate) struct StateBatch {
     items: Vec<(u64, u64, Vec<u8>)>,
     bytes: usize,
 }
 
 impl StateBatch {
-    fn flush(&mut self, shared: &Shared) {
+    pub(crate) fn flush(&mut self, shared: &Shared) {
         if self.items.is_empty() {
             return;
         }
@@ -80,26 +80,32 @@ pub(crate) fn run(shared: &Shared, socket: PullSocket) {
                 continue;
             }
         };
-        let message = ToDecode::decode(&frames, &Limits::DEFAULT);
-        if let Ok(ToDecode::StateData(s)) = &message {
-            on_state(shared, s, &mut batch);
-            if batch.bytes >= STATE_BATCH_BYTES {
-                batch.flush(shared);
-            }
-            continue;
+        handle(shared, &frames, &mut batch);
+    }
+}
+
+/// Applies one message; `STATE_DATA` accumulates in `batch`, which is
+/// flushed before any other message is applied.
+pub(crate) fn handle(shared: &Shared, frames: &[Vec<u8>], batch: &mut StateBatch) {
+    let message = ToDecode::decode(frames, &Limits::DEFAULT);
+    if let Ok(ToDecode::StateData(s)) = &message {
+        on_state(shared, s, batch);
+        if batch.bytes >= STATE_BATCH_BYTES {
+            batch.flush(shared);
         }
-        batch.flush(shared);
-        match message {
-            Ok(ToDecode::Status(s)) => on_status(shared, &s),
-            Ok(ToDecode::AuxData(a)) => on_aux(shared, &a),
-            Ok(ToDecode::StateData(s)) => on_state(shared, &s, &mut batch),
-            Ok(ToDecode::ChunkReady(c)) => on_chunk_ready(shared, &c),
-            Ok(ToDecode::StagingReq(r)) => on_staging_req(shared, &r),
-            Ok(ToDecode::AbortAck(a)) => on_abort_ack(shared, &a),
-            Err(e) => {
-                shared.metrics.dropped("malformed");
-                tracing::warn!(error = %e, frames = frames.len(), "dropping malformed message");
-            }
+        return;
+    }
+    batch.flush(shared);
+    match message {
+        Ok(ToDecode::Status(s)) => on_status(shared, &s),
+        Ok(ToDecode::AuxData(a)) => on_aux(shared, &a),
+        Ok(ToDecode::StateData(s)) => on_state(shared, &s, batch),
+        Ok(ToDecode::ChunkReady(c)) => on_chunk_ready(shared, &c),
+        Ok(ToDecode::StagingReq(r)) => on_staging_req(shared, &r),
+        Ok(ToDecode::AbortAck(a)) => on_abort_ack(shared, &a),
+        Err(e) => {
+            shared.metrics.dropped("malformed");
+            tracing::warn!(error = %e, frames = frames.len(), "dropping malformed message");
         }
     }
 }

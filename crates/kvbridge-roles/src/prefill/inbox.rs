@@ -25,16 +25,21 @@ pub(crate) fn run(shared: &Shared, socket: PullSocket) {
                 continue;
             }
         };
-        match ToPrefill::decode(&frames, &Limits::DEFAULT) {
-            Ok(ToPrefill::Register(r)) => on_register(shared, &r),
-            Ok(ToPrefill::Transfer(t)) => on_transfer(shared, &t),
-            Ok(ToPrefill::Abort(a)) => on_abort(shared, &a),
-            Ok(ToPrefill::Watermark(w)) => on_watermark(shared, &w),
-            Ok(ToPrefill::StagingRsp(s)) => on_staging_rsp(shared, &s),
-            Err(e) => {
-                shared.metrics.dropped("malformed");
-                tracing::warn!(error = %e, frames = frames.len(), "dropping malformed message");
-            }
+        handle(shared, &frames);
+    }
+}
+
+/// Applies one message.
+pub(crate) fn handle(shared: &Shared, frames: &[Vec<u8>]) {
+    match ToPrefill::decode(frames, &Limits::DEFAULT) {
+        Ok(ToPrefill::Register(r)) => on_register(shared, &r),
+        Ok(ToPrefill::Transfer(t)) => on_transfer(shared, &t),
+        Ok(ToPrefill::Abort(a)) => on_abort(shared, &a),
+        Ok(ToPrefill::Watermark(w)) => on_watermark(shared, &w),
+        Ok(ToPrefill::StagingRsp(s)) => on_staging_rsp(shared, &s),
+        Err(e) => {
+            shared.metrics.dropped("malformed");
+            tracing::warn!(error = %e, frames = frames.len(), "dropping malformed message");
         }
     }
 }

@@ -360,6 +360,13 @@ impl PrefillManager {
         self.rank_port
     }
 
+    /// Applies one control message as if it had arrived on this rank's
+    /// socket (for fuzzing the inbox; not part of the supported API).
+    #[doc(hidden)]
+    pub fn handle_frames(&self, frames: &[Vec<u8>]) {
+        inbox::handle(&self.shared, frames);
+    }
+
     /// The transfer engine's session id.
     pub fn session_id(&self) -> &str {
         self.shared.engine.session_id()
