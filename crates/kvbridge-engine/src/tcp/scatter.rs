@@ -46,7 +46,7 @@ impl ServerConn<'_> {
         if self.bounce.len() < BOUNCE_CAP {
             self.bounce.resize(BOUNCE_CAP, 0);
         }
-        let regions = self.inner.regions.read();
+        let regions = self.inner.regions.read_recursive();
         let mut kinds = Vec::with_capacity(n);
         for i in 0..n {
             let (dst, len) = wire::desc_at(&self.descs, i);
@@ -94,7 +94,7 @@ impl ServerConn<'_> {
         kinds: &[MemoryKind],
         b: &Budget<'_>,
     ) -> io::Result<RwLockReadGuard<'_, RegionRegistry>> {
-        let g = self.inner.regions.read();
+        let g = self.inner.regions.read_recursive();
         if b.stopped() {
             return Err(super::io::aborted());
         }

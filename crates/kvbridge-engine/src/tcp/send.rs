@@ -49,7 +49,7 @@ impl Sources<'_> {
     /// deregistered since the check (bytes may be on the wire: the
     /// connection is dropped).
     fn guard(&mut self) -> Result<RwLockReadGuard<'_, RegionRegistry>, SendError> {
-        let g = self.inner.regions.read();
+        let g = self.inner.regions.read_recursive();
         if self.inner.is_shutdown() {
             return Err(SendError::Conn(
                 self.item.error(ErrorKind::Shutdown, "engine shut down"),
@@ -157,7 +157,7 @@ pub(super) fn send_item(
         return Ok(seq);
     }
     let mut src = {
-        let regions = inner.regions.read();
+        let regions = inner.regions.read_recursive();
         if inner.is_shutdown() {
             return Err(SendError::Local(
                 item.error(ErrorKind::Shutdown, "engine shut down"),

@@ -438,7 +438,7 @@ impl ServerConn<'_> {
             }
         };
         let leased: Vec<(u64, u64)> = (0..n).map(|i| wire::desc_at(&self.descs, i)).collect();
-        let regions = self.inner.regions.read();
+        let regions = self.inner.regions.read_recursive();
         if let Some(bad) = leased
             .iter()
             .position(|&(start, len)| regions.find(start, len).is_none())
@@ -472,7 +472,7 @@ impl ServerConn<'_> {
             self.descs.resize(n * wire::DESC_LEN, 0);
             io::read_exact_by(self.fd, &mut self.descs, b)?;
             if first_bad.is_none() {
-                let regions = self.inner.regions.read();
+                let regions = self.inner.regions.read_recursive();
                 for i in 0..n {
                     let (dst, len) = wire::desc_at(&self.descs, i);
                     if regions.find(dst, len).is_none() {
