@@ -21,7 +21,7 @@
 
 mod api;
 mod progress;
-mod side;
+pub(crate) mod side;
 mod sys;
 
 use std::collections::HashMap;

@@ -191,10 +191,14 @@ fn verdict(status: u32, len: u32) -> [u8; VERDICT_LEN] {
 }
 
 fn info_body(p: &Published) -> Vec<u8> {
-    let regions = p.regions.read();
+    encode_info(&p.worker, &p.regions.read())
+}
+
+/// Encode an info body: what [`decode_info`] reads.
+pub(crate) fn encode_info(worker: &[u8], regions: &BTreeMap<u64, RemoteRegion>) -> Vec<u8> {
     let mut b = Vec::new();
-    b.extend_from_slice(&(p.worker.len() as u32).to_le_bytes());
-    b.extend_from_slice(&p.worker);
+    b.extend_from_slice(&(worker.len() as u32).to_le_bytes());
+    b.extend_from_slice(worker);
     b.extend_from_slice(&(regions.len() as u32).to_le_bytes());
     for (addr, r) in regions.iter() {
         b.extend_from_slice(&addr.to_le_bytes());
@@ -243,7 +247,7 @@ impl<'a> Cursor<'a> {
 }
 
 /// Decode an info body; `None` if it is malformed or over the limits.
-fn decode_info(body: &[u8]) -> Option<(Vec<u8>, BTreeMap<u64, RemoteRegion>)> {
+pub(crate) fn decode_info(body: &[u8]) -> Option<(Vec<u8>, BTreeMap<u64, RemoteRegion>)> {
     let mut c = Cursor { b: body, at: 0 };
     let wlen = c.u32()? as usize;
     if wlen == 0 || wlen > MAX_WORKER_ADDR {
