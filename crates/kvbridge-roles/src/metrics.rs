@@ -3,7 +3,9 @@
 
 use std::net::{SocketAddr, TcpListener};
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::thread::JoinHandle;
+use std::time::Duration;
 
 use axum::Router;
 use axum::routing::get;
@@ -13,6 +15,8 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
 use tokio::sync::oneshot;
+
+use crate::http::{ConnCounters, ConnLimits, serve};
 
 type Labels = Vec<(String, String)>;
 
@@ -164,10 +168,19 @@ impl Metrics {
     }
 }
 
-/// Serves `GET /metrics` for a [`Metrics`] until dropped.
+/// Connection limits of the metrics endpoint (a scraper or two).
+const METRICS_LIMITS: ConnLimits = ConnLimits {
+    max_connections: 64,
+    header_timeout: Duration::from_secs(20),
+};
+
+/// Serves `GET /metrics` for a [`Metrics`] until dropped. Accept errors
+/// (e.g. the process is out of file descriptors) are logged and retried
+/// after a short backoff; they never stop the endpoint.
 #[derive(Debug)]
 pub struct MetricsServer {
     addr: SocketAddr,
+    counters: Arc<ConnCounters>,
     stop: Option<oneshot::Sender<()>>,
     thread: Option<JoinHandle<()>>,
 }
@@ -180,6 +193,7 @@ impl MetricsServer {
         let addr = listener.local_addr()?;
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_io()
+            .enable_time()
             .build()?;
         let (stop, stopped) = oneshot::channel::<()>();
         let app = Router::new().route(
@@ -189,23 +203,25 @@ impl MetricsServer {
                 async move { metrics.render() }
             }),
         );
+        let counters = Arc::new(ConnCounters::default());
+        let served = counters.clone();
         let thread = std::thread::Builder::new()
             .name("kvb-metrics".into())
             .spawn(move || {
                 runtime.block_on(async move {
-                    let Ok(listener) = tokio::net::TcpListener::from_std(listener) else {
-                        tracing::error!("metrics endpoint cannot listen");
-                        return;
+                    let listener = match tokio::net::TcpListener::from_std(listener) {
+                        Ok(l) => l,
+                        Err(e) => {
+                            tracing::error!(error = %e, "metrics endpoint cannot listen");
+                            return;
+                        }
                     };
-                    let _ = axum::serve(listener, app)
-                        .with_graceful_shutdown(async {
-                            let _ = stopped.await;
-                        })
-                        .await;
+                    serve(listener, app, METRICS_LIMITS, served, "metrics", stopped).await;
                 });
             })?;
         Ok(Self {
             addr,
+            counters,
             stop: Some(stop),
             thread: Some(thread),
         })
@@ -214,6 +230,11 @@ impl MetricsServer {
     /// Where `/metrics` is served.
     pub fn local_addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// How many accept calls have failed (and been retried) so far.
+    pub fn accept_errors(&self) -> u64 {
+        self.counters.accept_errors.load(Ordering::Relaxed)
     }
 }
 
