@@ -41,12 +41,18 @@ pub struct RankMapping {
     pub required_prefill_response_num: u64,
 }
 
-/// Checks the prefill's topology against ours and maps ranks.
+/// Checks the prefill's topology against ours and maps ranks. Every size
+/// the peer reports is checked against
+/// [`kvbridge_wire::bootstrap::MAX_PARALLEL_SIZE`] and
+/// [`kvbridge_wire::bootstrap::MAX_TOTAL_RANKS`] before anything is computed
+/// from it, so no list here is longer than `MAX_PARALLEL_SIZE`.
 pub fn resolve(
     info: &PrefillServerInfo,
     local: &LocalTopology,
     kv_cache_dtype: &str,
 ) -> Result<RankMapping, String> {
+    info.validate_sizes()
+        .map_err(|e| format!("prefill server reported an unusable topology: {e}"))?;
     if let Some(page) = info.page_size.filter(|p| *p != local.page_size) {
         return Err(format!(
             "Page size mismatch: prefill server has page_size={page}, but decode server has \
@@ -65,8 +71,8 @@ pub fn resolve(
         ));
     }
     let (p, d) = (info.attn_tp_size, local.attn_tp_size);
-    if p == 0 || d == 0 || info.pp_size == 0 || info.attn_cp_size == 0 {
-        return Err("prefill server reported a zero parallel size".into());
+    if d == 0 || local.pp_size == 0 {
+        return Err("this decode rank has a zero parallel size".into());
     }
     let r = local.engine_rank % d;
     let mut mapping = if local.is_mla && info.enable_kv_cache_sharding && info.attn_cp_size == 1 {
