@@ -1,7 +1,9 @@
 #![no_main]
 //! The bootstrap server's HTTP bodies, as a server parses them from peers.
 
-use kvbridge_wire::bootstrap::{PrefillRankInfo, PrefillServerInfo, QueryDpRanks, RegisterDpRank, RouteRegistration};
+use kvbridge_wire::bootstrap::{
+    PrefillRankInfo, PrefillServerInfo, QueryDpRanks, RegisterDpRank, RouteRegistration,
+};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {

@@ -230,6 +230,14 @@ impl RouteRegistration {
         }
     }
 
+    /// The slot entry this registration records (and `GET /route` answers).
+    pub fn rank_info(&self) -> PrefillRankInfo {
+        PrefillRankInfo {
+            rank_ip: self.rank_ip.clone(),
+            rank_port: self.rank_port,
+        }
+    }
+
     /// Checks every size against [`MAX_PARALLEL_SIZE`] (and their product
     /// against [`MAX_TOTAL_RANKS`]), every rank against its size, the port,
     /// the page size, the host and the names.
@@ -493,7 +501,8 @@ mod tests {
     #[test]
     fn registration_ranges_are_checked() {
         assert_eq!(good().validate(), Ok(()));
-        let bad: [(fn(&mut RouteRegistration), &str); 10] = [
+        type Spoil = fn(&mut RouteRegistration);
+        let bad: [(Spoil, &str); 10] = [
             (|r| r.attn_tp_size = 0, "attn_tp_size must be at least 1"),
             (|r| r.pp_size = MAX_PARALLEL_SIZE + 1, "pp_size=4097"),
             (
