@@ -20,12 +20,6 @@ const RUN_SH: &str = include_str!("gpu_run.sh");
 /// Largest bundle we accept (what the device tool carries comfortably).
 const MAX_BUNDLE: u64 = 60 << 20;
 
-fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .map_or_else(|| PathBuf::from("."), Path::to_path_buf)
-}
-
 /// Test executables that `cargo test --no-run --message-format=json` built for target `name`.
 fn test_executables(json: &str, name: &str) -> Vec<(String, String)> {
     let mut out = Vec::new();
@@ -133,7 +127,7 @@ fn build(root: &Path) -> Result<PathBuf> {
 
 /// `cargo xtask gpu-test [--run] [--bench]`.
 pub fn gpu_test(args: &[String]) -> Result<()> {
-    let root = workspace_root();
+    let root = crate::workspace_root();
     let bundle = build(&root)?;
     if !args.iter().any(|a| a == "--run") {
         eprintln!(

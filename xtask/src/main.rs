@@ -2,12 +2,17 @@
 //!
 //! - `cargo xtask ci`: installs the system packages the build needs (when
 //!   missing and running as root), then runs what CI runs: formatting check,
-//!   clippy with warnings denied, and the whole test suite.
+//!   clippy with warnings denied, the whole test suite, then every fuzz
+//!   target for 5 seconds.
 //! - `cargo xtask gpu-test [--run] [--bench]`: bundles the GPU-gated tests
 //!   and runs them where a GPU is (see `gpu.rs`).
+//! - `cargo xtask fuzz [--seconds N] [--target NAME]`: runs the fuzz targets
+//!   in `fuzz/` for N seconds each (see `fuzz.rs`).
 
+mod fuzz;
 mod gpu;
 
+use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
 
 use anyhow::{Context, Result, bail};
@@ -22,8 +27,11 @@ fn main() -> ExitCode {
         Some("ci") => ci(),
         Some("install-deps") => install_system_packages(),
         Some("gpu-test") => gpu::gpu_test(&args[1..]),
+        Some("fuzz") => fuzz::fuzz(&args[1..]),
         _ => {
-            eprintln!("usage: cargo xtask <ci|install-deps|gpu-test [--run] [--bench]>");
+            eprintln!(
+                "usage: cargo xtask <ci|install-deps|gpu-test [--run] [--bench]|fuzz [--seconds N] [--target NAME]>"
+            );
             return ExitCode::from(2);
         }
     };
@@ -34,6 +42,13 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// The repository root (the parent of `xtask/`).
+fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .map_or_else(|| PathBuf::from("."), Path::to_path_buf)
 }
 
 fn run(program: &str, args: &[&str]) -> Result<()> {
@@ -106,5 +121,7 @@ fn ci() -> Result<()> {
     if !status.success() {
         bail!("cargo test --workspace failed with {status}");
     }
-    Ok(())
+    // Every fuzz target briefly: a decoder that panics on some peer bytes
+    // fails CI (`cargo xtask fuzz` runs them longer).
+    fuzz::fuzz(&["--seconds".to_owned(), "5".to_owned()])
 }
