@@ -2,10 +2,15 @@
 //! (contracts/cli.md).
 
 use std::net::{IpAddr, SocketAddr};
+use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::Args;
-use kvbridge_roles::bootstrap::{BootstrapServer, DEFAULT_ENTRY_CLEANUP_INTERVAL};
+use kvbridge_engine::ClusterSecret;
+use kvbridge_roles::bootstrap::{
+    BootstrapConfig, BootstrapLimits, BootstrapServer, DEFAULT_ENTRY_CLEANUP_INTERVAL,
+    DEFAULT_MAX_CONNECTIONS,
+};
 
 /// Where the bootstrap server listens.
 #[derive(Debug, Args)]
@@ -16,6 +21,13 @@ pub struct BootstrapArgs {
     /// Port to listen on; 0 picks a free one.
     #[arg(long, default_value_t = 8998)]
     port: u16,
+    /// File with the cluster secret: writes must then be signed (else
+    /// `KVBRIDGE_SECRET_FILE` / `KVBRIDGE_SECRET`; none: open mode).
+    #[arg(long)]
+    secret_file: Option<PathBuf>,
+    /// Most connections served at once (idle ones are closed beyond).
+    #[arg(long, default_value_t = DEFAULT_MAX_CONNECTIONS)]
+    max_connections: usize,
 }
 
 /// Runs the server until a termination signal, then exits 0.
@@ -27,7 +39,22 @@ pub fn run(args: BootstrapArgs) -> ExitCode {
             DEFAULT_ENTRY_CLEANUP_INTERVAL,
             std::time::Duration::from_secs,
         );
-    let server = match BootstrapServer::start(SocketAddr::new(args.host, args.port), cleanup) {
+    let secret = match ClusterSecret::load(args.secret_file.as_deref()) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("kvbridge bootstrap: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let config = BootstrapConfig {
+        secret,
+        cleanup_interval: cleanup,
+        limits: BootstrapLimits {
+            max_connections: args.max_connections,
+            ..BootstrapLimits::default()
+        },
+    };
+    let server = match BootstrapServer::start_with(SocketAddr::new(args.host, args.port), config) {
         Ok(s) => s,
         Err(e) => {
             eprintln!(

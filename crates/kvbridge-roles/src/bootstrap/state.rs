@@ -4,7 +4,9 @@
 use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
 
-use kvbridge_wire::bootstrap::{PrefillRankInfo, PrefillServerInfo, RouteRegistration};
+use kvbridge_wire::bootstrap::{
+    PrefillRankInfo, PrefillServerInfo, RegisterDpRank, RouteRegistration,
+};
 use serde_json::Value;
 
 /// An HTTP answer: status code plus body (JSON or plain text).
@@ -30,6 +32,16 @@ impl Answer {
     }
 }
 
+/// What a registration may do to an occupied slot whose address differs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Replace {
+    /// Refuse it (409): the slot's prefill is alive.
+    Refuse,
+    /// Replace the slot's address if it is still `old` (a restart: the
+    /// old address is dead, or the write is authenticated).
+    From(PrefillRankInfo),
+}
+
 /// Prefill ranks by dp group → cp rank → tp rank → pp rank.
 type PortTable = HashMap<u64, HashMap<u64, HashMap<u64, HashMap<u64, PrefillRankInfo>>>>;
 
@@ -52,13 +64,61 @@ pub struct BootstrapState {
     /// dp group → cp rank → tp rank → pp rank → endpoint.
     ports: PortTable,
     room_to_dp_rank: HashMap<u64, (u64, Instant)>,
+    max_dp_rank_entries: usize,
     registered: u64,
+    replaced: u64,
 }
 
 impl BootstrapState {
     /// An empty server: nothing registered, not ready.
     pub fn new() -> Self {
-        Self::default()
+        Self::with_dp_rank_capacity(super::DEFAULT_MAX_DP_RANK_ENTRIES)
+    }
+
+    /// An empty server keeping at most `max` `register_dp_rank` entries.
+    pub fn with_dp_rank_capacity(max: usize) -> Self {
+        Self {
+            max_dp_rank_entries: max,
+            ..Self::default()
+        }
+    }
+
+    /// How many registrations replaced a different address in their slot.
+    pub fn replaced_count(&self) -> u64 {
+        self.replaced
+    }
+
+    /// The address registered in `reg`'s slot, when it differs from `reg`'s.
+    pub fn occupant(&self, reg: &RouteRegistration) -> Option<PrefillRankInfo> {
+        let (dp_group, _) = reg.dp_group();
+        let current = self
+            .ports
+            .get(&dp_group)?
+            .get(&reg.attn_cp_rank)?
+            .get(&reg.attn_tp_rank)?
+            .get(&reg.pp_rank)?;
+        (current.rank_ip != reg.rank_ip || current.rank_port != reg.rank_port)
+            .then(|| current.clone())
+    }
+
+    /// Why `reg`'s topology differs from the first registration's, if it does.
+    fn topology_conflict(&self, reg: &RouteRegistration) -> Option<String> {
+        let (_, dp_size) = reg.dp_group();
+        let pairs = [
+            ("attn_tp_size", self.attn_tp_size, reg.attn_tp_size),
+            ("attn_cp_size", self.attn_cp_size, reg.attn_cp_size),
+            ("pp_size", self.pp_size, reg.pp_size),
+            ("dp_size", self.dp_size, dp_size),
+            ("page_size", self.page_size, reg.page_size),
+        ];
+        pairs.iter().find_map(|(name, known, sent)| {
+            known.filter(|k| k != sent).map(|k| {
+                format!(
+                    "{name}={sent} differs from the registered prefill server's {name}={k}; \
+                     restart the bootstrap server to change the topology"
+                )
+            })
+        })
     }
 
     /// How many successful `PUT /route` calls were counted (duplicates too,
@@ -82,9 +142,14 @@ impl BootstrapState {
         }
     }
 
-    /// `PUT /route`: a prefill rank registers; the first registration's
-    /// sizes win.
-    pub fn put_route(&mut self, reg: RouteRegistration) -> Answer {
+    /// `PUT /route`: a prefill rank registers. Values out of range are a
+    /// 422 and a topology other than the first registration's a 409; an
+    /// occupied slot with another address is replaced only as `replace`
+    /// allows (409 otherwise). Nothing changes unless the answer is 200.
+    pub fn put_route(&mut self, reg: RouteRegistration, replace: Replace) -> Answer {
+        if let Err(e) = reg.validate() {
+            return Answer::Text(422, format!("invalid /route registration: {e}"));
+        }
         let policy = reg
             .decode_allocation_policy
             .clone()
@@ -100,15 +165,45 @@ impl BootstrapState {
         {
             return Answer::Text(400, "Inconsistent prefill allocation policies".to_owned());
         }
+        if let Some(conflict) = self.topology_conflict(&reg) {
+            return Answer::Text(409, conflict);
+        }
+        let new = reg.rank_info();
+        if let Some(old) = self.occupant(&reg) {
+            let allowed = matches!(&replace, Replace::From(expected) if *expected == old);
+            if !allowed {
+                return Answer::Text(
+                    409,
+                    format!(
+                        "slot dp={} cp={} tp={} pp={} is held by a live prefill at {}:{}; \
+                         refusing to replace it with {}:{}",
+                        reg.dp_group().0,
+                        reg.attn_cp_rank,
+                        reg.attn_tp_rank,
+                        reg.pp_rank,
+                        old.rank_ip,
+                        old.rank_port,
+                        new.rank_ip,
+                        new.rank_port
+                    ),
+                );
+            }
+            self.replaced += 1;
+            tracing::warn!(
+                dp = reg.dp_group().0,
+                cp = reg.attn_cp_rank,
+                tp = reg.attn_tp_rank,
+                pp = reg.pp_rank,
+                old = %format_args!("{}:{}", old.rank_ip, old.rank_port),
+                new = %format_args!("{}:{}", new.rank_ip, new.rank_port),
+                "prefill rank re-registered at a new address; replacing the old one"
+            );
+        }
         self.dsv41_spec_layout = reg.dsv41_spec_layout.clone();
         self.decode_allocation_policy = Some(policy);
         self.attn_tp_size.get_or_insert(reg.attn_tp_size);
         self.attn_cp_size.get_or_insert(reg.attn_cp_size);
-        self.dp_size.get_or_insert(if reg.system_dp_size == 1 {
-            reg.attn_dp_size
-        } else {
-            reg.system_dp_size
-        });
+        self.dp_size.get_or_insert(reg.dp_group().1);
         self.pp_size.get_or_insert(reg.pp_size);
         self.page_size.get_or_insert(reg.page_size);
         if self.kv_cache_dtype.is_none() {
@@ -131,11 +226,7 @@ impl BootstrapState {
             .get_or_insert(reg.enable_dsa_cache_layer_split.unwrap_or(false));
         self.enable_kv_cache_sharding
             .get_or_insert(reg.enable_kv_cache_sharding.unwrap_or(false));
-        let dp_group = if reg.system_dp_size == 1 {
-            reg.attn_dp_rank
-        } else {
-            reg.system_dp_rank
-        };
+        let (dp_group, _) = reg.dp_group();
         self.ports
             .entry(dp_group)
             .or_default()
@@ -143,13 +234,7 @@ impl BootstrapState {
             .or_default()
             .entry(reg.attn_tp_rank)
             .or_default()
-            .insert(
-                reg.pp_rank,
-                PrefillRankInfo {
-                    rank_ip: reg.rank_ip.clone(),
-                    rank_port: reg.rank_port,
-                },
-            );
+            .insert(reg.pp_rank, new);
         self.registered += 1;
         tracing::debug!(
             dp = dp_group,
@@ -215,10 +300,7 @@ impl BootstrapState {
             self.ports.get(&dp?)?.get(&cp?)?.get(&tp?)?.get(&pp?)
         })();
         match found {
-            Some(info) => Answer::Json(serde_json::json!({
-                "rank_ip": info.rank_ip,
-                "rank_port": info.rank_port,
-            })),
+            Some(info) => Answer::Json(serde_json::to_value(info).unwrap_or(Value::Null)),
             None => Answer::Text(
                 404,
                 format!(
@@ -257,8 +339,28 @@ impl BootstrapState {
         serde_json::to_value(info).unwrap_or(Value::Null)
     }
 
-    /// `POST /register_dp_rank`.
+    /// `POST /register_dp_rank`: a DP rank at or above the server's DP size
+    /// (or [`kvbridge_wire::bootstrap::MAX_PARALLEL_SIZE`]) is a 422; a new
+    /// room beyond the table's capacity a 503.
     pub fn register_dp_rank(&mut self, room: u64, dp_rank: u64, now: Instant) -> Answer {
+        let body = RegisterDpRank {
+            bootstrap_room: room,
+            dp_rank,
+        };
+        if let Err(e) = body.validate(self.dp_size) {
+            return Answer::Text(422, format!("invalid /register_dp_rank body: {e}"));
+        }
+        if self.room_to_dp_rank.len() >= self.max_dp_rank_entries
+            && !self.room_to_dp_rank.contains_key(&room)
+        {
+            return Answer::Text(
+                503,
+                format!(
+                    "{} rooms registered; refusing more until expired ones are cleaned up",
+                    self.room_to_dp_rank.len()
+                ),
+            );
+        }
         self.room_to_dp_rank.insert(room, (dp_rank, now));
         Answer::ok()
     }
@@ -316,10 +418,10 @@ mod tests {
     fn readiness_counts_registrations() {
         let mut s = BootstrapState::new();
         assert_eq!(s.get_route(&query("-1", "-1", "-1", "-1")).status(), 503);
-        assert_eq!(s.put_route(reg(0, 7000)), Answer::ok());
+        assert_eq!(s.put_route(reg(0, 7000), Replace::Refuse), Answer::ok());
         assert!(!s.is_ready());
         assert_eq!(s.get_route(&query("0", "0", "0", "0")).status(), 503);
-        s.put_route(reg(1, 7001));
+        s.put_route(reg(1, 7001), Replace::Refuse);
         assert!(s.is_ready());
         let Answer::Json(info) = s.get_route(&query("-1", "-1", "-1", "-1")) else {
             panic!("expected server info")
@@ -343,13 +445,13 @@ mod tests {
     #[test]
     fn inconsistent_ranks_are_rejected() {
         let mut s = BootstrapState::new();
-        s.put_route(reg(0, 7000));
+        s.put_route(reg(0, 7000), Replace::Refuse);
         let mut other = reg(1, 7001);
         other.decode_allocation_policy = Some("prefill_complete".into());
-        assert_eq!(s.put_route(other).status(), 400);
+        assert_eq!(s.put_route(other, Replace::Refuse).status(), 400);
         let mut other = reg(1, 7001);
         other.dsv41_spec_layout = Some(serde_json::json!({"block": 4}));
-        assert_eq!(s.put_route(other).status(), 400);
+        assert_eq!(s.put_route(other, Replace::Refuse).status(), 400);
         assert_eq!(s.registered_count(), 1);
     }
 

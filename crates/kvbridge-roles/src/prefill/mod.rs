@@ -16,12 +16,10 @@ mod worker;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender, unbounded};
 use kvbridge_engine::TransferEngine;
 use kvbridge_plan::TransferChunk;
-use kvbridge_wire::bootstrap::RouteRegistration;
 use kvbridge_wire::{AbortAck, KvPoll, Status};
 use parking_lot::{Mutex, RwLock};
 
@@ -343,7 +341,12 @@ impl PrefillManager {
                 let _ = t.join();
             }
         };
-        if let Err(e) = register_with_bootstrap(&shared, rank_port) {
+        if let Err(e) = crate::bootstrap::client::register_with_bootstrap(
+            &shared.config,
+            shared.kv_args.layout.page_size,
+            rank_port,
+            &shared.stopped,
+        ) {
             stop_all(threads);
             return Err(e);
         }
@@ -425,55 +428,5 @@ impl PrefillManager {
 impl Drop for PrefillManager {
     fn drop(&mut self) {
         self.stop();
-    }
-}
-
-/// `PUT /route` with retries and backoff, as sglang's `register_to_bootstrap`.
-fn register_with_bootstrap(shared: &Shared, rank_port: u16) -> Result<(), StartError> {
-    let c = &shared.config;
-    let r = &c.rank;
-    let body = RouteRegistration {
-        attn_tp_size: r.attn_tp_size,
-        attn_tp_rank: r.attn_tp_rank,
-        attn_cp_size: r.attn_cp_size,
-        attn_cp_rank: r.attn_cp_rank,
-        attn_dp_size: r.attn_dp_size,
-        attn_dp_rank: r.attn_dp_rank,
-        pp_size: r.pp_size,
-        pp_rank: r.pp_rank,
-        system_dp_size: r.system_dp_size,
-        system_dp_rank: r.system_dp_rank,
-        rank_ip: c.local_ip.clone(),
-        rank_port,
-        page_size: shared.kv_args.layout.page_size,
-        kv_cache_dtype: Some(c.kv_cache_dtype.clone()),
-        kv_layout: None,
-        dsv41_spec_layout: None,
-        load_balance_method: Some("follow_bootstrap_room".into()),
-        enable_dsa_cache_layer_split: Some(false),
-        enable_kv_cache_sharding: Some(false),
-        prefill_http_port: None,
-        decode_allocation_policy: Some("early".into()),
-    };
-    let url = format!("http://{}/route", c.bootstrap_addr);
-    let agent = crate::http::agent(Duration::from_secs(5));
-    let mut delay = Duration::from_millis(200);
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let attempt = agent.put(&url).send_json(&body);
-        let reason = match attempt {
-            Ok(resp) if resp.status() == 200 => return Ok(()),
-            Ok(resp) => format!("status {}", resp.status()),
-            Err(e) => e.to_string(),
-        };
-        if Instant::now() + delay > deadline || shared.stopped.load(Ordering::SeqCst) {
-            return Err(StartError::Bootstrap {
-                addr: c.bootstrap_addr.clone(),
-                reason,
-            });
-        }
-        tracing::warn!(url, reason, "bootstrap registration failed; retrying");
-        std::thread::sleep(delay);
-        delay = (delay * 2).min(Duration::from_secs(5));
     }
 }

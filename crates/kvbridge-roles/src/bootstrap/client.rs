@@ -1,0 +1,102 @@
+//! kvbridge's own bootstrap client: a prefill rank's `PUT /route`
+//! registration (sglang's `register_to_bootstrap`), signed with the cluster
+//! secret when the rank has one ([`super::auth`]).
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use kvbridge_wire::bootstrap::RouteRegistration;
+
+use super::auth::WriteAuth;
+use crate::config::PrefillConfig;
+use crate::error::StartError;
+
+/// How long one registration attempt may take.
+const ATTEMPT_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long registration is retried before start-up fails.
+const REGISTRATION_DEADLINE: Duration = Duration::from_secs(30);
+
+/// The `PUT /route` body of a prefill rank, as sglang's prefill sends it.
+pub fn registration(config: &PrefillConfig, page_size: u64, rank_port: u16) -> RouteRegistration {
+    let r = &config.rank;
+    RouteRegistration {
+        attn_tp_size: r.attn_tp_size,
+        attn_tp_rank: r.attn_tp_rank,
+        attn_cp_size: r.attn_cp_size,
+        attn_cp_rank: r.attn_cp_rank,
+        attn_dp_size: r.attn_dp_size,
+        attn_dp_rank: r.attn_dp_rank,
+        pp_size: r.pp_size,
+        pp_rank: r.pp_rank,
+        system_dp_size: r.system_dp_size,
+        system_dp_rank: r.system_dp_rank,
+        rank_ip: config.local_ip.clone(),
+        rank_port,
+        page_size,
+        kv_cache_dtype: Some(config.kv_cache_dtype.clone()),
+        kv_layout: None,
+        dsv41_spec_layout: None,
+        load_balance_method: Some("follow_bootstrap_room".into()),
+        enable_dsa_cache_layer_split: Some(false),
+        enable_kv_cache_sharding: Some(false),
+        prefill_http_port: None,
+        decode_allocation_policy: Some("early".into()),
+    }
+}
+
+/// `PUT /route` with retries and backoff, as sglang's
+/// `register_to_bootstrap`; every attempt is signed afresh when
+/// `config.secret` is set. A 400, 401, 413 or 422 answer fails at once
+/// (the same request cannot succeed later); other failures are retried for
+/// 30 s or until `stopped` is set.
+pub fn register_with_bootstrap(
+    config: &PrefillConfig,
+    page_size: u64,
+    rank_port: u16,
+    stopped: &AtomicBool,
+) -> Result<(), StartError> {
+    let fail = |reason: String| StartError::Bootstrap {
+        addr: config.bootstrap_addr.clone(),
+        reason,
+    };
+    let body = serde_json::to_vec(&registration(config, page_size, rank_port))
+        .map_err(|e| fail(format!("cannot encode the registration: {e}")))?;
+    let auth = config.secret.as_ref().map(WriteAuth::new);
+    let url = format!("http://{}/route", config.bootstrap_addr);
+    let agent = crate::http::agent(ATTEMPT_TIMEOUT);
+    let mut delay = Duration::from_millis(200);
+    let deadline = Instant::now() + REGISTRATION_DEADLINE;
+    loop {
+        let mut request = agent.put(&url).content_type("application/json");
+        if let Some(auth) = &auth {
+            let signed = auth.sign("PUT", "/route", &body);
+            for (name, value) in signed.pairs() {
+                request = request.header(name, value);
+            }
+        }
+        let reason = match request.send(&body[..]) {
+            Ok(resp) if resp.status() == 200 => return Ok(()),
+            Ok(mut resp) => {
+                let status = resp.status().as_u16();
+                let text = resp
+                    .body_mut()
+                    .with_config()
+                    .limit(4096)
+                    .read_to_string()
+                    .unwrap_or_default();
+                let reason = format!("status {status}: {text}");
+                if matches!(status, 400 | 401 | 413 | 422) {
+                    return Err(fail(reason));
+                }
+                reason
+            }
+            Err(e) => e.to_string(),
+        };
+        if Instant::now() + delay > deadline || stopped.load(Ordering::SeqCst) {
+            return Err(fail(reason));
+        }
+        tracing::warn!(url, reason, "bootstrap registration failed; retrying");
+        std::thread::sleep(delay);
+        delay = (delay * 2).min(Duration::from_secs(5));
+    }
+}
