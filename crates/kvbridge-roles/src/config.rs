@@ -285,8 +285,10 @@ pub struct DecodeConfig {
     pub bootstrap_timeout: Duration,
     /// Track abort ACKs per generation (deferred KV release).
     pub deferred_release: bool,
-    /// How long an aborted or failed room may wait for its prefill ranks'
-    /// ABORT_ACKs before it is reported (once) as holding its pages.
+    /// How long an aborted or failed room waits for its prefill ranks'
+    /// ABORT_ACKs before silent ranks are fenced by our engine (when it can
+    /// fence and the rank published its engine session); ranks that cannot
+    /// be fenced keep the room's pages pinned, reported once.
     #[serde(with = "duration_secs")]
     pub abort_ack_timeout: Duration,
     /// How long a zmq send may block (`SGLANG_DISAGGREGATION_ZMQ_SEND_TIMEOUT`).
@@ -320,7 +322,7 @@ impl Default for DecodeConfig {
             waiting_timeout: Duration::from_secs(300),
             bootstrap_timeout: Duration::from_secs(300),
             deferred_release: true,
-            abort_ack_timeout: Duration::from_secs(60),
+            abort_ack_timeout: Duration::from_secs(10),
             zmq_send_timeout: Duration::from_secs(1),
             zmq_max_message_bytes: crate::control::DEFAULT_MAX_MESSAGE_BYTES,
             metrics_addr: None,

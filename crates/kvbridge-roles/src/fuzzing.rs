@@ -88,10 +88,9 @@ impl InboxHarness {
         let engine: Arc<dyn TransferEngine> = Arc::new(LoopbackEngine::new());
         // SAFETY: the pools live in the harness and outlive the managers
         // (field order above drops the managers first).
-        let prefill = unsafe {
-            PrefillManager::start(prefill_config, prefill_pools.kv_args(), engine)
-        }
-        .map_err(|e| e.to_string())?;
+        let prefill =
+            unsafe { PrefillManager::start(prefill_config, prefill_pools.kv_args(), engine) }
+                .map_err(|e| e.to_string())?;
         let engine: Arc<dyn TransferEngine> = Arc::new(LoopbackEngine::new());
         // SAFETY: as above.
         let decode = unsafe {

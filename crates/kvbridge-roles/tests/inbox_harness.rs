@@ -3,9 +3,9 @@
 // Test code: a failed unwrap is a failed test.
 #![allow(clippy::unwrap_used)]
 
+use kvbridge_roles::KvPoll;
 use kvbridge_roles::fuzzing::InboxHarness;
 use kvbridge_wire::{Abort, AbortAck, AuxData, StateData, Status};
-use kvbridge_roles::KvPoll;
 
 fn frames(parts: Vec<std::borrow::Cow<'_, [u8]>>) -> Vec<Vec<u8>> {
     parts.into_iter().map(|p| p.into_owned()).collect()

@@ -240,3 +240,47 @@ fn a_lost_bootstrap_server_with_a_live_prefill_drains_through_its_ack() {
         m.teardown();
     }
 }
+
+#[test]
+fn a_silent_prefill_rank_is_fenced_before_its_pages_are_released() {
+    let bs = bootstrap();
+    let model = tiny_model(false, 2);
+    let rank = kvbridge_roles::synthetic::RankSpec {
+        tp_size: 1,
+        tp_rank: 0,
+        pp_size: 1,
+        pp_rank: 0,
+    };
+    let prefill_pools =
+        kvbridge_roles::synthetic::RankPools::new(model.clone(), rank, 16, 8).unwrap();
+    let decode_pools = kvbridge_roles::synthetic::RankPools::new(model, rank, 16, 8).unwrap();
+    let prefill = start_prefill(
+        prefill_config(bs.local_addr(), 1, 0),
+        prefill_pools.kv_args(),
+        tcp_engine(),
+    );
+    let decode = start_decode(
+        kvbridge_roles::DecodeConfig {
+            abort_ack_timeout: Duration::from_millis(300),
+            ..decode_config(1)
+        },
+        decode_pools.kv_args(),
+        tcp_engine(),
+    );
+    let mut rx = decode.receiver(&bs.local_addr().to_string(), 800);
+    assert_eq!(rx.init(0), KvPoll::WaitingForInput);
+    rx.send_metadata(&[1, 2], 0, &[], None);
+    // The prefill rank falls silent: it will never acknowledge.
+    prefill.teardown();
+    rx.abort();
+    assert!(!rx.abort_acknowledged(), "released before any ACK or fence");
+    // Past the ACK deadline the decode's engine fences the rank's engine
+    // session (published through the bootstrap server): then, and only
+    // then, the pages may be reused.
+    wait_until("fenced", || rx.abort_acknowledged());
+    assert_eq!(decode.metrics().failures_for("abort_fenced"), 1);
+    rx.clear();
+    decode.teardown();
+    drop((prefill_pools, decode_pools));
+    bs.shutdown();
+}

@@ -112,6 +112,13 @@ pub fn is_valid_host(host: &str) -> bool {
             .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
 }
 
+/// Whether `session` is a transfer-engine session id, `host:port`.
+pub fn is_session_id(session: &str) -> bool {
+    session.rsplit_once(':').is_some_and(|(host, port)| {
+        is_valid_host(host) && port.parse::<u16>().is_ok_and(|p| p != 0)
+    })
+}
+
 /// The product of the sizes, when it is at most [`MAX_TOTAL_RANKS`].
 fn total_ranks(sizes: [u64; 4]) -> Result<u64, FieldError> {
     let total = sizes.iter().try_fold(1u64, |acc, s| acc.checked_mul(*s));
@@ -217,6 +224,11 @@ pub struct RouteRegistration {
     /// `early` or `prefill_complete`.
     #[serde(default)]
     pub decode_allocation_policy: Option<String>,
+    /// kvbridge extension: the rank's transfer-engine session (`host:port`),
+    /// so a decode can fence that peer's writes. Absent from sglang's bodies
+    /// and from ours when unknown.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub engine_session: Option<String>,
 }
 
 impl RouteRegistration {
@@ -235,6 +247,7 @@ impl RouteRegistration {
         PrefillRankInfo {
             rank_ip: self.rank_ip.clone(),
             rank_port: self.rank_port,
+            engine_session: self.engine_session.clone(),
         }
     }
 
@@ -273,7 +286,16 @@ impl RouteRegistration {
         name(
             "decode_allocation_policy",
             self.decode_allocation_policy.as_deref(),
-        )
+        )?;
+        if let Some(session) = &self.engine_session
+            && !is_session_id(session)
+        {
+            return Err(FieldError::BadName {
+                field: "engine_session",
+                reason: "not host:port",
+            });
+        }
+        Ok(())
     }
 }
 
@@ -391,6 +413,10 @@ pub struct PrefillRankInfo {
     /// The rank's zmq bootstrap port.
     #[serde(deserialize_with = "lenient::u16")]
     pub rank_port: u16,
+    /// kvbridge extension: the rank's transfer-engine session, when it
+    /// published one (see [`RouteRegistration::engine_session`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub engine_session: Option<String>,
 }
 
 /// `POST /register_dp_rank`: which prefill DP rank serves a room.

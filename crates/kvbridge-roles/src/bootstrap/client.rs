@@ -16,8 +16,15 @@ const ATTEMPT_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long registration is retried before start-up fails.
 const REGISTRATION_DEADLINE: Duration = Duration::from_secs(30);
 
-/// The `PUT /route` body of a prefill rank, as sglang's prefill sends it.
-pub fn registration(config: &PrefillConfig, page_size: u64, rank_port: u16) -> RouteRegistration {
+/// The `PUT /route` body of a prefill rank, as sglang's prefill sends it,
+/// plus (a kvbridge extension) the rank's engine session when it is a
+/// `host:port`, so decodes can fence the rank's writes.
+pub fn registration(
+    config: &PrefillConfig,
+    page_size: u64,
+    rank_port: u16,
+    engine_session: &str,
+) -> RouteRegistration {
     let r = &config.rank;
     RouteRegistration {
         attn_tp_size: r.attn_tp_size,
@@ -41,6 +48,8 @@ pub fn registration(config: &PrefillConfig, page_size: u64, rank_port: u16) -> R
         enable_kv_cache_sharding: Some(false),
         prefill_http_port: None,
         decode_allocation_policy: Some("early".into()),
+        engine_session: kvbridge_wire::bootstrap::is_session_id(engine_session)
+            .then(|| engine_session.to_owned()),
     }
 }
 
@@ -53,13 +62,14 @@ pub fn register_with_bootstrap(
     config: &PrefillConfig,
     page_size: u64,
     rank_port: u16,
+    engine_session: &str,
     stopped: &AtomicBool,
 ) -> Result<(), StartError> {
     let fail = |reason: String| StartError::Bootstrap {
         addr: config.bootstrap_addr.clone(),
         reason,
     };
-    let body = serde_json::to_vec(&registration(config, page_size, rank_port))
+    let body = serde_json::to_vec(&registration(config, page_size, rank_port, engine_session))
         .map_err(|e| fail(format!("cannot encode the registration: {e}")))?;
     let auth = config.secret.as_ref().map(WriteAuth::new);
     let url = format!("http://{}/route", config.bootstrap_addr);

@@ -284,6 +284,17 @@ fn on_abort_ack(shared: &Shared, a: &AbortAck) {
     let accepted = match a.prefill_rank {
         Some(rank) if expected.all.contains(&rank) && a.generation == acks.generation => {
             acks.ranks.insert(rank);
+            // A fenced rank's late ACK: it drained this room. Lift its fence
+            // once it owes no other room an ACK.
+            if let Some(session) = expected.sessions.get(&rank)
+                && let Some(owed) = rooms.fences.get_mut(session)
+                && owed.remove(&(a.room, rank))
+                && owed.is_empty()
+            {
+                rooms.fences.remove(session);
+                shared.engine.unfence_peer(session);
+                tracing::info!(%session, "fenced prefill rank acknowledged its aborts; fence lifted");
+            }
             true
         }
         None if acks.generation.is_none() && acks.unranked < expected.all.len() => {

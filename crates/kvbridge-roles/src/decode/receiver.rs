@@ -167,6 +167,10 @@ impl KvReceiver {
                 .map(|i| i.unique_rank)
                 .collect(),
             all: all.iter().map(|i| i.unique_rank).collect(),
+            sessions: all
+                .iter()
+                .filter_map(|i| Some((i.unique_rank, i.engine_session.clone()?)))
+                .collect(),
         };
         self.shared
             .rooms
@@ -306,6 +310,7 @@ impl KvReceiver {
                     pp_rank: pp,
                     is_dummy,
                     unique_rank,
+                    engine_session: rank.engine_session,
                 });
             }
         }
@@ -443,36 +448,84 @@ impl KvReceiver {
     /// acknowledged the abort, sent by [`KvReceiver::abort`] or when the
     /// room failed: only then may the pages be reused. True when no
     /// prefill rank was ever told about the room. Nothing else counts as
-    /// drained (not a lost bootstrap server, not a timeout): past the
-    /// `abort_ack_timeout` the room is logged, once, as holding its pages.
+    /// drained (not a lost bootstrap server, not a timeout), except a
+    /// fence: past `abort_ack_timeout`, each silent rank whose engine
+    /// session is known is fenced by our engine (no write of it can land
+    /// any more) and counts as drained; a rank that cannot be fenced keeps
+    /// the pages pinned, reported once.
     pub fn abort_acknowledged(&self) -> bool {
         let Some(needed) = self.infos.as_ref().map(Vec::len) else {
             return true;
         };
-        let mut rooms = self.shared.rooms.lock();
-        let Some(acks) = rooms.abort_acks.get_mut(&self.room) else {
-            return false;
-        };
-        if acks.ranks.len() + acks.unranked >= needed {
-            return true;
-        }
-        let overdue = acks
-            .sent_at
-            .is_some_and(|t| t.elapsed() >= self.shared.config.abort_ack_timeout);
-        if overdue && !acks.overdue_logged {
+        let silent = {
+            let mut rooms = self.shared.rooms.lock();
+            let Some(acks) = rooms.abort_acks.get_mut(&self.room) else {
+                return false;
+            };
+            if acks.ranks.len() + acks.unranked + acks.fenced.len() >= needed {
+                return true;
+            }
+            let overdue = acks
+                .sent_at
+                .is_some_and(|t| t.elapsed() >= self.shared.config.abort_ack_timeout);
+            if !overdue || acks.overdue_logged {
+                return false;
+            }
             acks.overdue_logged = true;
-            let acked = acks.ranks.len() + acks.unranked;
-            drop(rooms);
+            let (acked, fenced) = (acks.ranks.clone(), acks.fenced.clone());
+            let expected = rooms.expected.get(&self.room).cloned().unwrap_or_default();
+            let silent: Vec<(u64, Option<String>)> = expected
+                .all
+                .iter()
+                .filter(|r| !acked.contains(r) && !fenced.contains(r))
+                .map(|r| (*r, expected.sessions.get(r).cloned()))
+                .collect();
+            silent
+        };
+        let mut unfenced = Vec::new();
+        for (rank, session) in silent {
+            let fenced = match &session {
+                Some(s) => match self.shared.engine.fence_peer(s) {
+                    Ok(done) => done,
+                    Err(e) => {
+                        tracing::warn!(room = self.room, rank, session = %s, error = %e, "cannot fence a silent prefill rank");
+                        false
+                    }
+                },
+                None => false,
+            };
+            if let (true, Some(s)) = (fenced, session) {
+                self.shared.metrics.failure("abort_fenced");
+                tracing::warn!(
+                    room = self.room,
+                    rank,
+                    session = %s,
+                    "prefill rank did not acknowledge the abort in time; its engine session is \
+                     fenced until it does, so no late write can land"
+                );
+                let mut rooms = self.shared.rooms.lock();
+                rooms.fences.entry(s).or_default().insert((self.room, rank));
+                if let Some(acks) = rooms.abort_acks.get_mut(&self.room) {
+                    acks.fenced.insert(rank);
+                }
+            } else {
+                unfenced.push(rank);
+            }
+        }
+        if !unfenced.is_empty() {
             self.shared.metrics.failure("abort_ack_overdue");
             tracing::error!(
                 room = self.room,
-                acked,
-                needed,
-                "prefill ranks have not acknowledged the abort; the room's pages stay pinned \
-                 until they do (a write could still land)"
+                ranks = ?unfenced,
+                "prefill ranks have not acknowledged the abort and cannot be fenced; the room's \
+                 pages stay pinned until they do (a write could still land)"
             );
         }
-        false
+        let rooms = self.shared.rooms.lock();
+        rooms
+            .abort_acks
+            .get(&self.room)
+            .is_some_and(|a| a.ranks.len() + a.unranked + a.fenced.len() >= needed)
     }
 
     /// Clears the room and returns its failure: the recorded reason, or a

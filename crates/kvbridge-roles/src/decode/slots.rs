@@ -15,6 +15,8 @@ pub(crate) struct ExpectedRanks {
     pub status: HashSet<u64>,
     /// Ranks that were told about the room and acknowledge its abort.
     pub all: HashSet<u64>,
+    /// Each rank's engine session, where known (to fence it).
+    pub sessions: HashMap<u64, String>,
 }
 
 /// The room's destinations: KV pages, state slots per component, aux slot.

@@ -21,6 +21,9 @@ pub struct BootstrapInfo {
     /// The rank's unique number, as it signs status and ABORT_ACK frames
     /// (`tp * pp_size * cp_size + pp * cp_size + cp`).
     pub unique_rank: u64,
+    /// The rank's transfer-engine session, when its bootstrap entry
+    /// published one (needed to fence its writes).
+    pub engine_session: Option<String>,
 }
 
 impl BootstrapInfo {
@@ -45,6 +48,9 @@ pub(crate) struct AbortAcks {
     pub sent_at: Option<std::time::Instant>,
     /// Whether the missed-deadline warning was logged.
     pub overdue_logged: bool,
+    /// Ranks that never acknowledged but whose engine session our engine
+    /// fenced (no write of theirs can land any more).
+    pub fenced: HashSet<u64>,
 }
 
 /// Room-level state of the decode side.
@@ -67,6 +73,9 @@ pub(crate) struct DecodeRooms {
     pub expected: HashMap<u64, ExpectedRanks>,
     /// The slots each room's prefill ranks may write outside the engine.
     pub slots: SlotsByRoom,
+    /// Engine sessions fenced for silent ranks, with the `(room, rank)`
+    /// ACKs still owed; the fence is lifted when the last one arrives.
+    pub fences: HashMap<String, HashSet<(u64, u64)>>,
 }
 
 /// Prefill servers this decode rank has resolved.

@@ -63,7 +63,9 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
-    /// Sends `[room, status, rank, reason?]` to each target; failures are logged.
+    /// Sends `[room, status, rank, reason?]` to each target without ever
+    /// blocking (a slow or dead decode must not stall this thread): a full
+    /// queue drops the message, counted; that decode's room then times out.
     pub fn send_status(
         &self,
         targets: &[(String, u16)],
@@ -170,6 +172,8 @@ impl Shared {
             }
         };
         let endpoint = tcp_endpoint(&target.ip, target.port);
+        // Never blocks: ABORTs naming a dead endpoint must not stall the
+        // inbox thread that handles everyone's messages.
         if self
             .push
             .try_send(&endpoint, ack.encode().iter().map(|f| f.as_ref()))
@@ -345,6 +349,7 @@ impl PrefillManager {
             &shared.config,
             shared.kv_args.layout.page_size,
             rank_port,
+            shared.engine.session_id(),
             &shared.stopped,
         ) {
             stop_all(threads);
