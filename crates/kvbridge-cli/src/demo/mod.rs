@@ -23,7 +23,7 @@ use anyhow::{Context, Result, bail};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use kvbridge_engine::EngineConfig;
-use kvbridge_roles::bootstrap::{BootstrapServer, DEFAULT_ENTRY_CLEANUP_INTERVAL};
+use kvbridge_roles::bootstrap::{BootstrapConfig, BootstrapServer, DEFAULT_ENTRY_CLEANUP_INTERVAL};
 use kvbridge_roles::synthetic::{ModelSpec, Placement, RankSpec};
 use kvbridge_roles::{DecodeConfig, PrefillConfig};
 
@@ -302,19 +302,6 @@ struct Outcome {
 }
 
 fn run_inner(args: &DemoArgs) -> Result<Summary> {
-    let bootstrap = BootstrapServer::start("127.0.0.1:0".parse()?, DEFAULT_ENTRY_CLEANUP_INTERVAL)
-        .context("starting the bootstrap server")?;
-    let plan = plan(args, bootstrap.local_addr())?;
-    let dir = std::env::temp_dir().join(format!("kvbridge-demo-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
-    let result = orchestrate(args, &plan, &dir);
-    let _ = std::fs::remove_dir_all(&dir);
-    bootstrap.shutdown();
-    result
-}
-
-fn orchestrate(args: &DemoArgs, plan: &Plan, dir: &std::path::Path) -> Result<Summary> {
-    let deadline = Instant::now() + Duration::from_secs(args.timeout_s);
     let secret = if args.open {
         eprintln!(
             "kvbridge demo: OPEN MODE (--open): no cluster secret; every channel is unauthenticated"
@@ -326,6 +313,31 @@ fn orchestrate(args: &DemoArgs, plan: &Plan, dir: &std::path::Path) -> Result<Su
             None => kvbridge_engine::ClusterSecret::generate(),
         })
     };
+    let bootstrap = BootstrapServer::start_with(
+        "127.0.0.1:0".parse()?,
+        BootstrapConfig {
+            secret: secret.clone(),
+            cleanup_interval: DEFAULT_ENTRY_CLEANUP_INTERVAL,
+            ..BootstrapConfig::default()
+        },
+    )
+    .context("starting the bootstrap server")?;
+    let plan = plan(args, bootstrap.local_addr())?;
+    let dir = std::env::temp_dir().join(format!("kvbridge-demo-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    let result = orchestrate(args, &plan, &dir, secret);
+    let _ = std::fs::remove_dir_all(&dir);
+    bootstrap.shutdown();
+    result
+}
+
+fn orchestrate(
+    args: &DemoArgs,
+    plan: &Plan,
+    dir: &std::path::Path,
+    secret: Option<kvbridge_engine::ClusterSecret>,
+) -> Result<Summary> {
+    let deadline = Instant::now() + Duration::from_secs(args.timeout_s);
     let mut children = Children::new(dir.to_path_buf(), secret);
     let prefill_ids: Vec<ChildId> = plan
         .prefill_files
