@@ -231,6 +231,30 @@ fn demo_fault_flags_fail_some_rooms_with_reasons_while_others_succeed() {
     }
 }
 
+#[test]
+fn demo_under_attack_from_a_host_without_the_secret_loses_nothing() {
+    // Forged control messages for the run's own rooms to every rank, idle
+    // and half-open engine connections, unsigned bootstrap writes: in
+    // secret mode (the demo's default) every room completes, byte-exact.
+    let (code, v) = demo(&[
+        "--rogue",
+        "--prefill-tp",
+        "2",
+        "--decode-tp",
+        "1",
+        "--requests",
+        "24",
+        "--prompt-tokens",
+        "256",
+    ]);
+    assert_clean(code, &v);
+    let r = &v["rogue"];
+    assert!(r["forged_messages"].as_u64().unwrap() > 0, "{v}");
+    assert!(r["idle_connections"].as_u64().unwrap() > 0, "{v}");
+    assert!(r["bootstrap_writes"].as_u64().unwrap() > 0, "{v}");
+    assert_eq!(r["bootstrap_accepted"], 0, "{v}");
+}
+
 /// Without CUDA (forced here with `KVBRIDGE_NO_CUDA`, as on a GPU-less
 /// machine) the GPU options stop with one clear "no CUDA" line.
 #[test]

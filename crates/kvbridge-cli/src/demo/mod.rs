@@ -12,6 +12,7 @@
 //! given up. `--abort-fraction F` aborts that fraction of requests mid-transfer.
 
 mod procs;
+mod rogue;
 pub mod summary;
 
 use std::collections::{HashMap, HashSet};
@@ -86,6 +87,12 @@ pub struct DemoArgs {
     /// hands it to its processes through their environment.
     #[arg(long)]
     open: bool,
+    /// Attack the run from a hostile host without the secret: forged
+    /// control messages for the run's rooms to every rank, idle connections
+    /// on every engine port, unsigned bootstrap writes. The summary says
+    /// what it did; in secret mode the run must not notice.
+    #[arg(long)]
+    rogue: bool,
     /// KV pools in GPU memory (`--device` = GPU 0, `--device N`).
     #[arg(long, num_args = 0..=1, default_missing_value = "0", value_name = "GPU")]
     device: Option<i32>,
@@ -325,7 +332,7 @@ fn run_inner(args: &DemoArgs) -> Result<Summary> {
     let plan = plan(args, bootstrap.local_addr())?;
     let dir = std::env::temp_dir().join(format!("kvbridge-demo-{}", std::process::id()));
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
-    let result = orchestrate(args, &plan, &dir, secret);
+    let result = orchestrate(args, &plan, &dir, secret, bootstrap.local_addr());
     let _ = std::fs::remove_dir_all(&dir);
     bootstrap.shutdown();
     result
@@ -336,6 +343,7 @@ fn orchestrate(
     plan: &Plan,
     dir: &std::path::Path,
     secret: Option<kvbridge_engine::ClusterSecret>,
+    bootstrap: std::net::SocketAddr,
 ) -> Result<Summary> {
     let deadline = Instant::now() + Duration::from_secs(args.timeout_s);
     let mut children = Children::new(dir.to_path_buf(), secret);
@@ -354,6 +362,13 @@ fn orchestrate(
         .collect::<Result<_>>()?;
     let sessions = children.wait_ready(&decode_ids, deadline)?;
     let requests = plan.workload.requests();
+    let rogue = args.rogue.then(|| {
+        rogue::Rogue::start(
+            bootstrap,
+            children.ready_ranks(),
+            requests.iter().map(|r| r.room).collect(),
+        )
+    });
     let total = requests.len() as u64 * plan.decode_files.len() as u64;
     let bar = if args.json {
         ProgressBar::hidden()
@@ -481,7 +496,10 @@ fn orchestrate(
     let seconds = first_start.map_or(0.0, |t| {
         last_done.saturating_duration_since(t).as_secs_f64()
     });
-    Ok(summarize(args, plan, &decode, &prefill, seconds))
+    let rogue_report = rogue.map(rogue::Rogue::stop);
+    let mut summary = summarize(args, plan, &decode, &prefill, seconds);
+    summary.rogue = rogue_report;
+    Ok(summary)
 }
 
 /// Splits the rooms the killed decode rank 0 started: returns the rooms its
@@ -636,5 +654,6 @@ fn summarize(
         verified_bytes: verified,
         mismatched_bytes: mismatched,
         failures,
+        rogue: None,
     }
 }

@@ -33,6 +33,8 @@ pub struct Children {
     rx: Receiver<(ChildId, Option<Event>)>,
     /// Events read while waiting for something else, delivered first.
     backlog: VecDeque<(ChildId, Option<Event>)>,
+    /// Every rank that reported ready: its control port and engine session.
+    ready: Vec<super::rogue::Target>,
 }
 
 impl Children {
@@ -46,6 +48,7 @@ impl Children {
             tx,
             rx,
             backlog: VecDeque::new(),
+            ready: Vec::new(),
         }
     }
 
@@ -113,6 +116,11 @@ impl Children {
         self.rx.recv_timeout(timeout).ok()
     }
 
+    /// Every rank that reported ready so far.
+    pub fn ready_ranks(&self) -> Vec<super::rogue::Target> {
+        self.ready.clone()
+    }
+
     /// Waits for `Ready` from each of `ids`; returns their engine sessions
     /// in order. Other children's events are kept for later.
     pub fn wait_ready(&mut self, ids: &[ChildId], deadline: Instant) -> Result<Vec<String>> {
@@ -127,7 +135,20 @@ impl Children {
                 Err(_) => continue,
             };
             match (ids.iter().position(|i| *i == id), event) {
-                (Some(k), Some(Event::Ready { session, .. })) => sessions[k] = Some(session),
+                (
+                    Some(k),
+                    Some(Event::Ready {
+                        session,
+                        control_port,
+                        ..
+                    }),
+                ) => {
+                    self.ready.push(super::rogue::Target {
+                        control_port,
+                        engine_session: session.clone(),
+                    });
+                    sessions[k] = Some(session);
+                }
                 (Some(_), Some(Event::Error { message })) => {
                     bail!("{} failed to start: {message}", self.name(id))
                 }

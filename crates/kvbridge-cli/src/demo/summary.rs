@@ -42,6 +42,9 @@ pub struct Summary {
     pub mismatched_bytes: u64,
     /// Each failed request's room and reason.
     pub failures: Vec<Failure>,
+    /// What `--rogue` did during the run.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rogue: Option<super::rogue::RogueReport>,
 }
 
 /// The `q`-quantile (nearest rank) of `values`.
@@ -88,6 +91,13 @@ impl Summary {
             "  verified   {} bytes, {} mismatched\n",
             self.verified_bytes, self.mismatched_bytes
         ));
+        if let Some(r) = &self.rogue {
+            out.push_str(&format!(
+                "  rogue      {} forged control messages, {} idle engine connections, \
+                 {} unsigned bootstrap writes ({} accepted)\n",
+                r.forged_messages, r.idle_connections, r.bootstrap_writes, r.bootstrap_accepted
+            ));
+        }
         for f in self.failures.iter().take(20) {
             out.push_str(&format!("  failed     room {:#x}: {}\n", f.room, f.reason));
         }

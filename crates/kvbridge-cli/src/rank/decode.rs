@@ -51,6 +51,7 @@ pub fn run(file: &RankFile) -> Result<bool> {
         role: "decode".into(),
         rank,
         session: manager.session_id().to_owned(),
+        control_port: manager.rank_port(),
     });
     let Some(workload) = &file.workload else {
         let signal = crate::signals::wait_for_termination()?;

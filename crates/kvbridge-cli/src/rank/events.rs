@@ -16,6 +16,9 @@ pub enum Event {
         rank: u64,
         /// The transfer engine's session id.
         session: String,
+        /// The port of the rank's zmq control socket.
+        #[serde(default)]
+        control_port: u16,
     },
     /// A decode rank sent a room's destination to the prefill.
     Started {
