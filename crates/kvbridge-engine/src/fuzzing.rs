@@ -9,13 +9,7 @@
 
 use crate::ipc::table;
 
-/// The TCP engine's framing, compiled here a second time because `tcp`
-/// keeps its `wire` module private: the same source file, so the fuzz
-/// targets run exactly the decoders the engine runs. (Were `tcp::wire`
-/// `pub(crate)`, this could be a `use`.)
-#[allow(dead_code, clippy::duplicate_mod)]
-#[path = "tcp/wire.rs"]
-mod tcp_wire;
+use crate::tcp::wire as tcp_wire;
 
 use tcp_wire::{Ack, Challenge, Header, Hello};
 

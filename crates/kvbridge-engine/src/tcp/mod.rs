@@ -37,7 +37,7 @@ mod scatter;
 mod send;
 mod server;
 mod stats;
-mod wire;
+pub(crate) mod wire;
 
 use std::collections::HashMap;
 use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
