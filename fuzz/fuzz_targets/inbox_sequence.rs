@@ -1,0 +1,82 @@
+#![no_main]
+//! Random sequences of control messages fed into a live prefill inbox and
+//! a live decode inbox (one harness for the whole run: a bootstrap server,
+//! one prefill and one decode rank on loopback engines, three open rooms).
+//! After every message: no panic, and no byte of a page that no live room
+//! owns has changed.
+//!
+//! Input: a sequence of messages, each `[target, frame count, (len u16 LE,
+//! bytes)...]`; target bit 0 picks the prefill (1) or decode (0) inbox,
+//! bit 1 polls the rooms afterwards, bit 2 rewrites the first frame into a
+//! well-formed message name (so the fuzzer reaches the handlers quickly).
+
+use std::sync::{Mutex, OnceLock};
+
+use kvbridge_roles::fuzzing::InboxHarness;
+use libfuzzer_sys::fuzz_target;
+
+/// The message names of both directions.
+const NAMES: [&[u8]; 8] = [
+    b"STATE_DATA",
+    b"AUX_DATA",
+    b"ABORT_ACK",
+    b"CHUNK_READY",
+    b"STAGING_REQ",
+    b"ABORT",
+    b"WATERMARK",
+    b"STAGING_RSP",
+];
+
+fn harness() -> &'static Mutex<InboxHarness> {
+    static H: OnceLock<Mutex<InboxHarness>> = OnceLock::new();
+    H.get_or_init(|| match InboxHarness::new() {
+        Ok(h) => Mutex::new(h),
+        Err(e) => panic!("the inbox harness cannot start: {e}"),
+    })
+}
+
+/// Splits the input into messages (see the file comment).
+fn messages(mut data: &[u8]) -> Vec<(u8, Vec<Vec<u8>>)> {
+    let mut out = Vec::new();
+    while data.len() >= 2 && out.len() < 64 {
+        let (target, count) = (data[0], usize::from(data[1] % 12));
+        data = &data[2..];
+        let mut frames = Vec::with_capacity(count);
+        for _ in 0..count {
+            if data.len() < 2 {
+                break;
+            }
+            let len = usize::from(u16::from_le_bytes([data[0], data[1]])).min(data.len() - 2);
+            frames.push(data[2..2 + len].to_vec());
+            data = &data[2 + len..];
+        }
+        if target & 4 != 0
+            && let Some(first) = frames.first_mut()
+        {
+            let pick = first.first().copied().unwrap_or(0);
+            *first = NAMES[usize::from(pick) % NAMES.len()].to_vec();
+        }
+        out.push((target, frames));
+    }
+    out
+}
+
+fuzz_target!(|data: &[u8]| {
+    let mut h = match harness().lock() {
+        Ok(h) => h,
+        Err(poisoned) => poisoned.into_inner(),
+    };
+    for (target, frames) in messages(data) {
+        if target & 1 == 1 {
+            h.feed_prefill(&frames);
+        } else {
+            h.feed_decode(&frames);
+        }
+        if target & 2 != 0 {
+            h.poll();
+        }
+        if let Err(e) = h.check() {
+            panic!("invariant broken after {frames:?}: {e}");
+        }
+    }
+});
