@@ -339,16 +339,27 @@ fn the_prefill_registration_client_signs_in_secret_mode() {
     let bs = server(Some(key.clone()));
     let stopped = AtomicBool::new(false);
     let started = Instant::now();
-    let unsigned =
-        register_with_bootstrap(&prefill_config(bs.local_addr(), None), 16, 17000, &stopped);
+    let unsigned = register_with_bootstrap(
+        &prefill_config(bs.local_addr(), None),
+        16,
+        17000,
+        "127.0.0.1:17001",
+        &stopped,
+    );
     assert!(
         matches!(&unsigned, Err(StartError::Bootstrap { reason, .. }) if reason.contains("401")),
         "{unsigned:?}"
     );
     let wrong = Some(secret("bootstrap-guard-wrong-secret"));
     assert!(
-        register_with_bootstrap(&prefill_config(bs.local_addr(), wrong), 16, 17000, &stopped)
-            .is_err()
+        register_with_bootstrap(
+            &prefill_config(bs.local_addr(), wrong),
+            16,
+            17000,
+            "127.0.0.1:17001",
+            &stopped
+        )
+        .is_err()
     );
     // A 401 fails at once rather than after the 30 s of retries.
     assert!(started.elapsed() < Duration::from_secs(5));
@@ -357,6 +368,7 @@ fn the_prefill_registration_client_signs_in_secret_mode() {
         &prefill_config(bs.local_addr(), Some(key)),
         16,
         17000,
+        "127.0.0.1:17001",
         &stopped,
     )
     .unwrap();
@@ -368,6 +380,7 @@ fn the_prefill_registration_client_signs_in_secret_mode() {
         &prefill_config(open.local_addr(), None),
         16,
         17000,
+        "127.0.0.1:17001",
         &stopped,
     )
     .unwrap();

@@ -14,14 +14,6 @@ use kvbridge_wire::{
     AuxData, PackedArray, PackedLists, Register, StateData, Transfer, TransferPages,
 };
 
-fn rogue_socket(port: u16) -> (zmq::Context, zmq::Socket) {
-    let ctx = zmq::Context::new();
-    let sock = ctx.socket(zmq::PUSH).unwrap();
-    sock.set_linger(1000).unwrap();
-    sock.connect(&format!("tcp://127.0.0.1:{port}")).unwrap();
-    (ctx, sock)
-}
-
 fn send(sock: &zmq::Socket, frames: &[&[u8]]) {
     sock.send_multipart(frames.iter().copied(), 0).unwrap();
 }

@@ -13,14 +13,6 @@ use common::*;
 use kvbridge_roles::KvPoll;
 use kvbridge_wire::{AbortAck, StateData, Status};
 
-fn rogue_socket(port: u16) -> (zmq::Context, zmq::Socket) {
-    let ctx = zmq::Context::new();
-    let sock = ctx.socket(zmq::PUSH).unwrap();
-    sock.set_linger(1000).unwrap();
-    sock.connect(&format!("tcp://127.0.0.1:{port}")).unwrap();
-    (ctx, sock)
-}
-
 fn send_frames(sock: &zmq::Socket, frames: &[impl AsRef<[u8]>]) {
     sock.send_multipart(frames.iter().map(|f| f.as_ref()), 0)
         .unwrap();

@@ -124,23 +124,7 @@ pub(crate) fn read_exact(fd: RawFd, buf: &mut [u8]) -> io::Result<()> {
 
 /// Wait up to `timeout_ms` for `fd` to become readable (or hung up).
 pub(crate) fn wait_readable(fd: RawFd, timeout_ms: i32) -> io::Result<bool> {
-    let mut p = libc::pollfd {
-        fd,
-        events: libc::POLLIN | libc::POLLRDHUP,
-        revents: 0,
-    };
-    loop {
-        // SAFETY: one valid pollfd, borrowed for the call.
-        let r = unsafe { libc::poll(&mut p, 1, timeout_ms) };
-        if r < 0 {
-            let e = io::Error::last_os_error();
-            if e.kind() == io::ErrorKind::Interrupted {
-                continue;
-            }
-            return Err(e);
-        }
-        return Ok(r > 0);
-    }
+    poll_one(fd, libc::POLLIN | libc::POLLRDHUP, timeout_ms)
 }
 
 /// Wait up to `timeout_ms` for `a` or `b` to become readable (or hung up).

@@ -402,3 +402,14 @@ impl Cluster {
         self.bootstrap.shutdown();
     }
 }
+
+/// A plain zmq PUSH socket (no secret) to a rank's control port, as a
+/// rogue host would open one.
+pub fn rogue_socket(port: u16) -> (zmq::Context, zmq::Socket) {
+    let ctx = zmq::Context::new();
+    let sock = ctx.socket(zmq::PUSH).expect("zmq socket");
+    sock.set_linger(1000).expect("linger");
+    sock.connect(&format!("tcp://127.0.0.1:{port}"))
+        .expect("connect");
+    (ctx, sock)
+}
