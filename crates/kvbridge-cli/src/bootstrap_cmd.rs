@@ -54,6 +54,7 @@ pub fn run(args: BootstrapArgs) -> ExitCode {
             ..BootstrapLimits::default()
         },
     };
+    let open = config.secret.is_none();
     let server = match BootstrapServer::start_with(SocketAddr::new(args.host, args.port), config) {
         Ok(s) => s,
         Err(e) => {
@@ -65,6 +66,10 @@ pub fn run(args: BootstrapArgs) -> ExitCode {
         }
     };
     eprintln!("listening on {}", server.local_addr());
+    if open {
+        // After the `listening on` line, which tools read as the first one.
+        kvbridge_engine::secret::warn_open_mode("bootstrap (unsigned registrations accepted)");
+    }
     match crate::signals::wait_for_termination() {
         Ok(signal) => tracing::info!(signal, "stopping bootstrap server"),
         Err(e) => {

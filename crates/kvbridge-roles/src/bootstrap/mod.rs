@@ -113,7 +113,8 @@ impl BootstrapServer {
     }
 
     /// Binds `addr` (port 0 picks a free port) and serves with `config` on a
-    /// thread of its own.
+    /// thread of its own. Open mode (no secret) is the caller's to announce
+    /// (`kvbridge bootstrap` does, after its `listening on` line).
     pub fn start_with(addr: SocketAddr, config: BootstrapConfig) -> std::io::Result<Self> {
         let listener = TcpListener::bind(addr)?;
         listener.set_nonblocking(true)?;
@@ -124,9 +125,6 @@ impl BootstrapServer {
             config.cleanup_interval
         };
         let limits = config.limits;
-        if config.secret.is_none() {
-            tracing::warn!(%addr, "bootstrap server in OPEN MODE: unsigned registrations accepted");
-        }
         let ctx: Shared = Arc::new(Ctx {
             state: Mutex::new(BootstrapState::with_dp_rank_capacity(
                 limits.max_dp_rank_entries,
