@@ -253,6 +253,13 @@ fn demo_under_attack_from_a_host_without_the_secret_loses_nothing() {
     assert!(r["idle_connections"].as_u64().unwrap() > 0, "{v}");
     assert!(r["bootstrap_writes"].as_u64().unwrap() > 0, "{v}");
     assert_eq!(r["bootstrap_accepted"], 0, "{v}");
+    // The ranks' resources stayed bounded (the engines cap connections at
+    // 1024; the attack holds 64 per engine).
+    for key in ["max_rank_fds", "max_rank_threads"] {
+        let n = r[key].as_u64().unwrap();
+        assert!(n > 0 && n < 1200, "{key} = {n}: {v}");
+    }
+    assert!(r["max_rank_rss_mib"].as_u64().unwrap() < 4096, "{v}");
 }
 
 /// Without CUDA (forced here with `KVBRIDGE_NO_CUDA`, as on a GPU-less

@@ -367,6 +367,7 @@ fn orchestrate(
             bootstrap,
             children.ready_ranks(),
             requests.iter().map(|r| r.room).collect(),
+            children.pids(),
         )
     });
     let total = requests.len() as u64 * plan.decode_files.len() as u64;

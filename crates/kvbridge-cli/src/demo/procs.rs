@@ -116,6 +116,11 @@ impl Children {
         self.rx.recv_timeout(timeout).ok()
     }
 
+    /// Process ids of the rank processes started so far.
+    pub fn pids(&self) -> Vec<u32> {
+        self.entries.iter().map(|e| e.child.id()).collect()
+    }
+
     /// Every rank that reported ready so far.
     pub fn ready_ranks(&self) -> Vec<super::rogue::Target> {
         self.ready.clone()

@@ -33,6 +33,12 @@ pub struct RogueReport {
     pub bootstrap_writes: u64,
     /// Of those, how many the bootstrap server accepted (200).
     pub bootstrap_accepted: u64,
+    /// Most open file descriptors seen in any rank process meanwhile.
+    pub max_rank_fds: u64,
+    /// Most threads seen in any rank process meanwhile.
+    pub max_rank_threads: u64,
+    /// Largest resident memory seen in any rank process, in MiB.
+    pub max_rank_rss_mib: u64,
 }
 
 /// A ranks' address the rogue aims at.
@@ -52,13 +58,19 @@ pub struct Rogue {
 }
 
 impl Rogue {
-    /// Starts attacking `targets` and `bootstrap` about the rooms `rooms`.
-    pub fn start(bootstrap: SocketAddr, targets: Vec<Target>, rooms: Vec<u64>) -> Self {
+    /// Starts attacking `targets` and `bootstrap` about the rooms `rooms`,
+    /// sampling the resources of the rank processes `pids` meanwhile.
+    pub fn start(
+        bootstrap: SocketAddr,
+        targets: Vec<Target>,
+        rooms: Vec<u64>,
+        pids: Vec<u32>,
+    ) -> Self {
         let stop = Arc::new(AtomicBool::new(false));
         let s = stop.clone();
         let thread = std::thread::Builder::new()
             .name("demo-rogue".into())
-            .spawn(move || attack(&s, bootstrap, &targets, &rooms))
+            .spawn(move || attack(&s, bootstrap, &targets, &rooms, &pids))
             .ok();
         Self { stop, thread }
     }
@@ -85,6 +97,7 @@ fn attack(
     bootstrap: SocketAddr,
     targets: &[Target],
     rooms: &[u64],
+    pids: &[u32],
 ) -> RogueReport {
     let mut report = RogueReport::default();
     // Idle and half-open engine connections, held for the whole run.
@@ -134,12 +147,39 @@ fn attack(
         if unsigned_registration(bootstrap, round) == Some(200) {
             report.bootstrap_accepted += 1;
         }
+        for &pid in pids {
+            sample(pid, &mut report);
+        }
         round += 1;
         std::thread::sleep(Duration::from_millis(20));
     }
     drop(sockets);
     drop(held);
     report
+}
+
+/// Folds the fd count, thread count and resident memory of `pid` (from
+/// `/proc`) into the report's maxima; a process that is gone is skipped.
+fn sample(pid: u32, report: &mut RogueReport) {
+    if let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) {
+        report.max_rank_fds = report.max_rank_fds.max(fds.count() as u64);
+    }
+    let Ok(status) = std::fs::read_to_string(format!("/proc/{pid}/status")) else {
+        return;
+    };
+    let field = |name: &str| {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|v| v.split_whitespace().next())
+            .and_then(|v| v.parse::<u64>().ok())
+    };
+    if let Some(t) = field("Threads:") {
+        report.max_rank_threads = report.max_rank_threads.max(t);
+    }
+    if let Some(kib) = field("VmRSS:") {
+        report.max_rank_rss_mib = report.max_rank_rss_mib.max(kib / 1024);
+    }
 }
 
 /// Forged messages about `room`, in both directions.

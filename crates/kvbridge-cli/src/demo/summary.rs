@@ -94,8 +94,15 @@ impl Summary {
         if let Some(r) = &self.rogue {
             out.push_str(&format!(
                 "  rogue      {} forged control messages, {} idle engine connections, \
-                 {} unsigned bootstrap writes ({} accepted)\n",
-                r.forged_messages, r.idle_connections, r.bootstrap_writes, r.bootstrap_accepted
+                 {} unsigned bootstrap writes ({} accepted)\n\
+                 \x20 ranks      at most {} fds, {} threads, {} MiB resident under attack\n",
+                r.forged_messages,
+                r.idle_connections,
+                r.bootstrap_writes,
+                r.bootstrap_accepted,
+                r.max_rank_fds,
+                r.max_rank_threads,
+                r.max_rank_rss_mib
             ));
         }
         for f in self.failures.iter().take(20) {
