@@ -276,3 +276,40 @@ fn a_silent_prefill_rank_is_fenced_before_its_pages_are_released() {
     drop((prefill_pools, decode_pools));
     bs.shutdown();
 }
+
+#[test]
+fn aborts_naming_a_peer_that_never_reads_do_not_stall_the_prefill_inbox() {
+    let mut cluster = Cluster::new(tiny_model(false, 2), 1, 1, 1, 16);
+    // A "decode" that accepts connections and never reads a byte.
+    let sink = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let sink_port = sink.local_addr().unwrap().port();
+    let (prefill, _) = &cluster.prefill[0];
+    let (_ctx, sock) = rogue_socket(prefill.rank_port());
+    // Thousands of ABORTs for unknown rooms: each is answered at once with
+    // an ACK to the sink, whose queue fills; the inbox must drop, not wait.
+    for room in 0..3000u64 {
+        let abort = kvbridge_wire::Abort {
+            room: 1_000_000 + room,
+            decode_ip: "127.0.0.1".into(),
+            decode_port: sink_port,
+            generation: Some(room),
+        };
+        send_frames(&sock, &abort.encode());
+    }
+    let metrics = prefill.metrics().clone();
+    wait_until("ACKs to the stuck peer dropped", || {
+        metrics.dropped_for("abort_ack_send") > 0
+    });
+    // Honest rooms still go through promptly.
+    let started = Instant::now();
+    let out = cluster.run(900, &[1, 2, 3], &[4, 5, 6], 1);
+    assert_eq!(out[0].0, KvPoll::Success);
+    assert_eq!(out[0].1.mismatched, 0);
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "an honest room waited behind a stuck peer: {:?}",
+        started.elapsed()
+    );
+    drop(sink);
+    cluster.shutdown();
+}
