@@ -6,6 +6,10 @@
 //! when the last of its batches completed. Before a room's last chunk sends
 //! states, aux and the status, every earlier batch of that room is waited
 //! for: a room never reports `Success` before all its bytes are written.
+//!
+//! Batches are accounted for in the order they finish, not the order they
+//! were submitted: a batch to a slow or dead destination holds one slot
+//! (until its engine's timeout), never the rooms queued behind it.
 
 use std::collections::{HashMap, VecDeque};
 
@@ -14,6 +18,10 @@ use kvbridge_plan::{Block, Run};
 use kvbridge_wire::KvPoll;
 
 use super::Shared;
+
+/// How long a wait on the oldest batch lasts before the pipeline looks
+/// again for any other finished batch.
+const NEXT_POLL: std::time::Duration = std::time::Duration::from_millis(1);
 
 /// One chunk being sent: how many of its batches are still in flight.
 #[derive(Debug)]
@@ -90,7 +98,7 @@ impl Pipeline {
         self.tickets.get(&ticket).is_some_and(|t| t.failed)
     }
 
-    /// Submits one batch of the chunk, first waiting for the oldest batch
+    /// Submits one batch of the chunk, first waiting for a batch to finish
     /// while `depth` are in flight.
     pub fn submit(&mut self, shared: &Shared, ticket: u64, target: Target<'_>, blocks: &[Block]) {
         self.make_room(shared);
@@ -119,10 +127,10 @@ impl Pipeline {
         self.push(ticket, target, handle, bytes, copies);
     }
 
-    /// Waits for the oldest batches while `depth` are in flight.
+    /// Waits for batches to finish while `depth` are in flight.
     fn make_room(&mut self, shared: &Shared) {
         while self.pending.len() >= self.depth {
-            self.complete_oldest(shared);
+            self.complete_next(shared, None);
         }
     }
 
@@ -155,11 +163,50 @@ impl Pipeline {
         self.maybe_finish(shared, ticket);
     }
 
-    /// Waits for the oldest batch and accounts for it.
-    pub fn complete_oldest(&mut self, shared: &Shared) {
-        let Some(p) = self.pending.pop_front() else {
-            return;
-        };
+    /// Waits for the next batch to finish (of `room` only, when given) and
+    /// accounts for it: the first one found finished, else the oldest is
+    /// waited on for a moment and the search repeats.
+    fn complete_next(&mut self, shared: &Shared, room: Option<u64>) {
+        let tickets = &self.tickets;
+        let of_room =
+            |p: &Pending| room.is_none_or(|r| tickets.get(&p.ticket).is_some_and(|t| t.room == r));
+        loop {
+            if let Some(i) = self
+                .pending
+                .iter()
+                .position(|p| of_room(p) && p.handle.is_done())
+            {
+                if let Some(p) = self.pending.remove(i) {
+                    self.account(shared, p);
+                }
+                return;
+            }
+            let Some(oldest) = self.pending.iter().find(|p| of_room(p)) else {
+                return;
+            };
+            // Woken at once when it finishes; otherwise look again soon for
+            // any other batch that finished meanwhile.
+            let _ = oldest.handle.wait_timeout(NEXT_POLL);
+        }
+    }
+
+    /// Accounts for one finished batch if there is one, else waits a
+    /// moment for the oldest: for a worker that also watches its queue.
+    pub fn settle(&mut self, shared: &Shared) {
+        if let Some(i) = self.pending.iter().position(|p| p.handle.is_done()) {
+            if let Some(p) = self.pending.remove(i) {
+                self.account(shared, p);
+            }
+        } else if let Some(oldest) = self.pending.front()
+            && oldest.handle.wait_timeout(NEXT_POLL).is_some()
+            && let Some(p) = self.pending.pop_front()
+        {
+            self.account(shared, p);
+        }
+    }
+
+    /// Accounts for a finished batch.
+    fn account(&mut self, shared: &Shared, p: Pending) {
         let result = p.handle.wait();
         let Some(t) = self.tickets.get_mut(&p.ticket) else {
             return;
@@ -191,21 +238,22 @@ impl Pipeline {
         self.maybe_finish(shared, p.ticket);
     }
 
-    /// Waits until no batch of `room` is in flight.
+    /// Waits until no batch of `room` is in flight (other rooms' batches
+    /// are accounted for as they finish, never waited on).
     pub fn wait_room(&mut self, shared: &Shared, room: u64) {
         while self
             .pending
             .iter()
             .any(|p| self.tickets.get(&p.ticket).is_some_and(|t| t.room == room))
         {
-            self.complete_oldest(shared);
+            self.complete_next(shared, Some(room));
         }
     }
 
     /// Waits for every batch in flight.
     pub fn drain(&mut self, shared: &Shared) {
         while !self.pending.is_empty() {
-            self.complete_oldest(shared);
+            self.complete_next(shared, None);
         }
     }
 

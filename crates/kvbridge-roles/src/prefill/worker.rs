@@ -33,7 +33,9 @@ pub(crate) fn run(shared: &Shared, queue: &Receiver<Option<QueuedChunk>>) {
             match queue.try_recv() {
                 Ok(next) => next,
                 Err(TryRecvError::Empty) => {
-                    pipe.complete_oldest(shared);
+                    // Account for finished batches while watching the
+                    // queue: a stuck batch never keeps new chunks waiting.
+                    pipe.settle(shared);
                     continue;
                 }
                 Err(TryRecvError::Disconnected) => None,
