@@ -101,8 +101,55 @@ impl Completer {
     }
 }
 
+impl Drop for Completer {
+    /// A completer dropped without a result (an engine thread that ended
+    /// early) completes its batch with a `Shutdown` error, so no waiter
+    /// waits for ever (as tokio's oneshot sender does on drop).
+    fn drop(&mut self) {
+        let mut g = self.inner.result.lock();
+        if g.is_none() {
+            *g = Some(Err(TransferError::new(
+                String::new(),
+                None,
+                crate::ErrorKind::Shutdown,
+                "the engine dropped the batch without finishing it",
+            )));
+            drop(g);
+            self.inner.cond.notify_all();
+        }
+    }
+}
+
 impl fmt::Debug for Completer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str("Completer")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_dropped_completer_fails_its_batch() {
+        let (handle, completer) = BatchHandle::pending();
+        assert!(!handle.is_done());
+        let waiter = {
+            let h = handle.clone();
+            std::thread::spawn(move || h.wait())
+        };
+        drop(completer);
+        let err = waiter
+            .join()
+            .expect("waiter")
+            .expect_err("dropped batch fails");
+        assert_eq!(err.kind, crate::ErrorKind::Shutdown);
+        let (done, completer) = BatchHandle::pending();
+        completer.complete(Ok(()));
+        assert_eq!(
+            done.poll(),
+            Some(Ok(())),
+            "completing then dropping keeps the result"
+        );
     }
 }
