@@ -161,6 +161,9 @@ pub struct PrefillConfig {
     /// Most rooms with pending transfer requests at once; requests for
     /// further new rooms are refused (counted).
     pub max_rooms: usize,
+    /// Most pending rooms per decode session, so that one peer cannot fill
+    /// `max_rooms` alone.
+    pub max_rooms_per_session: usize,
     /// Most abort ACK endpoints remembered per room.
     pub max_abort_endpoints: usize,
     /// Serve Prometheus metrics here when set.
@@ -195,6 +198,7 @@ impl Default for PrefillConfig {
             max_batch_blocks: 1 << 16,
             max_sessions: 4096,
             max_rooms: 1 << 16,
+            max_rooms_per_session: 1 << 14,
             max_abort_endpoints: 64,
             metrics_addr: None,
             nvlink_intra: false,

@@ -313,3 +313,49 @@ fn aborts_naming_a_peer_that_never_reads_do_not_stall_the_prefill_inbox() {
     drop(sink);
     cluster.shutdown();
 }
+
+#[test]
+fn one_decode_session_cannot_fill_the_prefills_room_table() {
+    let bs = bootstrap();
+    let model = tiny_model(false, 2);
+    let rank = kvbridge_roles::synthetic::RankSpec {
+        tp_size: 1,
+        tp_rank: 0,
+        pp_size: 1,
+        pp_rank: 0,
+    };
+    let pools = kvbridge_roles::synthetic::RankPools::new(model, rank, 16, 8).unwrap();
+    let mut config = prefill_config(bs.local_addr(), 1, 0);
+    config.max_rooms_per_session = 3;
+    let prefill = start_prefill(config, pools.kv_args(), tcp_engine());
+    let (_ctx, sock) = rogue_socket(prefill.rank_port());
+    let request = |room: u64, session: &'static str| kvbridge_wire::Transfer {
+        room,
+        endpoint: "127.0.0.1".into(),
+        dst_port: 9,
+        mooncake_session_id: session.into(),
+        pages: Some(kvbridge_wire::TransferPages {
+            dst_kv_indices: kvbridge_wire::PackedArray::from(vec![1i32]),
+            dst_aux_index: 0,
+            ..kvbridge_wire::TransferPages::default()
+        }),
+        required_dst_info_num: 1,
+        decode_prefix_len: Some(0),
+    };
+    // Five rooms from one session (the cap is 3), a repeat of one of its
+    // rooms (no new room), and one room from another session.
+    for room in 1..=5 {
+        send_frames(&sock, &request(room, "127.0.0.1:9").encode());
+    }
+    send_frames(&sock, &request(2, "127.0.0.1:9").encode());
+    send_frames(&sock, &request(6, "127.0.0.1:10").encode());
+    let metrics = prefill.metrics().clone();
+    wait_until("over-limit requests refused", || {
+        metrics.dropped_for("transfer_over_session_limit") >= 2
+    });
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(metrics.dropped_for("transfer_over_session_limit"), 2);
+    prefill.teardown();
+    drop(pools);
+    bs.shutdown();
+}

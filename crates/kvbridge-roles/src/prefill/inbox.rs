@@ -177,9 +177,18 @@ fn on_transfer(shared: &Shared, t: &Transfer<'_>) {
         shared.conclude(room, KvPoll::Failed, Some(targets), Some(reason));
         return;
     }
-    let infos = rooms.infos.entry(room).or_default();
-    infos.retain(|i| i.session != info.session);
-    infos.push(info);
+    if !rooms.session_has_room(room, &info.session, shared.config.max_rooms_per_session) {
+        drop(rooms);
+        shared.metrics.dropped("transfer_over_session_limit");
+        tracing::warn!(
+            room,
+            session = %info.session,
+            max = shared.config.max_rooms_per_session,
+            "refusing a transfer request: this decode session has too many rooms pending"
+        );
+        return;
+    }
+    let infos = rooms.add_info(room, info);
     let complete = infos.len() as u64 == t.required_dst_info_num;
     if complete {
         let prefix = infos.iter().find_map(|i| i.decode_prefix_len).unwrap_or(0);

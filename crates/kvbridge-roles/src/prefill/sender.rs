@@ -222,7 +222,7 @@ impl KvSender {
             }
             rooms.prefix_len.remove(&self.room);
             if rooms.outstanding.get(&self.room).copied().unwrap_or(0) == 0 {
-                rooms.infos.remove(&self.room);
+                rooms.remove_infos(self.room);
             }
         }
         self.shared.ack_if_drained(self.room);

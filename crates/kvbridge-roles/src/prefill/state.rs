@@ -92,8 +92,12 @@ pub(crate) struct StagingRecords {
 #[derive(Debug, Default)]
 pub(crate) struct RoomsState {
     pub table: RoomTable,
-    /// Each room's decode destinations, in arrival order.
+    /// Each room's decode destinations, in arrival order (change them
+    /// through [`RoomsState::add_info`] / [`RoomsState::remove_infos`], which
+    /// keep `rooms_per_session` in step).
     pub infos: HashMap<u64, Vec<Arc<TransferInfo>>>,
+    /// Rooms with a destination at each decode session.
+    pub rooms_per_session: HashMap<String, usize>,
     /// Chunks dequeued and not yet finished, per room.
     pub outstanding: HashMap<u64, usize>,
     /// Abort ACKs waiting for the room to drain.
@@ -133,10 +137,50 @@ impl RoomsState {
 
     /// Drops everything kept for a finished room except its status.
     pub fn forget_transfer(&mut self, room: u64) {
-        self.infos.remove(&room);
+        self.remove_infos(room);
         self.prefix_len.remove(&room);
         self.outstanding.remove(&room);
         self.staging.allocations.retain(|(r, _), _| *r != room);
+    }
+}
+
+impl RoomsState {
+    /// Records `info` as the room's destination at its session (replacing
+    /// that session's earlier one); returns the room's destinations.
+    pub fn add_info(&mut self, room: u64, info: Arc<TransferInfo>) -> &[Arc<TransferInfo>] {
+        let infos = self.infos.entry(room).or_default();
+        let before = infos.len();
+        infos.retain(|i| i.session != info.session);
+        if infos.len() == before {
+            *self
+                .rooms_per_session
+                .entry(info.session.clone())
+                .or_default() += 1;
+        }
+        infos.push(info);
+        infos
+    }
+
+    /// Whether `session` may be given a destination in `room`: it already
+    /// has one there, or it has fewer than `cap` rooms.
+    pub fn session_has_room(&self, room: u64, session: &str, cap: usize) -> bool {
+        let here = self
+            .infos
+            .get(&room)
+            .is_some_and(|v| v.iter().any(|i| i.session == session));
+        here || self.rooms_per_session.get(session).copied().unwrap_or(0) < cap
+    }
+
+    /// Drops the room's destinations.
+    pub fn remove_infos(&mut self, room: u64) {
+        for info in self.infos.remove(&room).into_iter().flatten() {
+            if let Some(n) = self.rooms_per_session.get_mut(&info.session) {
+                *n = n.saturating_sub(1);
+                if *n == 0 {
+                    self.rooms_per_session.remove(&info.session);
+                }
+            }
+        }
     }
 }
 
