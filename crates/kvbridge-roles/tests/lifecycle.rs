@@ -176,12 +176,7 @@ fn engine_on(port: u16) -> Arc<dyn TransferEngine> {
 #[test]
 fn dead_decode_fails_in_flight_rooms_and_its_session_recovers() {
     let model = tiny_model(false, 4);
-    let rank = RankSpec {
-        tp_size: 1,
-        tp_rank: 0,
-        pp_size: 1,
-        pp_rank: 0,
-    };
+    let rank = SINGLE_RANK;
     let bs = bootstrap();
     let addr = bs.local_addr().to_string();
     let mut ppools = RankPools::new(model.clone(), rank, 256, 4).unwrap();
@@ -265,12 +260,7 @@ fn count(dir: &str) -> usize {
 fn two_hundred_role_switches_leak_nothing() {
     let bs = bootstrap();
     let model = tiny_model(false, 1);
-    let rank = RankSpec {
-        tp_size: 1,
-        tp_rank: 0,
-        pp_size: 1,
-        pp_rank: 0,
-    };
+    let rank = SINGLE_RANK;
     let pools = RankPools::new(model, rank, 8, 2).unwrap();
     let cycle = |i: u32| {
         let engine = tcp_engine();
@@ -338,12 +328,7 @@ impl Restart {
 
 fn restart_setup() -> Restart {
     let model = tiny_model(false, 2);
-    let rank = RankSpec {
-        tp_size: 1,
-        tp_rank: 0,
-        pp_size: 1,
-        pp_rank: 0,
-    };
+    let rank = SINGLE_RANK;
     let bs = bootstrap();
     let addr = bs.local_addr().to_string();
     let ppools = RankPools::new(model.clone(), rank, 16, 4).unwrap();

@@ -237,12 +237,7 @@ fn a_lost_bootstrap_server_with_a_live_prefill_drains_through_its_ack() {
 fn a_silent_prefill_rank_is_fenced_before_its_pages_are_released() {
     let bs = bootstrap();
     let model = tiny_model(false, 2);
-    let rank = kvbridge_roles::synthetic::RankSpec {
-        tp_size: 1,
-        tp_rank: 0,
-        pp_size: 1,
-        pp_rank: 0,
-    };
+    let rank = SINGLE_RANK;
     let prefill_pools =
         kvbridge_roles::synthetic::RankPools::new(model.clone(), rank, 16, 8).unwrap();
     let decode_pools = kvbridge_roles::synthetic::RankPools::new(model, rank, 16, 8).unwrap();
@@ -318,12 +313,7 @@ fn aborts_naming_a_peer_that_never_reads_do_not_stall_the_prefill_inbox() {
 fn one_decode_session_cannot_fill_the_prefills_room_table() {
     let bs = bootstrap();
     let model = tiny_model(false, 2);
-    let rank = kvbridge_roles::synthetic::RankSpec {
-        tp_size: 1,
-        tp_rank: 0,
-        pp_size: 1,
-        pp_rank: 0,
-    };
+    let rank = SINGLE_RANK;
     let pools = kvbridge_roles::synthetic::RankPools::new(model, rank, 16, 8).unwrap();
     let mut config = prefill_config(bs.local_addr(), 1, 0);
     config.max_rooms_per_session = 3;

@@ -12,19 +12,14 @@ use std::time::Duration;
 use common::*;
 use kvbridge_engine::{EngineConfig, TcpEngine, TransferEngine};
 use kvbridge_roles::KvPoll;
-use kvbridge_roles::synthetic::{RankPools, RankSpec};
+use kvbridge_roles::synthetic::RankPools;
 
 #[test]
 fn a_hung_decode_delays_only_its_own_rooms() {
     let bs = bootstrap();
     let addr = bs.local_addr().to_string();
     let model = tiny_model(false, 2);
-    let rank = RankSpec {
-        tp_size: 1,
-        tp_rank: 0,
-        pp_size: 1,
-        pp_rank: 0,
-    };
+    let rank = SINGLE_RANK;
     let mut prefill_pools = RankPools::new(model.clone(), rank, 32, 8).unwrap();
     let pools_a = RankPools::new(model.clone(), rank, 32, 8).unwrap();
     let pools_b = RankPools::new(model, rank, 32, 8).unwrap();

@@ -413,3 +413,11 @@ pub fn rogue_socket(port: u16) -> (zmq::Context, zmq::Socket) {
         .expect("connect");
     (ctx, sock)
 }
+
+/// The one rank of a TP 1, PP 1 server.
+pub const SINGLE_RANK: RankSpec = RankSpec {
+    tp_size: 1,
+    tp_rank: 0,
+    pp_size: 1,
+    pp_rank: 0,
+};
