@@ -244,13 +244,9 @@ fn on_chunk_ready(shared: &Shared, c: &ChunkReady<'_>) {
     if !rooms.table.contains(c.room) {
         return;
     }
-    let held = rooms
-        .chunk_ready
-        .iter()
-        .filter(|(r, _)| *r == c.room)
-        .count();
-    if held < MAX_CHUNK_NOTICES_PER_ROOM {
-        rooms.chunk_ready.insert((c.room, c.chunk_idx));
+    let notices = rooms.chunk_ready.entry(c.room).or_default();
+    if notices.len() < MAX_CHUNK_NOTICES_PER_ROOM {
+        notices.insert(c.chunk_idx);
     } else {
         drop(rooms);
         shared.metrics.dropped("chunk_ready");

@@ -551,7 +551,7 @@ impl KvReceiver {
         rooms.abort_acks.remove(&self.room);
         rooms.expected.remove(&self.room);
         rooms.slots.remove(&self.room);
-        rooms.chunk_ready.retain(|(r, _)| *r != self.room);
+        rooms.chunk_ready.remove(&self.room);
         if let Some(set) = rooms.addr_rooms.get_mut(&self.bootstrap_addr) {
             set.remove(&self.room);
         }

@@ -68,7 +68,7 @@ pub(crate) struct DecodeRooms {
     /// Last abort generation handed out.
     pub generation: u64,
     /// Staging notices received: `(room, chunk)`.
-    pub chunk_ready: HashSet<(u64, u64)>,
+    pub chunk_ready: HashMap<u64, HashSet<u64>>,
     /// The prefill ranks each room expects to hear from.
     pub expected: HashMap<u64, ExpectedRanks>,
     /// The slots each room's prefill ranks may write outside the engine.
