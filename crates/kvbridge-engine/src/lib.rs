@@ -65,97 +65,36 @@ pub use tcp::{EngineStats, TcpEngine};
 #[cfg(feature = "ucx")]
 pub use ucx::{UcxEngine, UcxError, UcxStats};
 
-/// One contiguous copy: `len` bytes from local `src` to the peer's `dst`.
-///
-/// Layout-identical to the planner's block, so `bytemuck::cast_slice` turns
-/// a planned `&[plan::Block]` into `&[Block]` without copying.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default, bytemuck::Pod, bytemuck::Zeroable)]
-pub struct Block {
-    /// Source address in local registered memory.
-    pub src: u64,
-    /// Destination address in the peer's registered memory.
-    pub dst: u64,
-    /// Number of bytes.
-    pub len: u64,
+pub use kvbridge_block::{Batch, Block, Run};
+
+/// Where a batch goes: a peer's session id and, optionally, the
+/// incarnation of that peer the batch was planned for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Target<'a> {
+    /// The peer's engine session id, `"host:port"`.
+    pub session: &'a str,
+    /// The peer incarnation the batch was planned for (as the peer
+    /// announced it when it registered its memory); `None` accepts any.
+    pub incarnation: Option<u64>,
 }
 
-/// `count` equal copies at fixed strides: copy `i` moves `len` bytes from
-/// local `src + i * src_stride` to the peer's `dst + i * dst_stride` (e.g.
-/// one head slice of every token of a page).
-///
-/// Layout-identical to the planner's run (`bytemuck::cast_slice`).
-#[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default, bytemuck::Pod, bytemuck::Zeroable)]
-pub struct Run {
-    /// Source address of the first copy, in local registered memory.
-    pub src: u64,
-    /// Destination address of the first copy, in the peer's registered memory.
-    pub dst: u64,
-    /// Bytes per copy.
-    pub len: u64,
-    /// Number of copies.
-    pub count: u64,
-    /// Source bytes from one copy to the next.
-    pub src_stride: u64,
-    /// Destination bytes from one copy to the next.
-    pub dst_stride: u64,
-}
-
-impl Run {
-    /// Bytes from the first copy's start to the last copy's end on each
-    /// side, `(source span, destination span)`; `None` when that overflows,
-    /// `Some((0, 0))` for an empty run.
-    pub fn spans(&self) -> Option<(u64, u64)> {
-        if self.count == 0 || self.len == 0 {
-            return Some((0, 0));
-        }
-        let last = self.count - 1;
-        let span = |stride: u64, base: u64| {
-            let s = last.checked_mul(stride)?.checked_add(self.len)?;
-            base.checked_add(s)?;
-            Some(s)
-        };
-        Some((
-            span(self.src_stride, self.src)?,
-            span(self.dst_stride, self.dst)?,
-        ))
-    }
-
-    /// Whether the run's destinations are pairwise disjoint and its spans
-    /// fit the address space: what every engine requires of a run.
-    pub fn is_well_formed(&self) -> bool {
-        self.spans().is_some() && (self.count <= 1 || self.dst_stride >= self.len)
-    }
-
-    /// Bytes the run moves (saturating).
-    pub fn bytes(&self) -> u64 {
-        self.len.saturating_mul(self.count)
-    }
-
-    /// Copy `i` as a block.
-    pub fn block(&self, i: u64) -> Block {
-        Block {
-            src: self.src.wrapping_add(i.wrapping_mul(self.src_stride)),
-            dst: self.dst.wrapping_add(i.wrapping_mul(self.dst_stride)),
-            len: self.len,
+impl<'a> Target<'a> {
+    /// Any incarnation of the peer at `session`.
+    pub fn any(session: &'a str) -> Self {
+        Target {
+            session,
+            incarnation: None,
         }
     }
-}
 
-/// The blocks of `runs` in order, or the index of the first run that is not
-/// [`Run::is_well_formed`].
-pub fn expand_runs(runs: &[Run]) -> Result<Vec<Block>, usize> {
-    let mut out = Vec::new();
-    for (i, r) in runs.iter().enumerate() {
-        if !r.is_well_formed() {
-            return Err(i);
-        }
-        if r.len > 0 {
-            out.extend((0..r.count).map(|k| r.block(k)));
+    /// Only incarnation `incarnation` of the peer at `session`; 0 (an
+    /// engine without incarnations) accepts any.
+    pub fn exact(session: &'a str, incarnation: u64) -> Self {
+        Target {
+            session,
+            incarnation: (incarnation != 0).then_some(incarnation),
         }
     }
-    Ok(out)
 }
 
 /// A transfer engine: moves batches of blocks from local registered memory
@@ -182,9 +121,17 @@ pub trait TransferEngine: Send + Sync + std::fmt::Debug {
     /// touches them any more; see [`kvbridge_mem::RegionRegistry::deregister`].
     fn batch_deregister(&self, addrs: &[u64]) -> Result<(), MemError>;
 
-    /// Start moving `blocks` to `session` and return at once; the handle
-    /// reports completion (all bytes in the peer's memory) or the first error.
-    fn submit(&self, session: &str, blocks: &[Block]) -> BatchHandle;
+    /// Start moving `batch` to `target` and return at once; the handle
+    /// reports completion (all bytes in the peer's memory) or the first
+    /// error. With `target.incarnation` set, only into that incarnation of
+    /// the peer: if another answers at the session (the peer restarted, and
+    /// addresses planned for the old one may now be the new one's live
+    /// memory) the batch fails with `PeerRestarted` and nothing is written;
+    /// engines that cannot mix up incarnations ignore it. Every run must be
+    /// [`Run::is_well_formed`], else the batch fails with `InvalidArgument`
+    /// and nothing is written; engines without a native run path
+    /// ([`TransferEngine::copies_runs`] false) move the expanded blocks.
+    fn submit(&self, target: Target<'_>, batch: Batch<'_>) -> BatchHandle;
 
     /// This engine's incarnation: a random id fixed for its lifetime, so
     /// peers tell a restarted process from the one they knew (0 = none).
@@ -192,38 +139,17 @@ pub trait TransferEngine: Send + Sync + std::fmt::Debug {
         0
     }
 
-    /// Like [`TransferEngine::submit`], but only into incarnation `expected`
-    /// of the peer (as it announced itself when it registered its memory):
-    /// if another incarnation answers at `session` — the peer restarted, and
-    /// addresses planned for the old one may now be the new one's live
-    /// memory — the batch fails with `PeerRestarted` and nothing is written.
-    /// Engines that cannot mix up incarnations ignore `expected`.
-    fn submit_to(&self, session: &str, expected: u64, blocks: &[Block]) -> BatchHandle {
-        let _ = expected;
-        self.submit(session, blocks)
-    }
-
-    /// Whether [`TransferEngine::submit_runs_to`] copies runs natively
-    /// (planners then hand over runs instead of one block per copy).
+    /// Whether [`TransferEngine::submit`] copies runs natively (planners
+    /// then hand over runs instead of one block per copy).
     fn copies_runs(&self) -> bool {
         false
-    }
-
-    /// Like [`TransferEngine::submit_to`] for strided runs. Every run must be
-    /// [`Run::is_well_formed`] (else the batch fails with `InvalidArgument`
-    /// and nothing is written). Engines without a native run path move the
-    /// expanded blocks.
-    fn submit_runs_to(&self, session: &str, expected: u64, runs: &[Run]) -> BatchHandle {
-        match expand_runs(runs) {
-            Ok(blocks) => self.submit_to(session, expected, &blocks),
-            Err(i) => BatchHandle::ready(Err(malformed_run(session, i))),
-        }
     }
 
     /// Move `blocks` to `session`; returns when every byte is in the peer's
     /// memory, or with the first error.
     fn batch_transfer_sync(&self, session: &str, blocks: &[Block]) -> Result<(), TransferError> {
-        self.submit(session, blocks).wait()
+        self.submit(Target::any(session), Batch::Blocks(blocks))
+            .wait()
     }
 
     /// Fence the peer whose engine session id is `session` (exactly what
@@ -272,6 +198,15 @@ pub trait TransferEngine: Send + Sync + std::fmt::Debug {
     /// that arrived over the control plane); refused unless the whole range
     /// lies inside one registered region.
     fn write_local(&self, addr: u64, data: &[u8]) -> Result<(), MemError>;
+}
+
+/// `batch` as blocks for engines without a native run path, or the
+/// `InvalidArgument` error for its first run that is not well formed.
+pub(crate) fn batch_blocks<'a>(
+    session: &str,
+    batch: Batch<'a>,
+) -> Result<std::borrow::Cow<'a, [Block]>, TransferError> {
+    batch.to_blocks().map_err(|i| malformed_run(session, i))
 }
 
 /// The error for run `i` of a batch that is not [`Run::is_well_formed`].

@@ -11,7 +11,7 @@ use std::sync::{Arc, OnceLock, Weak};
 use kvbridge_mem::{MemError, Region, RegionRegistry, access_for};
 use parking_lot::{Mutex, RwLock};
 
-use crate::{BatchHandle, Block, ErrorKind, Side, TransferEngine, TransferError};
+use crate::{Batch, BatchHandle, Block, ErrorKind, Side, Target, TransferEngine, TransferError};
 
 struct Shared {
     session: String,
@@ -154,8 +154,10 @@ impl TransferEngine for LoopbackEngine {
         self.shared.regions.write().deregister(addrs)
     }
 
-    fn submit(&self, session: &str, blocks: &[Block]) -> BatchHandle {
-        BatchHandle::ready(self.transfer(session, blocks))
+    fn submit(&self, target: Target<'_>, batch: Batch<'_>) -> BatchHandle {
+        let r = crate::batch_blocks(target.session, batch)
+            .and_then(|blocks| self.transfer(target.session, &blocks));
+        BatchHandle::ready(r)
     }
 
     /// Refuse writes from `session`; returns once copies from it in

@@ -12,7 +12,7 @@ use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 
 use kvbridge_engine::ipc::{Copier, CopyMode, CopyTuning};
-use kvbridge_engine::{Block, ErrorKind, IpcEngine, Run, Side, TransferEngine};
+use kvbridge_engine::{Batch, Block, ErrorKind, IpcEngine, Run, Side, Target, TransferEngine};
 use kvbridge_mem::cuda::{self, DeviceBuffer};
 use kvbridge_mem::{HostBuffer, MemError};
 use rand::{Rng, RngCore, SeedableRng, rngs::StdRng};
@@ -383,7 +383,12 @@ fn ipc_engine_between_two_processes_on_one_gpu() {
     // The same blocks in six batches, all in flight at once.
     let handles: Vec<_> = big
         .chunks(50_000)
-        .map(|c| engine.submit_to(&peer.session, peer.incarnation, c))
+        .map(|c| {
+            engine.submit(
+                Target::exact(&peer.session, peer.incarnation),
+                Batch::Blocks(c),
+            )
+        })
         .collect();
     for h in handles {
         h.wait().unwrap();
@@ -397,7 +402,10 @@ fn ipc_engine_between_two_processes_on_one_gpu() {
     assert_eq!(engine.mapping_counts(), (1, 0));
 
     // submit (async) with the right incarnation works too.
-    let h = engine.submit_to(&peer.session, peer.incarnation, &blocks[..10]);
+    let h = engine.submit(
+        Target::exact(&peer.session, peer.incarnation),
+        Batch::Blocks(&blocks[..10]),
+    );
     h.wait().unwrap();
 
     // A destination outside the peer's regions: refused, nothing written.
@@ -450,7 +458,10 @@ fn ipc_engine_between_two_processes_on_one_gpu() {
     let mut peer2 = Peer::spawn(port);
     assert_ne!(peer2.incarnation, old);
     let e = engine
-        .submit_to(&peer2.session, old, &blocks[..1])
+        .submit(
+            Target::exact(&peer2.session, old),
+            Batch::Blocks(&blocks[..1]),
+        )
         .wait()
         .unwrap_err();
     assert_eq!(e.kind, ErrorKind::PeerRestarted);
@@ -548,7 +559,12 @@ fn ipc_engine_copies_strided_runs() {
             .collect();
         let handles: Vec<_> = abs
             .chunks(abs.len().div_ceil(3).max(1))
-            .map(|c| engine.submit_runs_to(&peer.session, peer.incarnation, c))
+            .map(|c| {
+                engine.submit(
+                    Target::exact(&peer.session, peer.incarnation),
+                    Batch::Runs(c),
+                )
+            })
             .collect();
         for h in handles {
             h.wait().unwrap();
@@ -596,7 +612,7 @@ fn ipc_engine_copies_strided_runs() {
         },
     ];
     let e = engine
-        .submit_runs_to(&peer.session, 0, &over)
+        .submit(Target::exact(&peer.session, 0), Batch::Runs(&over))
         .wait()
         .unwrap_err();
     assert_eq!(e.kind, ErrorKind::OutOfRegion(Side::Remote));
@@ -608,7 +624,7 @@ fn ipc_engine_copies_strided_runs() {
         ..over[0]
     }];
     let e = engine
-        .submit_runs_to(&peer.session, 0, &overlap)
+        .submit(Target::exact(&peer.session, 0), Batch::Runs(&overlap))
         .wait()
         .unwrap_err();
     assert_eq!(e.kind, ErrorKind::InvalidArgument);

@@ -6,7 +6,7 @@ mod common;
 use std::sync::Arc;
 
 use common::*;
-use kvbridge_engine::{Block, ErrorKind, LoopbackEngine, Side, TransferEngine};
+use kvbridge_engine::{Batch, Block, ErrorKind, LoopbackEngine, Side, Target, TransferEngine};
 use rand::{SeedableRng, rngs::StdRng};
 
 #[test]
@@ -52,7 +52,10 @@ fn random_blocks_arrive_and_bad_ones_are_refused() {
     b.batch_deregister(&[dst.addr()]).unwrap();
     drop(b);
     assert_eq!(a.probe(&gone).unwrap_err().kind, ErrorKind::Unreachable);
-    let e = a.submit(&gone, &blocks[..1]).wait().unwrap_err();
+    let e = a
+        .submit(Target::any(&gone), Batch::Blocks(&blocks[..1]))
+        .wait()
+        .unwrap_err();
     assert_eq!(e.kind, ErrorKind::Unreachable);
     assert_eq!(a.registered_regions().len(), 1);
 }
@@ -75,7 +78,7 @@ fn local_byte_io_is_bounds_checked() {
 /// malformed run fails the batch before anything is written.
 #[test]
 fn runs_are_expanded_and_malformed_runs_refused() {
-    use kvbridge_engine::{Run, expand_runs};
+    use kvbridge_engine::Run;
     let a = LoopbackEngine::new();
     let b = LoopbackEngine::new();
     let src = patterned(1 << 20, 3);
@@ -102,8 +105,10 @@ fn runs_are_expanded_and_malformed_runs_refused() {
             dst_stride: 77,
         },
     ];
-    a.submit_runs_to(b.session_id(), 0, &runs).wait().unwrap();
-    let blocks = expand_runs(&runs).unwrap();
+    a.submit(Target::exact(b.session_id(), 0), Batch::Runs(&runs))
+        .wait()
+        .unwrap();
+    let blocks = Batch::Runs(&runs).to_blocks().unwrap().into_owned();
     assert_eq!(blocks.len(), 74);
     assert_eq!(blocks[1].src, src.addr() + 256 + 1024);
     assert_arrived(&blocks, &src, &dst);
@@ -114,7 +119,10 @@ fn runs_are_expanded_and_malformed_runs_refused() {
     };
     let before = dst.as_slice().to_vec();
     let e = a
-        .submit_runs_to(b.session_id(), 0, &[runs[1], overlapping])
+        .submit(
+            Target::exact(b.session_id(), 0),
+            Batch::Runs(&[runs[1], overlapping]),
+        )
         .wait()
         .unwrap_err();
     assert_eq!((e.kind, e.block), (ErrorKind::InvalidArgument, Some(1)));
@@ -122,6 +130,6 @@ fn runs_are_expanded_and_malformed_runs_refused() {
         dst: u64::MAX - 1000,
         ..runs[0]
     };
-    assert_eq!(expand_runs(&[runs[0], wraps]), Err(1));
+    assert_eq!(Batch::Runs(&[runs[0], wraps]).first_malformed(), Some(1));
     assert_eq!(dst.as_slice(), &before[..]);
 }

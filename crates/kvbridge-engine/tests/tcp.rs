@@ -7,7 +7,7 @@ use std::io::{Read, Write};
 use std::sync::Arc;
 
 use common::*;
-use kvbridge_engine::{Block, EngineConfig, ErrorKind, Side, TransferEngine};
+use kvbridge_engine::{Batch, Block, EngineConfig, ErrorKind, Side, Target, TransferEngine};
 use kvbridge_mem::HostBuffer;
 use rand::{SeedableRng, rngs::StdRng};
 
@@ -32,7 +32,10 @@ fn random_sets_to_many_sessions(c: EngineConfig, seed: u64) {
             b.src = src.addr() + ((b.src - src.addr() + base) % ((40 << 20) - (16 << 20)));
         }
         blocks.retain(|b| b.src + b.len <= src.addr() + src.len() as u64);
-        jobs.push((initiator.submit(t.session_id(), &blocks), blocks));
+        jobs.push((
+            initiator.submit(Target::any(t.session_id()), Batch::Blocks(&blocks)),
+            blocks,
+        ));
     }
     for ((h, blocks), d) in jobs.iter().zip(&dsts) {
         h.wait().unwrap();
@@ -329,7 +332,7 @@ fn overlapping_submits_complete() {
         .collect();
     let handles: Vec<_> = batches
         .iter()
-        .map(|bl| a.submit(b.session_id(), bl))
+        .map(|bl| a.submit(Target::any(b.session_id()), Batch::Blocks(bl)))
         .collect();
     for h in &handles {
         while h.poll().is_none() {

@@ -6,7 +6,7 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::*;
-use kvbridge_engine::{Block, EngineConfig, ErrorKind, TcpEngine, TransferEngine};
+use kvbridge_engine::{Batch, Block, EngineConfig, ErrorKind, Target, TcpEngine, TransferEngine};
 use kvbridge_mem::HostBuffer;
 use rand::{Rng, SeedableRng, rngs::StdRng};
 
@@ -68,7 +68,10 @@ fn peer_killed_mid_batch_fails_fast_and_others_keep_working() {
     register(&fine, &d2);
     // The victim stops answering after 16 MiB of a 64 MiB batch.
     victim.debug_freeze_after(16 << 20);
-    let h = a.submit(victim.session_id(), &whole(&src, &d1, 64 << 20));
+    let h = a.submit(
+        Target::any(victim.session_id()),
+        Batch::Blocks(&whole(&src, &d1, 64 << 20)),
+    );
     let t = Instant::now();
     while victim.stats().bytes_received < 16 << 20 {
         assert!(
@@ -197,7 +200,9 @@ fn batches_pinned_to_an_incarnation_never_reach_its_successor() {
     let d1 = HostBuffer::new(1 << 20).unwrap();
     register(&first, &d1);
     let blocks = whole(&src, &d1, 1 << 20);
-    a.submit_to(&session, old, &blocks).wait().unwrap();
+    a.submit(Target::exact(&session, old), Batch::Blocks(&blocks))
+        .wait()
+        .unwrap();
     assert_eq!(d1.as_slice(), src.as_slice());
     let port: u16 = session.rsplit(':').next().unwrap().parse().unwrap();
     // The peer restarts on the same port and registers memory at addresses
@@ -209,7 +214,10 @@ fn batches_pinned_to_an_incarnation_never_reach_its_successor() {
     register(&second, &d2);
     let stale = whole(&src, &d2, 1 << 20);
     for _ in 0..3 {
-        let e = a.submit_to(&session, old, &stale).wait().unwrap_err();
+        let e = a
+            .submit(Target::exact(&session, old), Batch::Blocks(&stale))
+            .wait()
+            .unwrap_err();
         assert_eq!(e.kind, ErrorKind::PeerRestarted, "{e}");
     }
     assert!(
@@ -217,8 +225,11 @@ fn batches_pinned_to_an_incarnation_never_reach_its_successor() {
         "a stale batch was written"
     );
     // Pinned to the new incarnation it goes through.
-    a.submit_to(&session, second.incarnation(), &stale)
-        .wait()
-        .unwrap();
+    a.submit(
+        Target::exact(&session, second.incarnation()),
+        Batch::Blocks(&stale),
+    )
+    .wait()
+    .unwrap();
     assert_eq!(d2.as_slice(), src.as_slice());
 }

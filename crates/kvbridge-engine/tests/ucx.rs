@@ -8,7 +8,7 @@ mod common;
 mod ucx_util;
 
 use common::{patterned, random_blocks, register};
-use kvbridge_engine::{Block, ErrorKind, Side, TransferEngine, UcxEngine};
+use kvbridge_engine::{Batch, Block, ErrorKind, Side, TransferEngine, UcxEngine};
 use kvbridge_mem::HostBuffer;
 use rand::{Rng, SeedableRng, rngs::StdRng};
 use ucx_util::{TRANSPORTS, Target, engine, ucx_or_skip};
@@ -54,7 +54,7 @@ fn random_blocks_arrive_byte_exact(tls: &str) {
         }
         let handles: Vec<_> = blocks
             .chunks(rng.gen_range(1..64))
-            .map(|c| a.submit(&t.session, c))
+            .map(|c| a.submit(kvbridge_engine::Target::any(&t.session), Batch::Blocks(c)))
             .collect();
         for h in handles {
             h.wait().unwrap();

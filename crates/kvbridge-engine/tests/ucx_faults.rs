@@ -10,7 +10,7 @@ mod ucx_util;
 use std::time::{Duration, Instant};
 
 use common::{patterned, register};
-use kvbridge_engine::{Block, ErrorKind, TransferEngine};
+use kvbridge_engine::{Batch, Block, ErrorKind, TransferEngine};
 use kvbridge_mem::HostBuffer;
 use ucx_util::{TRANSPORTS, Target, engine, ucx_or_skip};
 
@@ -42,7 +42,12 @@ fn killed_peer_fails_in_time_and_others_keep_working(tls: &str) {
         .unwrap();
     // Kill it with batches in flight, then keep sending to it.
     let inflight: Vec<_> = (0..8)
-        .map(|_| a.submit(&victim.session, &whole(&src, &victim)))
+        .map(|_| {
+            a.submit(
+                kvbridge_engine::Target::any(&victim.session),
+                Batch::Blocks(&whole(&src, &victim)),
+            )
+        })
         .collect();
     victim.kill();
     let t = Instant::now();
@@ -63,7 +68,10 @@ fn killed_peer_fails_in_time_and_others_keep_working(tls: &str) {
     }
     let mut after = None;
     for _ in 0..3 {
-        let r = a.submit(&victim.session, &whole(&src, &victim));
+        let r = a.submit(
+            kvbridge_engine::Target::any(&victim.session),
+            Batch::Blocks(&whole(&src, &victim)),
+        );
         match r.wait_timeout(BOUND).expect("a batch to a dead peer hung") {
             Err(e) => {
                 after = Some(e);
@@ -115,9 +123,12 @@ fn restarted_peer_is_handshaken_again(tls: &str) {
     register(&a, &src);
     let mut old = Target::spawn(tls, LEN, 0, None);
     let (session, port, old_inc) = (old.session.clone(), old.port, old.incarnation);
-    a.submit_to(&session, old_inc, &whole(&src, &old))
-        .wait()
-        .unwrap();
+    a.submit(
+        kvbridge_engine::Target::exact(&session, old_inc),
+        Batch::Blocks(&whole(&src, &old)),
+    )
+    .wait()
+    .unwrap();
     old.kill();
     drop(old);
     let mut new = Target::spawn(tls, LEN, port, None);
@@ -125,7 +136,10 @@ fn restarted_peer_is_handshaken_again(tls: &str) {
     assert_ne!(new.incarnation, old_inc);
     // Blocks planned for the old incarnation never reach the new one.
     let e = a
-        .submit_to(&session, old_inc, &whole(&src, &new))
+        .submit(
+            kvbridge_engine::Target::exact(&session, old_inc),
+            Batch::Blocks(&whole(&src, &new)),
+        )
         .wait()
         .unwrap_err();
     assert_eq!(e.kind, ErrorKind::PeerRestarted, "{e}");
@@ -134,9 +148,12 @@ fn restarted_peer_is_handshaken_again(tls: &str) {
         "old-incarnation blocks landed"
     );
     // Planned for the new one: a fresh handshake, and every byte arrives.
-    a.submit_to(&session, new.incarnation, &whole(&src, &new))
-        .wait()
-        .unwrap();
+    a.submit(
+        kvbridge_engine::Target::exact(&session, new.incarnation),
+        Batch::Blocks(&whole(&src, &new)),
+    )
+    .wait()
+    .unwrap();
     assert!(new.dump() == src.as_slice());
     a.probe(&session).unwrap();
     // Unpinned batches work too.
@@ -165,7 +182,12 @@ fn hung_peer_times_out_and_recovers_over_tcp() {
     hung.signal("STOP");
     let t = Instant::now();
     let stuck: Vec<_> = (0..4)
-        .map(|_| a.submit(&hung.session, &whole(&src, &hung)))
+        .map(|_| {
+            a.submit(
+                kvbridge_engine::Target::any(&hung.session),
+                Batch::Blocks(&whole(&src, &hung)),
+            )
+        })
         .collect();
     // Meanwhile the other peer is served.
     fine.fill(0);

@@ -3,8 +3,8 @@
 
 use crate::block::Block;
 use crate::error::PlanError;
+use crate::index_runs::addr;
 use crate::layout::{PeerRegistration, PrefillLayout};
-use crate::runs::addr;
 
 /// Appends the aux blocks. Extra prefill aux buffers are ignored; a decode
 /// aux buffer without a prefill counterpart is an error.

@@ -12,9 +12,9 @@
 
 use crate::block::Block;
 use crate::error::PlanError;
+use crate::index_runs::{IndexRuns, add, addr, mul, page, signed, u64_of};
 use crate::layout::{PeerRegistration, PrefillLayout};
 use crate::pairing::{Entry, flat_pp_positions, pair_by_layer_ids};
-use crate::runs::{RunSet, add, addr, mul, page, signed, u64_of};
 
 /// A draft entry of the relayout.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -229,7 +229,7 @@ impl DcpRelayout {
     pub(crate) fn emit(
         &self,
         c: &DcpChunk<'_>,
-        runs: &mut RunSet,
+        runs: &mut IndexRuns,
         out: &mut Vec<Block>,
         batch_ends: &mut Vec<usize>,
     ) -> Result<(), PlanError> {

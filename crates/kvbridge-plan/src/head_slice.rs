@@ -7,9 +7,9 @@
 
 use crate::block::{Block, Run};
 use crate::error::PlanError;
+use crate::index_runs::{add, mul, page, signed};
 use crate::layout::{PeerRegistration, PrefillLayout};
 use crate::pairing::{halves_pairs, pair_by_layer_ids};
-use crate::runs::{add, mul, page, signed};
 
 /// Strided runs of a plan and the ends of its engine batches.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]

@@ -4,9 +4,9 @@
 
 use crate::block::Block;
 use crate::error::PlanError;
+use crate::index_runs::{IndexRuns, PageIndex, addr, mul};
 use crate::layout::{PeerRegistration, PrefillLayout};
 use crate::pairing::{Entry, GenericPairing, generic_entries};
-use crate::runs::{PageIndex, RunSet, addr, mul};
 
 /// Prepared KV page copy: the buffer pairs, fixed per peer.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -67,7 +67,7 @@ pub(crate) fn prepare_page_copy(
 /// arithmetic that never actually wraps.
 pub(crate) fn emit_entries_runs(
     entries: &[Entry],
-    runs: &RunSet,
+    runs: &IndexRuns,
     out: &mut Vec<Block>,
 ) -> Result<(), PlanError> {
     if runs.runs.is_empty() {
@@ -103,7 +103,7 @@ pub(crate) fn emit_generic<S: PageIndex, D: PageIndex>(
     src_idx: &[S],
     dst_idx: &[D],
     max_batch: u64,
-    runs: &mut RunSet,
+    runs: &mut IndexRuns,
     out: &mut Vec<Block>,
     batch_ends: &mut Vec<usize>,
     what: (&'static str, &'static str),

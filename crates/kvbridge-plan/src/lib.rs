@@ -56,12 +56,12 @@ mod block;
 mod dcp;
 mod error;
 mod head_slice;
+mod index_runs;
 mod kv;
 mod layout;
 mod pairing;
 mod peer;
 mod plan;
-mod runs;
 mod state;
 
 #[cfg(feature = "scenario")]

@@ -13,8 +13,8 @@ use std::collections::{HashMap, VecDeque};
 use std::ops::Range;
 
 use crate::error::PlanError;
+use crate::index_runs::py_slice;
 use crate::layout::{PrefillLayout, StateType};
-use crate::runs::py_slice;
 
 /// One buffer pair with the (prefill) item size used on both sides.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -8,10 +8,10 @@ use crate::block::{Block, Run, canonicalize};
 use crate::dcp::DcpChunk;
 use crate::error::PlanError;
 use crate::head_slice::RunOut;
+use crate::index_runs::{IndexRuns, py_slice};
 use crate::kv::emit_generic;
 use crate::layout::{PeerRegistration, PrefillLayout, TransferChunk, TransferRequest};
 use crate::peer::{KvMode, PreparedPeer};
-use crate::runs::{RunSet, py_slice};
 use crate::state::{StateScratch, plan_states};
 
 /// Every block one chunk needs, as flat arrays: KV, state components (last
@@ -199,7 +199,7 @@ impl<'a> Iterator for KvRunBatches<'a> {
 #[derive(Debug, Default)]
 pub struct Planner {
     plan: TransferPlan,
-    runs: RunSet,
+    runs: IndexRuns,
     state: StateScratch,
     strided: bool,
 }

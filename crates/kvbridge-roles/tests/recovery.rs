@@ -10,7 +10,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use common::*;
-use kvbridge_engine::{BatchHandle, Block, MemError, Region, TransferEngine, TransferError};
+use kvbridge_engine::{
+    Batch, BatchHandle, MemError, Region, Target, TransferEngine, TransferError,
+};
 use kvbridge_roles::KvPoll;
 use kvbridge_roles::synthetic::{RankPools, RankSpec};
 
@@ -32,14 +34,16 @@ impl TransferEngine for Flaky {
     fn batch_deregister(&self, addrs: &[u64]) -> Result<(), MemError> {
         self.inner.batch_deregister(addrs)
     }
-    fn submit(&self, session: &str, blocks: &[Block]) -> BatchHandle {
+    fn submit(&self, target: Target<'_>, batch: Batch<'_>) -> BatchHandle {
         if self.down.load(Ordering::SeqCst) {
             // Fail through the real engine: a session nobody listens on.
-            return self
-                .inner
-                .submit("127.0.0.1:1", &blocks[..blocks.len().min(1)]);
+            let first = match batch {
+                Batch::Blocks(b) => Batch::Blocks(&b[..b.len().min(1)]),
+                Batch::Runs(r) => Batch::Runs(&r[..r.len().min(1)]),
+            };
+            return self.inner.submit(Target::any("127.0.0.1:1"), first);
         }
-        self.inner.submit(session, blocks)
+        self.inner.submit(target, batch)
     }
     fn probe(&self, session: &str) -> Result<(), TransferError> {
         if self.down.load(Ordering::SeqCst) {

@@ -20,7 +20,7 @@ use std::time::Instant;
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use kvbridge_engine::ipc::{Copier, CopyMode, CopyTuning};
-use kvbridge_engine::{BatchHandle, Block, EngineConfig, IpcEngine, Run, TransferEngine};
+use kvbridge_engine::{Batch, BatchHandle, Block, EngineConfig, IpcEngine, Run, TransferEngine};
 use kvbridge_mem::cuda::{self, DeviceBuffer, Event, Stream};
 
 use super::ipc_layout::{dest, head_slice_runs, pattern, slot, threads};
@@ -358,7 +358,8 @@ fn initiate(args: &IpcArgs) -> Result<()> {
         let per = usize::try_from(batch_bytes / size)?;
         let (inflight, passes) = (args.inflight, args.passes);
         let session = target.session.clone();
-        let submit = |c: &[Block]| engine.submit(&session, c);
+        let submit =
+            |c: &[Block]| engine.submit(kvbridge_engine::Target::any(&session), Batch::Blocks(c));
         run_batches(&remote, per, inflight, 1, submit)?;
         target.verify(seed, size, (mult, add), 0)?;
         let mut ipc = 0f64;
@@ -430,7 +431,8 @@ fn initiate(args: &IpcArgs) -> Result<()> {
         }
         let runs = head_slice_runs(src.addr(), target.addr, n, size, copies, mult, add);
         let per = usize::try_from((batch_bytes / (size * copies)).max(1))?;
-        let submit = |c: &[Run]| engine.submit_runs_to(&session, 0, c);
+        let submit =
+            |c: &[Run]| engine.submit(kvbridge_engine::Target::any(&session), Batch::Runs(c));
         target.zero()?; // so that a copy the runs miss cannot pass as stale bytes
         run_batches(&runs, per, inflight, 1, submit)?;
         target.verify(seed, size, (mult, add), copies)?;

@@ -14,7 +14,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
-use kvbridge_engine::{Block, EngineConfig, TcpEngine, TransferEngine};
+use kvbridge_engine::{Batch, Block, EngineConfig, TcpEngine, TransferEngine};
 use kvbridge_mem::HostBuffer;
 
 /// Options of `kvbridge bench tcp`.
@@ -274,7 +274,10 @@ fn initiate(args: &TcpArgs) -> Result<()> {
                     let h: kvbridge_engine::BatchHandle = pending.pop_front().context("window")?;
                     h.wait().context("transfer failed")?;
                 }
-                pending.push_back(engine.submit(&target.session, chunk));
+                pending.push_back(engine.submit(
+                    kvbridge_engine::Target::any(&target.session),
+                    Batch::Blocks(chunk),
+                ));
             }
             for h in pending {
                 h.wait().context("transfer failed")?;

@@ -15,7 +15,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
-use kvbridge_engine::{Block, EngineConfig, TransferEngine, UcxEngine};
+use kvbridge_engine::{Batch, Block, EngineConfig, TransferEngine, UcxEngine};
 
 use super::tcp::{Row, buffer, first_mismatch, print_rows, splitmix};
 
@@ -275,7 +275,10 @@ fn initiate(args: &UcxArgs) -> Result<()> {
                     let h: kvbridge_engine::BatchHandle = pending.pop_front().context("window")?;
                     h.wait().context("transfer failed")?;
                 }
-                pending.push_back(engine.submit(&target.session, chunk));
+                pending.push_back(engine.submit(
+                    kvbridge_engine::Target::any(&target.session),
+                    Batch::Blocks(chunk),
+                ));
             }
             for h in pending {
                 h.wait().context("transfer failed")?;

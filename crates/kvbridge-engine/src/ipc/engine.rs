@@ -3,7 +3,7 @@
 //! A batch is prepared and launched in the submitting thread (under the
 //! session's lock): connect, check, translate and pack (one pass, on the
 //! preparation threads for large batches, each slice uploaded as soon as
-//! it is packed), hold what it writes, launch; `submit_to` returns while
+//! it is packed), hold what it writes, launch; `submit` returns while
 //! the copy runs. The session's completion thread waits for each batch's
 //! event in order, recycles its descriptor slot and completes its handle.
 //!
@@ -27,11 +27,11 @@ use parking_lot::Mutex;
 
 use super::copier::Slot;
 use super::peer::PeerState;
-use super::plan::{Batch, CopyTuning};
+use super::plan::CopyTuning;
 use super::table::{self, Export};
 use crate::batch::Completer;
 use crate::{
-    BatchHandle, Block, EngineConfig, ErrorKind, Run, TcpEngine, TransferEngine, TransferError,
+    Batch, BatchHandle, EngineConfig, ErrorKind, Target, TcpEngine, TransferEngine, TransferError,
 };
 
 /// How often an idle session holding regions looks for revokes.
@@ -323,31 +323,19 @@ impl TransferEngine for IpcEngine {
         r
     }
 
-    fn submit(&self, session: &str, blocks: &[Block]) -> BatchHandle {
-        self.submit_to(session, 0, blocks)
-    }
-
     fn incarnation(&self) -> u64 {
         self.shared.tcp.incarnation()
     }
 
-    fn submit_to(&self, session: &str, expected: u64, blocks: &[Block]) -> BatchHandle {
-        self.submit_batch(session, expected, Batch::Blocks(blocks))
+    fn submit(&self, target: Target<'_>, batch: Batch<'_>) -> BatchHandle {
+        if let Some(i) = batch.first_malformed() {
+            return BatchHandle::ready(Err(crate::malformed_run(target.session, i)));
+        }
+        self.submit_batch(target.session, target.incarnation.unwrap_or(0), batch)
     }
 
     fn copies_runs(&self) -> bool {
         true
-    }
-
-    fn submit_runs_to(&self, session: &str, expected: u64, runs: &[Run]) -> BatchHandle {
-        if let Some(i) = runs.iter().position(|r| !r.is_well_formed()) {
-            return BatchHandle::ready(Err(crate::malformed_run(session, i)));
-        }
-        self.submit_batch(session, expected, Batch::Runs(runs))
-    }
-
-    fn batch_transfer_sync(&self, session: &str, blocks: &[Block]) -> Result<(), TransferError> {
-        self.submit_to(session, 0, blocks).wait()
     }
 
     fn probe(&self, session: &str) -> Result<(), TransferError> {

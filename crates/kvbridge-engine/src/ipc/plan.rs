@@ -10,47 +10,8 @@ pub use runs::{
     unpack_run,
 };
 
-use crate::{Block, Run};
-
-/// One batch handed to the engine: blocks, or strided runs.
-#[derive(Debug, Clone, Copy)]
-pub enum Batch<'a> {
-    /// One copy per block.
-    Blocks(&'a [Block]),
-    /// Strided runs of copies.
-    Runs(&'a [Run]),
-}
-
-impl Batch<'_> {
-    /// Blocks or runs in the batch.
-    pub fn len(&self) -> usize {
-        match self {
-            Batch::Blocks(b) => b.len(),
-            Batch::Runs(r) => r.len(),
-        }
-    }
-
-    /// Whether the batch holds no blocks or runs.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    /// Whether the batch moves no byte.
-    pub fn moves_nothing(&self) -> bool {
-        match self {
-            Batch::Blocks(b) => b.iter().all(|b| b.len == 0),
-            Batch::Runs(r) => r.iter().all(|r| r.bytes() == 0),
-        }
-    }
-
-    /// The first non-empty source range (its GPU picks the copier).
-    pub fn first_source(&self) -> Option<(u64, u64)> {
-        match self {
-            Batch::Blocks(b) => b.iter().find(|b| b.len > 0).map(|b| (b.src, b.len)),
-            Batch::Runs(r) => r.iter().find(|r| r.bytes() > 0).map(|r| (r.src, r.len)),
-        }
-    }
-}
+pub use crate::Batch;
+use crate::Block;
 
 /// Addresses at or above this do not fit a packed descriptor.
 pub const ADDR_LIMIT: u64 = 1 << 48;

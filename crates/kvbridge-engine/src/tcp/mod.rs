@@ -50,7 +50,9 @@ use crossbeam_channel::Sender;
 use kvbridge_mem::{MemError, Region, RegionRegistry};
 use parking_lot::{Mutex, RwLock};
 
-use crate::{BatchHandle, Block, EngineConfig, ErrorKind, Side, TransferEngine, TransferError};
+use crate::{
+    Batch, BatchHandle, Block, EngineConfig, ErrorKind, Side, Target, TransferEngine, TransferError,
+};
 use request::{BatchCtx, Item, Piece, Work};
 pub use stats::EngineStats;
 use stats::Stats;
@@ -369,16 +371,10 @@ impl TransferEngine for TcpEngine {
         tracing::info!(%session, "peer unfenced");
     }
 
-    fn submit_to(&self, session: &str, expected: u64, blocks: &[Block]) -> BatchHandle {
-        match self.plan(session, expected, blocks) {
-            Ok(Some(h)) => h,
-            Ok(None) => BatchHandle::ready(Ok(())),
-            Err(e) => BatchHandle::ready(Err(e)),
-        }
-    }
-
-    fn submit(&self, session: &str, blocks: &[Block]) -> BatchHandle {
-        match self.plan(session, 0, blocks) {
+    fn submit(&self, target: Target<'_>, batch: Batch<'_>) -> BatchHandle {
+        let planned = crate::batch_blocks(target.session, batch)
+            .and_then(|blocks| self.plan(target.session, target.incarnation.unwrap_or(0), &blocks));
+        match planned {
             Ok(Some(h)) => h,
             Ok(None) => BatchHandle::ready(Ok(())),
             Err(e) => BatchHandle::ready(Err(e)),

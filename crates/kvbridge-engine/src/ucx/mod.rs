@@ -39,7 +39,9 @@ pub use api::UcxError;
 use progress::{BatchCmd, Cmd, Put, Wake};
 use side::{Ask, PeerInfo, Published, RemoteRegion};
 
-use crate::{BatchHandle, Block, EngineConfig, ErrorKind, Side, TransferEngine, TransferError};
+use crate::{
+    Batch, BatchHandle, Block, EngineConfig, ErrorKind, Side, Target, TransferEngine, TransferError,
+};
 
 /// The version of the UCX library on this machine (`"1.13.1"`), or why
 /// UCX cannot be used here.
@@ -566,16 +568,14 @@ impl TransferEngine for UcxEngine {
         result
     }
 
-    fn submit(&self, session: &str, blocks: &[Block]) -> BatchHandle {
-        self.submit_to(session, 0, blocks)
-    }
-
     fn incarnation(&self) -> u64 {
         self.incarnation
     }
 
-    fn submit_to(&self, session: &str, expected: u64, blocks: &[Block]) -> BatchHandle {
-        match self.plan(session, expected, blocks) {
+    fn submit(&self, target: Target<'_>, batch: Batch<'_>) -> BatchHandle {
+        let planned = crate::batch_blocks(target.session, batch)
+            .and_then(|blocks| self.plan(target.session, target.incarnation.unwrap_or(0), &blocks));
+        match planned {
             Ok(Some(h)) => h,
             Ok(None) => BatchHandle::ready(Ok(())),
             Err(e) => BatchHandle::ready(Err(e)),

@@ -12,7 +12,7 @@
 
 use crate::block::Block;
 use crate::error::{DsaTailError, PlanError};
-use crate::runs::{add, mul};
+use crate::index_runs::{add, mul};
 use crate::state::StateCtx;
 
 /// Plans one `dsa_tail` component.

@@ -11,8 +11,8 @@
 
 use crate::block::Block;
 use crate::error::PlanError;
+use crate::index_runs::{add, mul};
 use crate::pairing::pair_by_layer_ids;
-use crate::runs::{add, mul};
 use crate::state::{StateCtx, StateScratch, should_send_replicated};
 
 /// Byte triple `(src_offset, dst_offset, len)` within one slot.

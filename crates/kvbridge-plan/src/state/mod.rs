@@ -14,16 +14,16 @@ use std::ops::Range;
 
 use crate::block::Block;
 use crate::error::PlanError;
+use crate::index_runs::IndexRuns;
 use crate::layout::{PeerRegistration, PrefillLayout, StateComponent, StateType, TransferRequest};
 use crate::pairing::Entry;
-use crate::runs::RunSet;
 
 /// Reusable buffers of the state rules.
 #[derive(Debug, Default)]
 pub(crate) struct StateScratch {
     pub pairs: Vec<(usize, usize)>,
     pub entries: Vec<Entry>,
-    pub runs: RunSet,
+    pub runs: IndexRuns,
     pub batch_ends: Vec<usize>,
 }
 

@@ -13,8 +13,7 @@
 
 use std::collections::{HashMap, VecDeque};
 
-use kvbridge_engine::BatchHandle;
-use kvbridge_plan::{Block, Run};
+use kvbridge_engine::{Batch, BatchHandle};
 use kvbridge_wire::KvPoll;
 
 use super::Shared;
@@ -100,31 +99,15 @@ impl Pipeline {
 
     /// Submits one batch of the chunk, first waiting for a batch to finish
     /// while `depth` are in flight.
-    pub fn submit(&mut self, shared: &Shared, ticket: u64, target: Target<'_>, blocks: &[Block]) {
+    pub fn submit(&mut self, shared: &Shared, ticket: u64, target: Target<'_>, batch: Batch<'_>) {
         self.make_room(shared);
-        let bytes = blocks.iter().map(|b| b.len).sum();
-        let engine_blocks = bytemuck::cast_slice(blocks);
-        let handle = if target.incarnation == 0 {
-            shared.engine.submit(target.session, engine_blocks)
-        } else {
-            shared
-                .engine
-                .submit_to(target.session, target.incarnation, engine_blocks)
+        let copies = match batch {
+            Batch::Blocks(b) => b.len() as u64,
+            Batch::Runs(r) => r.iter().map(|r| r.count).fold(0, u64::saturating_add),
         };
-        self.push(ticket, target, handle, bytes, blocks.len() as u64);
-    }
-
-    /// [`Pipeline::submit`] for strided runs (engines that copy them natively).
-    pub fn submit_runs(&mut self, shared: &Shared, ticket: u64, target: Target<'_>, runs: &[Run]) {
-        self.make_room(shared);
-        let bytes = runs.iter().map(Run::bytes).fold(0, u64::saturating_add);
-        let copies = runs.iter().map(|r| r.count).fold(0, u64::saturating_add);
-        let handle = shared.engine.submit_runs_to(
-            target.session,
-            target.incarnation,
-            bytemuck::cast_slice(runs),
-        );
-        self.push(ticket, target, handle, bytes, copies);
+        let to = kvbridge_engine::Target::exact(target.session, target.incarnation);
+        let handle = shared.engine.submit(to, batch);
+        self.push(ticket, target, handle, batch.bytes(), copies);
     }
 
     /// Waits for batches to finish while `depth` are in flight.

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use crossbeam_channel::{Receiver, TryRecvError};
-use kvbridge_engine::{BatchHandle, ErrorKind, TransferError};
+use kvbridge_engine::{Batch, BatchHandle, ErrorKind, TransferError};
 use kvbridge_plan::{Block, Planner, TransferChunk};
 use kvbridge_wire::{AuxData, KvPoll, StateData};
 
@@ -235,7 +235,7 @@ fn send_chunk(
                     }
                 };
                 if !piece.is_empty() {
-                    pipe.submit(shared, ticket, target, &piece);
+                    pipe.submit(shared, ticket, target, Batch::Blocks(&piece));
                 }
             }
         }
@@ -249,13 +249,15 @@ fn send_chunk(
                     break 'runs;
                 }
                 if !runs_ship_over_zmq(shared, piece) {
-                    pipe.submit_runs(shared, ticket, target, piece);
+                    pipe.submit(shared, ticket, target, Batch::Runs(piece));
                     continue;
                 }
                 // Host-resident KV with an intra-node engine: as blocks.
                 let blocks = kvbridge_plan::expand_runs(piece);
                 match ship_host_blocks(shared, room, info, &blocks) {
-                    Ok(rest) if !rest.is_empty() => pipe.submit(shared, ticket, target, &rest),
+                    Ok(rest) if !rest.is_empty() => {
+                        pipe.submit(shared, ticket, target, Batch::Blocks(&rest))
+                    }
                     Ok(_) => {}
                     Err(reason) => {
                         fail(shared, room, reason);
@@ -409,14 +411,8 @@ fn transfer<'a>(
                 break 'outer;
             }
             let bytes: u64 = piece.iter().map(|b| b.len).sum();
-            let blocks = bytemuck::cast_slice(piece);
-            let handle = if target.incarnation == 0 {
-                shared.engine.submit(target.session, blocks)
-            } else {
-                shared
-                    .engine
-                    .submit_to(target.session, target.incarnation, blocks)
-            };
+            let to = kvbridge_engine::Target::exact(target.session, target.incarnation);
+            let handle = shared.engine.submit(to, Batch::Blocks(piece));
             in_flight.push_back((handle, bytes, piece.len() as u64));
         }
     }
@@ -491,8 +487,7 @@ fn runs_ship_over_zmq(shared: &Shared, runs: &[kvbridge_plan::Run]) -> bool {
     local.intra
         && runs.iter().any(|r| {
             // A span that overflows is malformed: the engine refuses it.
-            let run: &kvbridge_engine::Run = bytemuck::cast_ref(r);
-            run.spans()
+            r.spans()
                 .is_some_and(|(span, _)| span > 0 && local.ships_over_zmq(r.src, span))
         })
 }

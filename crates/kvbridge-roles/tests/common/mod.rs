@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use kvbridge_engine::{
-    BatchHandle, Block, EngineConfig, MemError, Region, Run, TcpEngine, TransferEngine,
+    Batch, BatchHandle, EngineConfig, MemError, Region, Target, TcpEngine, TransferEngine,
     TransferError,
 };
 use kvbridge_mem::HostBuffer;
@@ -147,24 +147,20 @@ impl TransferEngine for RunsEngine {
     fn batch_deregister(&self, addrs: &[u64]) -> Result<(), MemError> {
         self.inner.batch_deregister(addrs)
     }
-    fn submit(&self, session: &str, blocks: &[Block]) -> BatchHandle {
-        self.inner.submit(session, blocks)
+    fn submit(&self, target: Target<'_>, batch: Batch<'_>) -> BatchHandle {
+        if let Batch::Runs(runs) = batch {
+            self.runs.fetch_add(runs.len() as u64, Ordering::Relaxed);
+            let copies: u64 = runs.iter().map(|r| r.count).sum();
+            self.copies.fetch_add(copies, Ordering::Relaxed);
+        }
+        // The loopback engine moves the runs' expanded blocks.
+        self.inner.submit(target, batch)
     }
     fn incarnation(&self) -> u64 {
         self.inner.incarnation()
     }
-    fn submit_to(&self, session: &str, expected: u64, blocks: &[Block]) -> BatchHandle {
-        self.inner.submit_to(session, expected, blocks)
-    }
     fn copies_runs(&self) -> bool {
         true
-    }
-    fn submit_runs_to(&self, session: &str, expected: u64, runs: &[Run]) -> BatchHandle {
-        self.runs.fetch_add(runs.len() as u64, Ordering::Relaxed);
-        let copies: u64 = runs.iter().map(|r| r.count).sum();
-        self.copies.fetch_add(copies, Ordering::Relaxed);
-        let blocks = kvbridge_engine::expand_runs(runs).expect("well-formed runs");
-        self.inner.submit_to(session, expected, &blocks)
     }
     fn probe(&self, session: &str) -> Result<(), TransferError> {
         self.inner.probe(session)

@@ -7,7 +7,7 @@ use crate::error::PlanError;
 
 /// A maximal run of pairs `(a + k, b + k)` for `k < n`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct Run {
+pub(crate) struct IndexRun {
     /// First source index.
     pub a: u64,
     /// First destination index.
@@ -20,8 +20,8 @@ pub(crate) struct Run {
 /// so that emitters can check 64-bit overflow once per buffer pair instead
 /// of once per block.
 #[derive(Debug, Default, Clone)]
-pub(crate) struct RunSet {
-    pub runs: Vec<Run>,
+pub(crate) struct IndexRuns {
+    pub runs: Vec<IndexRun>,
     pub max_a: u64,
     pub max_b: u64,
     pub max_n: u64,
@@ -71,7 +71,7 @@ pub(crate) fn page<I: PageIndex>(i: I, what: &'static str) -> Result<u64, PlanEr
     })
 }
 
-impl RunSet {
+impl IndexRuns {
     /// Empties the set, keeping its allocation.
     pub fn clear(&mut self) {
         self.runs.clear();
@@ -95,7 +95,7 @@ impl RunSet {
             last.n += 1;
             return;
         }
-        self.runs.push(Run { a, b, n: 1 });
+        self.runs.push(IndexRun { a, b, n: 1 });
     }
 
     /// Recomputes the maxima after a sequence of `push_pair`.
@@ -197,7 +197,7 @@ mod tests {
     use super::*;
 
     fn runs(src: &[i32], dst: &[i32]) -> Result<Vec<(u64, u64, u64)>, PlanError> {
-        let mut set = RunSet::default();
+        let mut set = IndexRuns::default();
         set.build(src, dst, "src", "dst")?;
         Ok(set.runs.iter().map(|r| (r.a, r.b, r.n)).collect())
     }
@@ -243,7 +243,7 @@ mod tests {
 
     #[test]
     fn runs_track_maxima() {
-        let mut set = RunSet::default();
+        let mut set = IndexRuns::default();
         set.build(&[9i32, 10, 2], &[0i32, 1, 7], "s", "d").unwrap();
         assert_eq!((set.max_a, set.max_b, set.max_n), (9, 7, 2));
     }
