@@ -424,3 +424,68 @@ mod tests {
         });
     }
 }
+
+/// An HTTP server (`serve`) running on a thread and runtime of its own,
+/// stopped and joined on [`ServerThread::stop`] or drop.
+#[derive(Debug)]
+pub(crate) struct ServerThread {
+    stop: Option<oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl ServerThread {
+    /// Serves `app` on `listener` (non-blocking) on a thread named
+    /// `kvb-{name}`, with `background` running beside it until it stops.
+    pub(crate) fn spawn(
+        name: &'static str,
+        listener: std::net::TcpListener,
+        app: Router,
+        limits: ConnLimits,
+        counters: Arc<ConnCounters>,
+        background: Option<std::pin::Pin<Box<dyn Future<Output = ()> + Send>>>,
+    ) -> std::io::Result<Self> {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_io()
+            .enable_time()
+            .build()?;
+        let (stop, stopped) = oneshot::channel::<()>();
+        let thread = std::thread::Builder::new()
+            .name(format!("kvb-{name}"))
+            .spawn(move || {
+                runtime.block_on(async move {
+                    let listener = match tokio::net::TcpListener::from_std(listener) {
+                        Ok(l) => l,
+                        Err(e) => {
+                            tracing::error!(error = %e, server = name, "cannot listen");
+                            return;
+                        }
+                    };
+                    let background = background.map(tokio::spawn);
+                    serve(listener, app, limits, counters, name, stopped).await;
+                    if let Some(task) = background {
+                        task.abort();
+                    }
+                });
+            })?;
+        Ok(Self {
+            stop: Some(stop),
+            thread: Some(thread),
+        })
+    }
+
+    /// Stops serving (every connection closed) and joins the thread.
+    pub(crate) fn stop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+impl Drop for ServerThread {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}

@@ -4,7 +4,6 @@
 use std::net::{SocketAddr, TcpListener};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::thread::JoinHandle;
 use std::time::Duration;
 
 use axum::Router;
@@ -14,9 +13,8 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
-use tokio::sync::oneshot;
 
-use crate::http::{ConnCounters, ConnLimits, serve};
+use crate::http::{ConnCounters, ConnLimits, ServerThread};
 
 type Labels = Vec<(String, String)>;
 
@@ -181,8 +179,7 @@ const METRICS_LIMITS: ConnLimits = ConnLimits {
 pub struct MetricsServer {
     addr: SocketAddr,
     counters: Arc<ConnCounters>,
-    stop: Option<oneshot::Sender<()>>,
-    thread: Option<JoinHandle<()>>,
+    _server: ServerThread,
 }
 
 impl MetricsServer {
@@ -191,11 +188,6 @@ impl MetricsServer {
         let listener = TcpListener::bind(addr)?;
         listener.set_nonblocking(true)?;
         let addr = listener.local_addr()?;
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_io()
-            .enable_time()
-            .build()?;
-        let (stop, stopped) = oneshot::channel::<()>();
         let app = Router::new().route(
             "/metrics",
             get(move || {
@@ -204,26 +196,18 @@ impl MetricsServer {
             }),
         );
         let counters = Arc::new(ConnCounters::default());
-        let served = counters.clone();
-        let thread = std::thread::Builder::new()
-            .name("kvb-metrics".into())
-            .spawn(move || {
-                runtime.block_on(async move {
-                    let listener = match tokio::net::TcpListener::from_std(listener) {
-                        Ok(l) => l,
-                        Err(e) => {
-                            tracing::error!(error = %e, "metrics endpoint cannot listen");
-                            return;
-                        }
-                    };
-                    serve(listener, app, METRICS_LIMITS, served, "metrics", stopped).await;
-                });
-            })?;
+        let server = ServerThread::spawn(
+            "metrics",
+            listener,
+            app,
+            METRICS_LIMITS,
+            counters.clone(),
+            None,
+        )?;
         Ok(Self {
             addr,
             counters,
-            stop: Some(stop),
-            thread: Some(thread),
+            _server: server,
         })
     }
 
@@ -235,17 +219,6 @@ impl MetricsServer {
     /// How many accept calls have failed (and been retried) so far.
     pub fn accept_errors(&self) -> u64 {
         self.counters.accept_errors.load(Ordering::Relaxed)
-    }
-}
-
-impl Drop for MetricsServer {
-    fn drop(&mut self) {
-        if let Some(stop) = self.stop.take() {
-            let _ = stop.send(());
-        }
-        if let Some(thread) = self.thread.take() {
-            let _ = thread.join();
-        }
     }
 }
 

@@ -21,7 +21,6 @@ pub mod state;
 use std::collections::HashMap;
 use std::net::{SocketAddr, TcpListener};
 use std::sync::Arc;
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use axum::Router;
@@ -34,9 +33,8 @@ use http_body_util::{BodyExt, LengthLimitError, Limited};
 use kvbridge_engine::ClusterSecret;
 use kvbridge_wire::bootstrap::{PrefillRankInfo, QueryDpRanks, RegisterDpRank, RouteRegistration};
 use parking_lot::Mutex;
-use tokio::sync::oneshot;
 
-use crate::http::{ConnLimits, serve};
+use crate::http::{ConnLimits, ServerThread};
 use auth::{AUTH_HEADER, AuthError, NONCE_HEADER, ReplayGuard, TIME_HEADER, WriteAuth, unix_now};
 use guard::Guard;
 pub use guard::{
@@ -101,8 +99,7 @@ type Shared = Arc<Ctx>;
 pub struct BootstrapServer {
     addr: SocketAddr,
     ctx: Shared,
-    stop: Option<oneshot::Sender<()>>,
-    thread: Option<JoinHandle<()>>,
+    server: ServerThread,
 }
 
 impl BootstrapServer {
@@ -134,55 +131,35 @@ impl BootstrapServer {
             guard: Guard::default(),
             limits,
         });
-        let (stop, stopped) = oneshot::channel::<()>();
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_io()
-            .enable_time()
-            .build()?;
-        let app = router(ctx.clone());
-        let served = ctx.clone();
-        let thread = std::thread::Builder::new()
-            .name("kvb-bootstrap".into())
-            .spawn(move || {
-                runtime.block_on(async move {
-                    let listener = match tokio::net::TcpListener::from_std(listener) {
-                        Ok(l) => l,
-                        Err(e) => {
-                            tracing::error!(error = %e, "bootstrap server cannot listen");
-                            return;
-                        }
-                    };
-                    let cleanup_state = served.clone();
-                    let cleanup = tokio::spawn(async move {
-                        let mut tick = tokio::time::interval(cleanup_interval);
-                        tick.tick().await;
-                        loop {
-                            tick.tick().await;
-                            let n = cleanup_state
-                                .state
-                                .lock()
-                                .cleanup(Instant::now(), cleanup_interval);
-                            if n > 0 {
-                                tracing::debug!(expired = n, "dropped expired dp-rank entries");
-                            }
-                        }
-                    });
-                    let conn_limits = ConnLimits {
-                        max_connections: limits.max_connections,
-                        header_timeout: limits.header_timeout,
-                    };
-                    let counters = served.guard.conn.clone();
-                    serve(listener, app, conn_limits, counters, "bootstrap", stopped).await;
-                    cleanup.abort();
-                });
-            })?;
+        let cleanup_state = ctx.clone();
+        let cleanup = async move {
+            let mut tick = tokio::time::interval(cleanup_interval);
+            tick.tick().await;
+            loop {
+                tick.tick().await;
+                let n = cleanup_state
+                    .state
+                    .lock()
+                    .cleanup(Instant::now(), cleanup_interval);
+                if n > 0 {
+                    tracing::debug!(expired = n, "dropped expired dp-rank entries");
+                }
+            }
+        };
+        let conn_limits = ConnLimits {
+            max_connections: limits.max_connections,
+            header_timeout: limits.header_timeout,
+        };
+        let server = ServerThread::spawn(
+            "bootstrap",
+            listener,
+            router(ctx.clone()),
+            conn_limits,
+            ctx.guard.conn.clone(),
+            Some(Box::pin(cleanup)),
+        )?;
         tracing::info!(%addr, "bootstrap server listening");
-        Ok(Self {
-            addr,
-            ctx,
-            stop: Some(stop),
-            thread: Some(thread),
-        })
+        Ok(Self { addr, ctx, server })
     }
 
     /// The address the server accepts connections on.
@@ -203,22 +180,7 @@ impl BootstrapServer {
 
     /// Stops serving and waits for the server thread.
     pub fn shutdown(mut self) {
-        self.stop_and_join();
-    }
-
-    fn stop_and_join(&mut self) {
-        if let Some(stop) = self.stop.take() {
-            let _ = stop.send(());
-        }
-        if let Some(thread) = self.thread.take() {
-            let _ = thread.join();
-        }
-    }
-}
-
-impl Drop for BootstrapServer {
-    fn drop(&mut self) {
-        self.stop_and_join();
+        self.server.stop();
     }
 }
 

@@ -13,6 +13,13 @@
 
 use std::os::raw::{c_int, c_uchar, c_ulonglong};
 
+/// A C output buffer.
+type Out = *mut c_uchar;
+/// A C input buffer.
+type In = *const c_uchar;
+/// A C buffer length.
+type Len = c_ulonglong;
+
 use poly1305::Poly1305;
 use poly1305::universal_hash::KeyInit;
 use salsa20::XSalsa20;
@@ -107,7 +114,7 @@ fn secretbox_open(m: &mut [u8], c: &[u8], nonce: &[u8; NONCE], key: &[u8; KEY]) 
 ///
 /// # Safety
 /// `p` must point to `N` readable bytes.
-unsafe fn array<const N: usize>(p: *const c_uchar) -> [u8; N] {
+unsafe fn array<const N: usize>(p: In) -> [u8; N] {
     let mut out = [0u8; N];
     // SAFETY: the caller guarantees `N` readable bytes at `p`; `out` is a
     // distinct local array.
@@ -119,7 +126,7 @@ unsafe fn array<const N: usize>(p: *const c_uchar) -> [u8; N] {
 ///
 /// # Safety
 /// `p` must point to `N` writable bytes.
-unsafe fn put<const N: usize>(p: *mut c_uchar, v: &[u8; N]) {
+unsafe fn put<const N: usize>(p: Out, v: &[u8; N]) {
     // SAFETY: the caller guarantees `N` writable bytes at `p`.
     unsafe { std::ptr::copy_nonoverlapping(v.as_ptr(), p, N) };
 }
@@ -129,12 +136,7 @@ unsafe fn put<const N: usize>(p: *mut c_uchar, v: &[u8; N]) {
 /// # Safety
 /// `out` must be writable and `input` readable for `d` bytes; they may be
 /// the same buffer (libzmq never passes partially overlapping ones).
-unsafe fn padded(
-    out: *mut c_uchar,
-    input: *const c_uchar,
-    d: c_ulonglong,
-    f: impl FnOnce(&mut [u8], &[u8]) -> bool,
-) -> c_int {
+unsafe fn padded(out: Out, input: In, d: Len, f: impl FnOnce(&mut [u8], &[u8]) -> bool) -> c_int {
     let Ok(d) = usize::try_from(d) else {
         return -1;
     };
@@ -158,7 +160,7 @@ unsafe fn padded(
 /// # Safety
 /// `x` must point to `len` writable bytes.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn randombytes(x: *mut c_uchar, len: c_ulonglong) {
+pub unsafe extern "C" fn randombytes(x: Out, len: Len) {
     let Ok(len) = usize::try_from(len) else {
         return;
     };
@@ -187,7 +189,7 @@ pub extern "C" fn sodium_init() -> c_int {
 /// # Safety
 /// `pk` and `sk` must each point to 32 writable bytes.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn crypto_box_keypair(pk: *mut c_uchar, sk: *mut c_uchar) -> c_int {
+pub unsafe extern "C" fn crypto_box_keypair(pk: Out, sk: Out) -> c_int {
     let mut secret = [0u8; KEY];
     fill_random(&mut secret);
     let public = public_key(&secret);
@@ -204,7 +206,7 @@ pub unsafe extern "C" fn crypto_box_keypair(pk: *mut c_uchar, sk: *mut c_uchar) 
 /// # Safety
 /// `q` must point to 32 writable bytes and `n` to 32 readable bytes.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn crypto_scalarmult_base(q: *mut c_uchar, n: *const c_uchar) -> c_int {
+pub unsafe extern "C" fn crypto_scalarmult_base(q: Out, n: In) -> c_int {
     // SAFETY: the caller guarantees 32 bytes at each.
     unsafe { put(q, &public_key(&array(n))) };
     0
@@ -215,11 +217,7 @@ pub unsafe extern "C" fn crypto_scalarmult_base(q: *mut c_uchar, n: *const c_uch
 /// # Safety
 /// `k` must point to 32 writable bytes, `pk` and `sk` to 32 readable bytes.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn crypto_box_beforenm(
-    k: *mut c_uchar,
-    pk: *const c_uchar,
-    sk: *const c_uchar,
-) -> c_int {
+pub unsafe extern "C" fn crypto_box_beforenm(k: Out, pk: In, sk: In) -> c_int {
     // SAFETY: the caller guarantees 32 bytes at each.
     unsafe { put(k, &beforenm(&array(pk), &array(sk))) };
     0
@@ -230,13 +228,7 @@ pub unsafe extern "C" fn crypto_box_beforenm(
 /// # Safety
 /// `c` writable and `m` readable for `d` bytes, `n` 24 and `k` 32 readable bytes.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn crypto_secretbox(
-    c: *mut c_uchar,
-    m: *const c_uchar,
-    d: c_ulonglong,
-    n: *const c_uchar,
-    k: *const c_uchar,
-) -> c_int {
+pub unsafe extern "C" fn crypto_secretbox(c: Out, m: In, d: Len, n: In, k: In) -> c_int {
     // SAFETY: the caller guarantees the sizes above.
     let (nonce, key) = unsafe { (array::<NONCE>(n), array::<KEY>(k)) };
     // SAFETY: as above.
@@ -248,13 +240,7 @@ pub unsafe extern "C" fn crypto_secretbox(
 /// # Safety
 /// `m` writable and `c` readable for `d` bytes, `n` 24 and `k` 32 readable bytes.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn crypto_secretbox_open(
-    m: *mut c_uchar,
-    c: *const c_uchar,
-    d: c_ulonglong,
-    n: *const c_uchar,
-    k: *const c_uchar,
-) -> c_int {
+pub unsafe extern "C" fn crypto_secretbox_open(m: Out, c: In, d: Len, n: In, k: In) -> c_int {
     // SAFETY: the caller guarantees the sizes above.
     let (nonce, key) = unsafe { (array::<NONCE>(n), array::<KEY>(k)) };
     // SAFETY: as above.
@@ -266,13 +252,7 @@ pub unsafe extern "C" fn crypto_secretbox_open(
 /// # Safety
 /// As [`crypto_secretbox`].
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn crypto_box_afternm(
-    c: *mut c_uchar,
-    m: *const c_uchar,
-    d: c_ulonglong,
-    n: *const c_uchar,
-    k: *const c_uchar,
-) -> c_int {
+pub unsafe extern "C" fn crypto_box_afternm(c: Out, m: In, d: Len, n: In, k: In) -> c_int {
     // SAFETY: same contract as crypto_secretbox.
     unsafe { crypto_secretbox(c, m, d, n, k) }
 }
@@ -282,13 +262,7 @@ pub unsafe extern "C" fn crypto_box_afternm(
 /// # Safety
 /// As [`crypto_secretbox_open`].
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn crypto_box_open_afternm(
-    m: *mut c_uchar,
-    c: *const c_uchar,
-    d: c_ulonglong,
-    n: *const c_uchar,
-    k: *const c_uchar,
-) -> c_int {
+pub unsafe extern "C" fn crypto_box_open_afternm(m: Out, c: In, d: Len, n: In, k: In) -> c_int {
     // SAFETY: same contract as crypto_secretbox_open.
     unsafe { crypto_secretbox_open(m, c, d, n, k) }
 }
@@ -298,14 +272,7 @@ pub unsafe extern "C" fn crypto_box_open_afternm(
 /// # Safety
 /// `c` writable and `m` readable for `d` bytes, `n` 24, `pk` and `sk` 32 readable bytes.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn crypto_box(
-    c: *mut c_uchar,
-    m: *const c_uchar,
-    d: c_ulonglong,
-    n: *const c_uchar,
-    pk: *const c_uchar,
-    sk: *const c_uchar,
-) -> c_int {
+pub unsafe extern "C" fn crypto_box(c: Out, m: In, d: Len, n: In, pk: In, sk: In) -> c_int {
     // SAFETY: the caller guarantees the sizes above.
     let (nonce, key) = unsafe { (array::<NONCE>(n), beforenm(&array(pk), &array(sk))) };
     // SAFETY: as above.
@@ -317,14 +284,7 @@ pub unsafe extern "C" fn crypto_box(
 /// # Safety
 /// `m` writable and `c` readable for `d` bytes, `n` 24, `pk` and `sk` 32 readable bytes.
 #[unsafe(no_mangle)]
-pub unsafe extern "C" fn crypto_box_open(
-    m: *mut c_uchar,
-    c: *const c_uchar,
-    d: c_ulonglong,
-    n: *const c_uchar,
-    pk: *const c_uchar,
-    sk: *const c_uchar,
-) -> c_int {
+pub unsafe extern "C" fn crypto_box_open(m: Out, c: In, d: Len, n: In, pk: In, sk: In) -> c_int {
     // SAFETY: the caller guarantees the sizes above.
     let (nonce, key) = unsafe { (array::<NONCE>(n), beforenm(&array(pk), &array(sk))) };
     // SAFETY: as above.
