@@ -97,6 +97,21 @@ pub(crate) struct ConnCounters {
     log: BurstLog,
 }
 
+impl ConnCounters {
+    /// Logs (burst-limited per `kind`) that server `name` hit its
+    /// connection cap `max` and what it does about it.
+    fn warn_limit(&self, kind: &'static str, name: &'static str, max: usize, what: &str) {
+        if let Some(suppressed) = self.log.should_log(kind) {
+            tracing::warn!(
+                server = name,
+                max,
+                suppressed,
+                "connection limit reached; {what}"
+            );
+        }
+    }
+}
+
 /// A source of connections: a TCP listener, or a test double.
 pub(crate) trait Acceptor: Send + 'static {
     /// The connection type.
@@ -226,15 +241,8 @@ pub(crate) async fn serve<A: Acceptor>(
                     None => {
                         drop(t);
                         counters.refused.fetch_add(1, Ordering::Relaxed);
-                        if let Some(suppressed) = counters.log.should_log("refused") {
-                            tracing::warn!(
-                                server = name,
-                                max = limits.max_connections,
-                                suppressed,
-                                "connection limit reached and every connection busy; \
-                                closing new connections"
-                            );
-                        }
+                        let what = "every connection busy; closing new connections";
+                        counters.warn_limit("refused", name, limits.max_connections, what);
                         continue;
                     }
                 }
@@ -252,14 +260,8 @@ pub(crate) async fn serve<A: Acceptor>(
         };
         if let Some(entry) = evicted {
             counters.evicted.fetch_add(1, Ordering::Relaxed);
-            if let Some(suppressed) = counters.log.should_log("evicted") {
-                tracing::warn!(
-                    server = name,
-                    max = limits.max_connections,
-                    suppressed,
-                    "connection limit reached; closing the oldest idle connections"
-                );
-            }
+            let what = "closing the oldest idle connections";
+            counters.warn_limit("evicted", name, limits.max_connections, what);
             if let Some(task) = entry.task {
                 task.abort();
             }

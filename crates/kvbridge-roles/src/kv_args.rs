@@ -49,30 +49,24 @@ impl KvArgs {
                 "parallel sizes must be at least 1".into(),
             ));
         }
-        same_len("kv_item_lens", l.kv_data_ptrs.len(), l.kv_item_lens.len())?;
-        same_len(
-            "kv_data_lens",
-            l.kv_data_ptrs.len(),
-            self.kv_data_lens.len(),
-        )?;
+        let (kv, aux) = (l.kv_data_ptrs.len(), l.aux_data_ptrs.len());
+        let mut pairs = vec![
+            ("kv_item_lens", kv, l.kv_item_lens.len()),
+            ("kv_data_lens", kv, self.kv_data_lens.len()),
+            ("aux_item_lens", aux, l.aux_item_lens.len()),
+            ("aux_data_lens", aux, self.aux_data_lens.len()),
+            (
+                "state_data_lens components",
+                l.states.len(),
+                self.state_data_lens.len(),
+            ),
+        ];
         if !l.kv_layer_ids.is_empty() {
-            same_len("kv_layer_ids", l.kv_data_ptrs.len(), l.kv_layer_ids.len())?;
+            pairs.push(("kv_layer_ids", kv, l.kv_layer_ids.len()));
         }
-        same_len(
-            "aux_item_lens",
-            l.aux_data_ptrs.len(),
-            l.aux_item_lens.len(),
-        )?;
-        same_len(
-            "aux_data_lens",
-            l.aux_data_ptrs.len(),
-            self.aux_data_lens.len(),
-        )?;
-        same_len(
-            "state_data_lens components",
-            l.states.len(),
-            self.state_data_lens.len(),
-        )?;
+        for (what, want, got) in pairs {
+            same_len(what, want, got)?;
+        }
         let items = l
             .kv_item_lens
             .iter()
