@@ -16,7 +16,7 @@ use std::thread::JoinHandle;
 
 use kvbridge_engine::ClusterSecret;
 
-use super::{ControlError, nacl, zmq_err};
+use super::{ControlError, nacl, zmq_call};
 
 /// The ZAP domain our server sockets name.
 const ZAP_DOMAIN: &str = "kvbridge";
@@ -82,15 +82,9 @@ impl ControlSecurity {
         let Some(k) = &self.keys else {
             return Ok(());
         };
-        socket
-            .set_zap_domain(ZAP_DOMAIN)
-            .map_err(zmq_err("set_zap_domain", at))?;
-        socket
-            .set_curve_server(true)
-            .map_err(zmq_err("set_curve_server", at))?;
-        socket
-            .set_curve_secretkey(&k.secret)
-            .map_err(zmq_err("set_curve_secretkey", at))
+        zmq_call!(socket.set_zap_domain(ZAP_DOMAIN), at)?;
+        zmq_call!(socket.set_curve_server(true), at)?;
+        zmq_call!(socket.set_curve_secretkey(&k.secret), at)
     }
 
     /// Makes `socket` a CURVE client of a cluster server (a sending socket).
@@ -98,15 +92,9 @@ impl ControlSecurity {
         let Some(k) = &self.keys else {
             return Ok(());
         };
-        socket
-            .set_curve_serverkey(&k.public)
-            .map_err(zmq_err("set_curve_serverkey", at))?;
-        socket
-            .set_curve_publickey(&k.public)
-            .map_err(zmq_err("set_curve_publickey", at))?;
-        socket
-            .set_curve_secretkey(&k.secret)
-            .map_err(zmq_err("set_curve_secretkey", at))
+        zmq_call!(socket.set_curve_serverkey(&k.public), at)?;
+        zmq_call!(socket.set_curve_publickey(&k.public), at)?;
+        zmq_call!(socket.set_curve_secretkey(&k.secret), at)
     }
 }
 
@@ -146,15 +134,9 @@ impl ControlContext {
                 if !zmq::has("curve").unwrap_or(false) {
                     return Err(ControlError::NoCurve);
                 }
-                let socket = context
-                    .socket(zmq::REP)
-                    .map_err(zmq_err("socket", ZAP_ENDPOINT))?;
-                socket
-                    .set_linger(0)
-                    .map_err(zmq_err("set_linger", ZAP_ENDPOINT))?;
-                socket
-                    .bind(ZAP_ENDPOINT)
-                    .map_err(zmq_err("bind", ZAP_ENDPOINT))?;
+                let socket = zmq_call!(context.socket(zmq::REP), ZAP_ENDPOINT)?;
+                zmq_call!(socket.set_linger(0), ZAP_ENDPOINT)?;
+                zmq_call!(socket.bind(ZAP_ENDPOINT), ZAP_ENDPOINT)?;
                 let stop = Arc::new(AtomicBool::new(false));
                 let (s, r, public) = (stop.clone(), refused.clone(), keys.public);
                 let thread = std::thread::Builder::new()

@@ -61,6 +61,17 @@ pub const SEND_QUEUE_MESSAGES: i32 = 1000;
 /// same peer to finish (non-blocking sends finish in microseconds).
 const BUSY_WAIT: Duration = Duration::from_millis(100);
 
+/// `socket.method(args)` with a zmq error mapped to [`ControlError::Zmq`]
+/// naming the method and `endpoint`.
+macro_rules! zmq_call {
+    ($socket:ident . $method:ident ( $($arg:expr),* ), $endpoint:expr) => {
+        $socket
+            .$method($($arg),*)
+            .map_err($crate::control::zmq_err(stringify!($method), $endpoint))
+    };
+}
+pub(crate) use zmq_call;
+
 fn zmq_err<'a>(
     op: &'static str,
     endpoint: &'a str,
@@ -105,14 +116,11 @@ impl PullSocket {
         port: u16,
         max_message_bytes: usize,
     ) -> Result<Self, ControlError> {
-        let socket = control
-            .context()
-            .socket(zmq::PULL)
-            .map_err(zmq_err("socket", host))?;
+        let context = control.context();
+        let socket = zmq_call!(context.socket(zmq::PULL), host)?;
         control.security().apply_server(&socket, host)?;
-        socket
-            .set_maxmsgsize(i64::try_from(max_message_bytes).unwrap_or(i64::MAX))
-            .map_err(zmq_err("set_maxmsgsize", host))?;
+        let max = i64::try_from(max_message_bytes).unwrap_or(i64::MAX);
+        zmq_call!(socket.set_maxmsgsize(max), host)?;
         let wanted = if port == 0 {
             if host.contains(':') {
                 format!("tcp://[{host}]:*")
@@ -123,14 +131,10 @@ impl PullSocket {
             tcp_endpoint(host, port)
         };
         if host.contains(':') {
-            socket
-                .set_ipv6(true)
-                .map_err(zmq_err("set_ipv6", &wanted))?;
+            zmq_call!(socket.set_ipv6(true), &wanted)?;
         }
-        socket
-            .set_linger(0)
-            .map_err(zmq_err("set_linger", &wanted))?;
-        socket.bind(&wanted).map_err(zmq_err("bind", &wanted))?;
+        zmq_call!(socket.set_linger(0), &wanted)?;
+        zmq_call!(socket.bind(&wanted), &wanted)?;
         let bound = socket
             .get_last_endpoint()
             .ok()
@@ -200,32 +204,18 @@ impl PushPool {
         if let Some(s) = sockets.get(endpoint) {
             return Ok(s.clone());
         }
-        let socket = self
-            .context
-            .socket(zmq::PUSH)
-            .map_err(zmq_err("socket", endpoint))?;
+        let context = &self.context;
+        let socket = zmq_call!(context.socket(zmq::PUSH), endpoint)?;
         if endpoint.contains('[') {
-            socket
-                .set_ipv6(true)
-                .map_err(zmq_err("set_ipv6", endpoint))?;
+            zmq_call!(socket.set_ipv6(true), endpoint)?;
         }
         self.security.apply_client(&socket, endpoint)?;
-        socket
-            .set_sndhwm(SEND_QUEUE_MESSAGES)
-            .map_err(zmq_err("set_sndhwm", endpoint))?;
+        zmq_call!(socket.set_sndhwm(SEND_QUEUE_MESSAGES), endpoint)?;
         let ms = i32::try_from(self.send_timeout.as_millis()).unwrap_or(i32::MAX);
-        socket
-            .set_sndtimeo(ms)
-            .map_err(zmq_err("set_sndtimeo", endpoint))?;
-        socket
-            .set_linger(0)
-            .map_err(zmq_err("set_linger", endpoint))?;
-        socket
-            .set_tcp_keepalive(1)
-            .map_err(zmq_err("set_tcp_keepalive", endpoint))?;
-        socket
-            .connect(endpoint)
-            .map_err(zmq_err("connect", endpoint))?;
+        zmq_call!(socket.set_sndtimeo(ms), endpoint)?;
+        zmq_call!(socket.set_linger(0), endpoint)?;
+        zmq_call!(socket.set_tcp_keepalive(1), endpoint)?;
+        zmq_call!(socket.connect(endpoint), endpoint)?;
         let socket = Arc::new(Mutex::new(socket));
         sockets.insert(endpoint.to_owned(), socket.clone());
         Ok(socket)
