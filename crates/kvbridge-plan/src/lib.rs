@@ -61,6 +61,7 @@ mod layout;
 mod pairing;
 mod peer;
 mod plan;
+pub mod rng;
 mod runs;
 mod state;
 

@@ -16,6 +16,7 @@ use anyhow::{Context, Result, bail};
 use clap::Args;
 use kvbridge_engine::{Block, EngineConfig, TcpEngine, TransferEngine};
 use kvbridge_mem::HostBuffer;
+use kvbridge_plan::rng::{GOLDEN, splitmix};
 
 /// Options of `kvbridge bench tcp`.
 #[derive(Debug, Clone, Args)]
@@ -80,16 +81,21 @@ impl TcpArgs {
 
 /// Fill `buf` with the pattern of `seed` (a SplitMix64 stream per 8-byte word).
 pub(super) fn fill(buf: &mut [u8], seed: u64) {
+    fill_from(buf, seed, 0);
+}
+
+/// Fill `buf` with the pattern of `seed` as it reads from 8-byte word
+/// `first_word` on ([`fill`] is `first_word` 0).
+pub(super) fn fill_from(buf: &mut [u8], seed: u64, first_word: u64) {
     for (w, chunk) in buf.chunks_mut(8).enumerate() {
-        let v = splitmix(seed ^ (w as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)).to_le_bytes();
-        chunk.copy_from_slice(&v[..chunk.len()]);
+        chunk.copy_from_slice(&word(seed, first_word + w as u64)[..chunk.len()]);
     }
 }
 
 /// First offset in `buf` that differs from the pattern of `seed`.
 pub(super) fn first_mismatch(buf: &[u8], seed: u64) -> Option<usize> {
     for (w, chunk) in buf.chunks(8).enumerate() {
-        let v = splitmix(seed ^ (w as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)).to_le_bytes();
+        let v = word(seed, w as u64);
         if chunk != &v[..chunk.len()] {
             let i = chunk.iter().zip(v).position(|(a, b)| *a != b).unwrap_or(0);
             return Some(w * 8 + i);
@@ -98,12 +104,9 @@ pub(super) fn first_mismatch(buf: &[u8], seed: u64) -> Option<usize> {
     None
 }
 
-/// SplitMix64's output function.
-pub(super) fn splitmix(x: u64) -> u64 {
-    let mut z = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
+/// Word `w` of the pattern of `seed`, little-endian.
+fn word(seed: u64, w: u64) -> [u8; 8] {
+    splitmix(seed ^ w.wrapping_mul(GOLDEN)).to_le_bytes()
 }
 
 /// Entry point: initiator, or target with `--serve`.

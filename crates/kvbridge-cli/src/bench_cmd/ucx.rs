@@ -17,7 +17,7 @@ use anyhow::{Context, Result, bail};
 use clap::Args;
 use kvbridge_engine::{Block, EngineConfig, TransferEngine, UcxEngine};
 
-use super::tcp::{Row, buffer, first_mismatch, print_rows, splitmix};
+use super::tcp::{Row, buffer, fill_from, first_mismatch, print_rows};
 
 /// Options of `kvbridge bench ucx`.
 #[derive(Debug, Clone, Args)]
@@ -180,16 +180,6 @@ impl Drop for Target {
         let _ = writeln!(self.stdin, "QUIT");
         let _ = self.stdin.flush();
         let _ = self.child.wait();
-    }
-}
-
-/// Fill `buf` with the pattern of `seed` as it reads from 8-byte word
-/// `first_word` on (`tcp::fill` is `first_word` 0).
-fn fill_from(buf: &mut [u8], seed: u64, first_word: u64) {
-    for (w, chunk) in buf.chunks_mut(8).enumerate() {
-        let word = first_word + w as u64;
-        let v = splitmix(seed ^ word.wrapping_mul(0x9E37_79B9_7F4A_7C15)).to_le_bytes();
-        chunk.copy_from_slice(&v[..chunk.len()]);
     }
 }
 
