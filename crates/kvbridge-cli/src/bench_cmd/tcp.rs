@@ -1,15 +1,14 @@
 //! `kvbridge bench tcp`: two processes on 127.0.0.1.
 //!
 //! The initiator (this process) spawns the target (`current_exe() bench tcp
-//! --serve`), which registers one host buffer, prints `READY <session>` and
-//! then answers `VERIFY <seed> <bytes>` lines on stdin with `OK` or
-//! `BAD <offset>`. Per block size the initiator fills its source with a
+//! --serve`), which registers one host buffer, prints `READY <session>
+//! <addr>` and then answers `VERIFY <seed> <bytes>` lines on stdin with `OK`
+//! or `BAD <offset>` (the protocol of `child.rs`). Per block size the initiator fills its source with a
 //! pattern, moves about `--bytes` bytes `--runs` times (batches of
 //! `--batch-blocks` blocks, `--inflight` batches in flight), has the target
 //! verify the first run, and reports the best run.
 
-use std::io::{BufRead, BufReader, Write};
-use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::io::Write;
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
@@ -17,6 +16,8 @@ use clap::Args;
 use kvbridge_engine::{Block, EngineConfig, TcpEngine, TransferEngine};
 use kvbridge_mem::HostBuffer;
 use kvbridge_plan::rng::{GOLDEN, splitmix};
+
+use super::child::{self, Target};
 
 /// Options of `kvbridge bench tcp`.
 #[derive(Debug, Clone, Args)]
@@ -128,106 +129,45 @@ pub(super) fn buffer(bytes: u64) -> Result<HostBuffer> {
 
 fn serve(args: &TcpArgs) -> Result<()> {
     let engine = TcpEngine::new(args.engine_config()).context("starting the tcp engine")?;
-    let buf = buffer(args.bytes)?;
-    // SAFETY: `buf` lives until the end of this function and is deregistered
-    // before it is dropped; it is only read (VERIFY) between transfers, when
-    // the initiator has waited for every batch.
-    unsafe { engine.batch_register(&[buf.region()]) }.context("registering the buffer")?;
-    let mut out = std::io::stdout().lock();
-    writeln!(out, "READY {} {}", engine.session_id(), buf.addr())?;
-    out.flush()?;
-    for line in std::io::stdin().lock().lines() {
-        let line = line?;
-        let parts: Vec<&str> = line.split_whitespace().collect();
-        match parts.as_slice() {
-            ["VERIFY", seed, bytes] => {
-                let seed: u64 = seed.parse()?;
-                let n = usize::try_from(bytes.parse::<u64>()?)?.min(buf.len());
-                match first_mismatch(&buf.as_slice()[..n], seed) {
-                    None => writeln!(out, "OK")?,
-                    Some(off) => writeln!(out, "BAD {off}")?,
-                }
-                out.flush()?;
-            }
-            ["QUIT"] => break,
-            _ => bail!("target: unknown command {line:?}"),
-        }
-    }
-    engine.batch_deregister(&[buf.addr()])?;
+    serve_buffer(&engine, args.bytes)?;
     let s = engine.stats();
     tracing::info!(bytes_received = s.bytes_received, "bench target done");
     Ok(())
 }
 
-struct Target {
-    child: Child,
-    stdin: ChildStdin,
-    stdout: BufReader<ChildStdout>,
-    session: String,
-    /// Address of the target's registered buffer.
-    addr: u64,
+/// The target of `bench tcp` and `bench ucx`: registers a host buffer of
+/// `bytes` with `engine` and answers `VERIFY <seed> <bytes>` (the first
+/// `bytes` hold the pattern of `seed`) with `OK` or `BAD <offset>`.
+pub(super) fn serve_buffer(engine: &impl TransferEngine, bytes: u64) -> Result<()> {
+    let buf = buffer(bytes)?;
+    // SAFETY: `buf` lives until the end of this function and is deregistered
+    // before it is dropped; it is only read (VERIFY) between transfers, when
+    // the initiator has waited for every batch.
+    unsafe { engine.batch_register(&[buf.region()]) }.context("registering the buffer")?;
+    child::serve(engine.session_id(), buf.addr(), |words| match words {
+        ["VERIFY", seed, bytes] => {
+            let seed: u64 = seed.parse()?;
+            let n = usize::try_from(bytes.parse::<u64>()?)?.min(buf.len());
+            Ok(child::verdict(first_mismatch(&buf.as_slice()[..n], seed)))
+        }
+        _ => bail!("unknown command"),
+    })?;
+    engine.batch_deregister(&[buf.addr()])?;
+    Ok(())
 }
 
-impl Target {
-    fn spawn(args: &TcpArgs) -> Result<Self> {
-        let exe = std::env::current_exe().context("locating the kvbridge binary")?;
-        let mut cmd = Command::new(exe);
-        cmd.args([
-            "bench",
-            "tcp",
-            "--serve",
-            "--bytes",
-            &args.bytes.to_string(),
-        ]);
-        let cfg = args.engine_config();
-        cmd.args(["--coalesce-threshold", &cfg.coalesce_threshold.to_string()]);
-        if let Some(s) = super::bench_secret(args.auth) {
-            cmd.arg("--auth")
-                .env(kvbridge_engine::secret::SECRET_ENV, s)
-                .env_remove(kvbridge_engine::secret::SECRET_FILE_ENV);
-        }
-        let mut child = cmd
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .context("spawning the target process")?;
-        let stdin = child.stdin.take().context("target stdin")?;
-        let mut stdout = BufReader::new(child.stdout.take().context("target stdout")?);
-        let mut line = String::new();
-        stdout.read_line(&mut line)?;
-        let fields: Vec<&str> = line.split_whitespace().collect();
-        let (session, addr) = match fields.as_slice() {
-            ["READY", session, addr] => ((*session).to_owned(), addr.parse::<u64>()?),
-            _ => bail!("target did not start: {line:?}"),
-        };
-        Ok(Self {
-            child,
-            stdin,
-            stdout,
-            session,
-            addr,
-        })
-    }
-
-    fn verify(&mut self, seed: u64, bytes: u64) -> Result<()> {
-        writeln!(self.stdin, "VERIFY {seed} {bytes}")?;
-        self.stdin.flush()?;
-        let mut line = String::new();
-        self.stdout.read_line(&mut line)?;
-        match line.trim() {
-            "OK" => Ok(()),
-            other => bail!("target found wrong bytes: {other}"),
-        }
-    }
+/// Spawns the target of `args` (`bench tcp --serve`).
+fn spawn_target(args: &TcpArgs) -> Result<Target> {
+    let threshold = args.engine_config().coalesce_threshold.to_string();
+    let extra = ["--coalesce-threshold".to_owned(), threshold];
+    Target::spawn("tcp", args.bytes, &extra, super::bench_secret(args.auth))
 }
 
-impl Drop for Target {
-    fn drop(&mut self) {
-        let _ = writeln!(self.stdin, "QUIT");
-        let _ = self.stdin.flush();
-        let _ = self.child.wait();
-    }
+/// Has the target check that its first `bytes` hold the pattern of `seed`.
+pub(super) fn verify(target: &mut Target, seed: u64, bytes: u64) -> Result<()> {
+    target
+        .ask(&format!("VERIFY {seed} {bytes}"))
+        .context("target found wrong bytes")
 }
 
 /// One block size's best run.
@@ -246,7 +186,7 @@ fn initiate(args: &TcpArgs) -> Result<()> {
     if args.runs == 0 || args.batch_blocks == 0 || args.inflight == 0 {
         bail!("--runs, --batch-blocks and --inflight must be positive");
     }
-    let mut target = Target::spawn(args)?;
+    let mut target = spawn_target(args)?;
     let engine = TcpEngine::new(args.engine_config()).context("starting the tcp engine")?;
     let mut src = buffer(args.bytes)?;
     let base = src.addr();
@@ -285,7 +225,7 @@ fn initiate(args: &TcpArgs) -> Result<()> {
             let secs = t.elapsed().as_secs_f64();
             times.push(secs);
             if run == 0 && !args.no_verify {
-                target.verify(size, n * size)?;
+                verify(&mut target, size, n * size)?;
             }
         }
         let best = times.iter().copied().fold(f64::INFINITY, f64::min);

@@ -9,15 +9,14 @@
 //! its own put: that is the layout to set beside `ucx_perftest -t
 //! ucp_put_bw -s SIZE`.
 
-use std::io::{BufRead, BufReader, Write};
-use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use kvbridge_engine::{Block, EngineConfig, TransferEngine, UcxEngine};
 
-use super::tcp::{Row, buffer, fill_from, first_mismatch, print_rows};
+use super::child::Target;
+use super::tcp::{Row, buffer, fill_from, print_rows, serve_buffer, verify};
 
 /// Options of `kvbridge bench ucx`.
 #[derive(Debug, Clone, Args)]
@@ -82,105 +81,17 @@ pub fn run(args: UcxArgs) -> Result<()> {
 }
 
 fn serve(args: &UcxArgs) -> Result<()> {
-    let engine = args.engine()?;
-    let buf = buffer(args.bytes)?;
-    // SAFETY: `buf` lives until the end of this function and is deregistered
-    // before it is dropped; it is only read (VERIFY) between transfers, when
-    // the initiator has waited for every batch.
-    unsafe { engine.batch_register(&[buf.region()]) }.context("registering the buffer")?;
-    let mut out = std::io::stdout().lock();
-    writeln!(out, "READY {} {}", engine.session_id(), buf.addr())?;
-    out.flush()?;
-    for line in std::io::stdin().lock().lines() {
-        let line = line?;
-        let parts: Vec<&str> = line.split_whitespace().collect();
-        match parts.as_slice() {
-            ["VERIFY", seed, bytes] => {
-                let seed: u64 = seed.parse()?;
-                let n = usize::try_from(bytes.parse::<u64>()?)?.min(buf.len());
-                match first_mismatch(&buf.as_slice()[..n], seed) {
-                    None => writeln!(out, "OK")?,
-                    Some(off) => writeln!(out, "BAD {off}")?,
-                }
-                out.flush()?;
-            }
-            ["QUIT"] => break,
-            _ => bail!("target: unknown command {line:?}"),
-        }
-    }
-    engine.batch_deregister(&[buf.addr()])?;
-    Ok(())
+    serve_buffer(&args.engine()?, args.bytes)
 }
 
-struct Target {
-    child: Child,
-    stdin: ChildStdin,
-    stdout: BufReader<ChildStdout>,
-    session: String,
-    addr: u64,
-}
-
-impl Target {
-    fn spawn(args: &UcxArgs) -> Result<Self> {
-        let exe = std::env::current_exe().context("locating the kvbridge binary")?;
-        let mut cmd = Command::new(exe);
-        cmd.args([
-            "bench",
-            "ucx",
-            "--serve",
-            "--bytes",
-            &args.bytes.to_string(),
-        ]);
-        if let Some(t) = &args.tls {
-            cmd.args(["--tls", t]);
-        }
-        if let Some(s) = super::bench_secret(args.auth) {
-            cmd.arg("--auth")
-                .env(kvbridge_engine::secret::SECRET_ENV, s)
-                .env_remove(kvbridge_engine::secret::SECRET_FILE_ENV);
-        }
-        let mut child = cmd
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .context("spawning the target process")?;
-        let stdin = child.stdin.take().context("target stdin")?;
-        let mut stdout = BufReader::new(child.stdout.take().context("target stdout")?);
-        let mut line = String::new();
-        stdout.read_line(&mut line)?;
-        let fields: Vec<&str> = line.split_whitespace().collect();
-        let (session, addr) = match fields.as_slice() {
-            ["READY", session, addr] => ((*session).to_owned(), addr.parse::<u64>()?),
-            _ => bail!("target did not start: {line:?}"),
-        };
-        Ok(Self {
-            child,
-            stdin,
-            stdout,
-            session,
-            addr,
-        })
-    }
-
-    fn verify(&mut self, seed: u64, bytes: u64) -> Result<()> {
-        writeln!(self.stdin, "VERIFY {seed} {bytes}")?;
-        self.stdin.flush()?;
-        let mut line = String::new();
-        self.stdout.read_line(&mut line)?;
-        match line.trim() {
-            "OK" => Ok(()),
-            other => bail!("target found wrong bytes: {other}"),
-        }
-    }
-}
-
-impl Drop for Target {
-    fn drop(&mut self) {
-        let _ = writeln!(self.stdin, "QUIT");
-        let _ = self.stdin.flush();
-        let _ = self.child.wait();
-    }
+/// Spawns the target of `args` (`bench ucx --serve`).
+fn spawn_target(args: &UcxArgs) -> Result<Target> {
+    let extra: Vec<String> = args
+        .tls
+        .iter()
+        .flat_map(|t| ["--tls".to_owned(), t.clone()])
+        .collect();
+    Target::spawn("ucx", args.bytes, &extra, super::bench_secret(args.auth))
 }
 
 /// A multiplier coprime with `n` and not 1 (mod n): `i -> i * m % n` is a
@@ -213,7 +124,7 @@ fn initiate(args: &UcxArgs) -> Result<()> {
     if args.runs == 0 || args.batch_blocks == 0 || args.inflight == 0 {
         bail!("--runs, --batch-blocks and --inflight must be positive");
     }
-    let mut target = Target::spawn(args)?;
+    let mut target = spawn_target(args)?;
     let engine = args.engine()?;
     let mut src = buffer(args.bytes)?;
     let base = src.addr();
@@ -273,7 +184,7 @@ fn initiate(args: &UcxArgs) -> Result<()> {
             let secs = t.elapsed().as_secs_f64();
             times.push(secs);
             if run == 0 && !args.no_verify {
-                target.verify(size, n * size)?;
+                verify(&mut target, size, n * size)?;
             }
         }
         let puts = (engine.stats().puts - puts_before) / u64::from(args.runs);
