@@ -164,7 +164,7 @@ fn spawn_target(args: &TcpArgs) -> Result<Target> {
 }
 
 /// Has the target check that its first `bytes` hold the pattern of `seed`.
-pub(super) fn verify(target: &mut Target, seed: u64, bytes: u64) -> Result<()> {
+fn verify(target: &mut Target, seed: u64, bytes: u64) -> Result<()> {
     target
         .ask(&format!("VERIFY {seed} {bytes}"))
         .context("target found wrong bytes")
@@ -182,10 +182,80 @@ pub(super) struct Row {
     pub verified: bool,
 }
 
-fn initiate(args: &TcpArgs) -> Result<()> {
-    if args.runs == 0 || args.batch_blocks == 0 || args.inflight == 0 {
-        bail!("--runs, --batch-blocks and --inflight must be positive");
+/// How `bench tcp` and `bench ucx` time one block size.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Timing {
+    /// Timed runs (the best is reported).
+    runs: u32,
+    /// Blocks per submitted batch.
+    batch_blocks: usize,
+    /// Batches in flight at once.
+    inflight: usize,
+    /// Whether the target verifies the first run.
+    verify: bool,
+}
+
+impl Timing {
+    /// From the options; all counts must be positive.
+    pub fn new(runs: u32, batch_blocks: usize, inflight: usize, verify: bool) -> Result<Self> {
+        if runs == 0 || batch_blocks == 0 || inflight == 0 {
+            bail!("--runs, --batch-blocks and --inflight must be positive");
+        }
+        Ok(Self {
+            runs,
+            batch_blocks,
+            inflight,
+            verify,
+        })
     }
+
+    /// Moves `blocks` (each `size` bytes, together the target's first
+    /// `blocks.len() * size` bytes) `runs` times and has the target verify
+    /// the first run; the best run's row.
+    pub fn measure(
+        &self,
+        engine: &impl TransferEngine,
+        target: &mut Target,
+        blocks: &[Block],
+        size: u64,
+    ) -> Result<Row> {
+        let n = blocks.len() as u64;
+        let mut times = Vec::new();
+        for run in 0..self.runs {
+            let t = Instant::now();
+            let mut pending = std::collections::VecDeque::new();
+            for chunk in blocks.chunks(self.batch_blocks) {
+                if pending.len() >= self.inflight {
+                    let h: kvbridge_engine::BatchHandle = pending.pop_front().context("window")?;
+                    h.wait().context("transfer failed")?;
+                }
+                pending.push_back(engine.submit(&target.session, chunk));
+            }
+            for h in pending {
+                h.wait().context("transfer failed")?;
+            }
+            let secs = t.elapsed().as_secs_f64();
+            times.push(secs);
+            if run == 0 && self.verify {
+                verify(target, size, n * size)?;
+            }
+        }
+        let best = times.iter().copied().fold(f64::INFINITY, f64::min);
+        let bytes = n * size;
+        Ok(Row {
+            block_size: size,
+            bytes,
+            seconds: best,
+            gbps: bytes as f64 / best / 1e9,
+            blocks_per_s: n as f64 / best,
+            runs_gbps: times.iter().map(|s| bytes as f64 / s / 1e9).collect(),
+            verified: self.verify,
+        })
+    }
+}
+
+fn initiate(args: &TcpArgs) -> Result<()> {
+    let timing = Timing::new(args.runs, args.batch_blocks, args.inflight, !args.no_verify)?;
     let mut target = spawn_target(args)?;
     let engine = TcpEngine::new(args.engine_config()).context("starting the tcp engine")?;
     let mut src = buffer(args.bytes)?;
@@ -208,37 +278,7 @@ fn initiate(args: &TcpArgs) -> Result<()> {
             })
             .collect();
         fill(src.as_mut_slice(), size);
-        let mut times = Vec::new();
-        for run in 0..args.runs {
-            let t = Instant::now();
-            let mut pending = std::collections::VecDeque::new();
-            for chunk in blocks.chunks(args.batch_blocks) {
-                if pending.len() >= args.inflight {
-                    let h: kvbridge_engine::BatchHandle = pending.pop_front().context("window")?;
-                    h.wait().context("transfer failed")?;
-                }
-                pending.push_back(engine.submit(&target.session, chunk));
-            }
-            for h in pending {
-                h.wait().context("transfer failed")?;
-            }
-            let secs = t.elapsed().as_secs_f64();
-            times.push(secs);
-            if run == 0 && !args.no_verify {
-                verify(&mut target, size, n * size)?;
-            }
-        }
-        let best = times.iter().copied().fold(f64::INFINITY, f64::min);
-        let bytes = n * size;
-        rows.push(Row {
-            block_size: size,
-            bytes,
-            seconds: best,
-            gbps: bytes as f64 / best / 1e9,
-            blocks_per_s: n as f64 / best,
-            runs_gbps: times.iter().map(|s| bytes as f64 / s / 1e9).collect(),
-            verified: !args.no_verify,
-        });
+        rows.push(timing.measure(&engine, &mut target, &blocks, size)?);
     }
     engine.batch_deregister(&[base])?;
     drop(target);

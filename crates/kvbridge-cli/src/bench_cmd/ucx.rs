@@ -9,14 +9,12 @@
 //! its own put: that is the layout to set beside `ucx_perftest -t
 //! ucp_put_bw -s SIZE`.
 
-use std::time::Instant;
-
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use kvbridge_engine::{Block, EngineConfig, TransferEngine, UcxEngine};
 
 use super::child::Target;
-use super::tcp::{Row, buffer, fill_from, print_rows, serve_buffer, verify};
+use super::tcp::{Timing, buffer, fill_from, print_rows, serve_buffer};
 
 /// Options of `kvbridge bench ucx`.
 #[derive(Debug, Clone, Args)]
@@ -121,9 +119,7 @@ fn slot(i: u64, m: u64, n: u64) -> u64 {
 }
 
 fn initiate(args: &UcxArgs) -> Result<()> {
-    if args.runs == 0 || args.batch_blocks == 0 || args.inflight == 0 {
-        bail!("--runs, --batch-blocks and --inflight must be positive");
-    }
+    let timing = Timing::new(args.runs, args.batch_blocks, args.inflight, !args.no_verify)?;
     let mut target = spawn_target(args)?;
     let engine = args.engine()?;
     let mut src = buffer(args.bytes)?;
@@ -167,39 +163,9 @@ fn initiate(args: &UcxArgs) -> Result<()> {
             fill_from(chunk, size, slot(i as u64, m, n) * size / 8);
         }
         let puts_before = engine.stats().puts;
-        let mut times = Vec::new();
-        for run in 0..args.runs {
-            let t = Instant::now();
-            let mut pending = std::collections::VecDeque::new();
-            for chunk in blocks.chunks(args.batch_blocks) {
-                if pending.len() >= args.inflight {
-                    let h: kvbridge_engine::BatchHandle = pending.pop_front().context("window")?;
-                    h.wait().context("transfer failed")?;
-                }
-                pending.push_back(engine.submit(&target.session, chunk));
-            }
-            for h in pending {
-                h.wait().context("transfer failed")?;
-            }
-            let secs = t.elapsed().as_secs_f64();
-            times.push(secs);
-            if run == 0 && !args.no_verify {
-                verify(&mut target, size, n * size)?;
-            }
-        }
+        rows.push(timing.measure(&engine, &mut target, &blocks, size)?);
         let puts = (engine.stats().puts - puts_before) / u64::from(args.runs);
         tracing::info!(size, puts, "puts per run");
-        let best = times.iter().copied().fold(f64::INFINITY, f64::min);
-        let bytes = n * size;
-        rows.push(Row {
-            block_size: size,
-            bytes,
-            seconds: best,
-            gbps: bytes as f64 / best / 1e9,
-            blocks_per_s: n as f64 / best,
-            runs_gbps: times.iter().map(|s| bytes as f64 / s / 1e9).collect(),
-            verified: !args.no_verify,
-        });
     }
     engine.batch_deregister(&[base])?;
     drop(target);
