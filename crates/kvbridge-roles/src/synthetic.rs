@@ -1,7 +1,7 @@
 //! Synthetic KV pools shaped like real models, filled with a pattern that
 //! every byte's position determines, so a receiver can verify every byte it
-//! got. The demo, the benches and the tests use these; production callers
-//! register their own pools.
+//! got. The demo, the benches and the tests use these (feature
+//! `synthetic`); production callers register their own pools.
 //!
 //! A byte's value derives from `(room, layer, K/V, token, global head,
 //! byte)`, so a decode rank holding a different head slice (TP M→N), a
