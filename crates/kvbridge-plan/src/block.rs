@@ -1,5 +1,5 @@
 //! The planner's output unit and the canonical form of a block list
-//! (contract §2).
+//! (docs/plan-scenario.md §2).
 
 /// One byte range to copy: `len` bytes from prefill address `src` to decode
 /// address `dst`.
@@ -93,9 +93,9 @@ pub fn expand_runs(runs: &[Run]) -> Vec<Block> {
     runs.iter().flat_map(Run::blocks).collect()
 }
 
-/// Canonical form of a block list (contract §2): zero-length blocks dropped,
-/// blocks that continue each other in both address spaces merged into
-/// maximal runs, the result sorted by `(src, dst, len)`.
+/// Canonical form of a block list (docs/plan-scenario.md §2): zero-length
+/// blocks dropped, blocks that continue each other in both address spaces
+/// merged into maximal runs, the result sorted by `(src, dst, len)`.
 ///
 /// Two plans are equal when their canonical forms are equal; the order of
 /// blocks and the way a range is split into blocks do not matter.

@@ -219,8 +219,8 @@ impl Context {
     }
 }
 
-/// Probe one local pointer with `cuPointerGetAttributes` (as the seed's
-/// `_is_device_pointer`): any error means host memory.
+/// Probe one local pointer with `cuPointerGetAttributes` (as sglang's
+/// Mooncake connector's `_is_device_pointer`): any error means host memory.
 pub fn probe(addr: u64) -> MemoryKind {
     if !available() {
         return MemoryKind::Host;
