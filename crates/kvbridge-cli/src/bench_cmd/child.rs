@@ -99,12 +99,23 @@ impl Drop for Target {
 pub(super) fn serve(
     session: &str,
     addr: u64,
+    answer: impl FnMut(&[&str]) -> Result<String>,
+) -> Result<()> {
+    let (input, output) = (std::io::stdin().lock(), std::io::stdout().lock());
+    serve_on(input, output, session, addr, answer)
+}
+
+/// [`serve`] on any input and output.
+fn serve_on(
+    input: impl BufRead,
+    mut out: impl Write,
+    session: &str,
+    addr: u64,
     mut answer: impl FnMut(&[&str]) -> Result<String>,
 ) -> Result<()> {
-    let mut out = std::io::stdout().lock();
     writeln!(out, "READY {session} {addr}")?;
     out.flush()?;
-    for line in std::io::stdin().lock().lines() {
+    for line in input.lines() {
         let line = line?;
         let words: Vec<&str> = line.split_whitespace().collect();
         if words.as_slice() == ["QUIT"] {
@@ -123,5 +134,38 @@ pub(super) fn verdict(first_bad: Option<impl std::fmt::Display>) -> String {
     match first_bad {
         None => "OK".to_owned(),
         Some(at) => format!("BAD {at}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn answer(words: &[&str]) -> Result<String> {
+        match words {
+            ["ZERO"] => Ok("OK".to_owned()),
+            ["VERIFY", at] => Ok(verdict((*at != "0").then_some(at))),
+            _ => bail!("unknown command"),
+        }
+    }
+
+    #[test]
+    fn target_answers_each_command_until_quit() {
+        let input = "ZERO\nVERIFY 0\nVERIFY 12\nQUIT\nNEVER READ\n";
+        let mut out = Vec::new();
+        serve_on(input.as_bytes(), &mut out, "127.0.0.1:5", 4096, answer).unwrap();
+        assert_eq!(
+            String::from_utf8(out).unwrap(),
+            "READY 127.0.0.1:5 4096\nOK\nOK\nBAD 12\n"
+        );
+    }
+
+    #[test]
+    fn end_of_input_ends_the_target_and_unknown_commands_fail_it() {
+        let mut out = Vec::new();
+        serve_on(&b"ZERO\n"[..], &mut out, "s", 1, answer).unwrap();
+        assert_eq!(out, b"READY s 1\nOK\n");
+        let e = serve_on(&b"FLY\n"[..], Vec::new(), "s", 1, answer).unwrap_err();
+        assert!(format!("{e:#}").contains("unknown command"), "{e:#}");
     }
 }
