@@ -1,5 +1,5 @@
 //! `kvbridge bootstrap`: serves the bootstrap HTTP API until SIGTERM/SIGINT
-//! (contracts/cli.md).
+//! (docs/cli.md).
 
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;

@@ -26,15 +26,15 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// Decode or encode wire messages as JSON (contracts/wire-cli.md).
+    /// Decode or encode wire messages as JSON (docs/cli.md).
     #[command(subcommand)]
     Wire(wire_cmd::WireCommand),
     /// Measure transfer engines.
     #[command(subcommand)]
     Bench(bench_cmd::BenchCommand),
-    /// Plan one chunk of a scenario and print its blocks (contracts/plan-scenario.md).
+    /// Plan one chunk of a scenario and print its blocks (docs/plan-scenario.md).
     Plan(plan_cmd::PlanArgs),
-    /// Serve the bootstrap HTTP API until SIGTERM/SIGINT (contracts/cli.md).
+    /// Serve the bootstrap HTTP API until SIGTERM/SIGINT (docs/cli.md).
     Bootstrap(bootstrap_cmd::BootstrapArgs),
     /// The main job: stream a synthetic workload through prefill and decode
     /// rank processes on loopback and verify every byte.

@@ -1,5 +1,5 @@
 //! `kvbridge plan <scenario.json>`: plan one chunk described by a scenario
-//! (contracts/plan-scenario.md) and print the result JSON.
+//! (docs/plan-scenario.md) and print the result JSON.
 //!
 //! * stdout: exactly one JSON object, `{"blocks": [[src, dst, len], ...]}`
 //!   (canonical form) or `{"error": "<message>"}`; exit 0 for both.

@@ -1,5 +1,5 @@
 //! `kvbridge wire decode|encode`: the wire crate's JSON form on stdin/stdout
-//! (contracts/wire-cli.md). Exit 0 with a message or `{"error": …}`; exit 2
+//! (docs/cli.md). Exit 0 with a message or `{"error": …}`; exit 2
 //! only when stdin is not the expected JSON.
 
 use std::io::Read;

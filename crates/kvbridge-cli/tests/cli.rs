@@ -1,6 +1,6 @@
-//! The `kvbridge` binary as other programs use it: the wire JSON contract,
-//! the bootstrap server contract, and the demo with its fault flags, all as
-//! real OS processes.
+//! The `kvbridge` binary as other programs use it (docs/cli.md): the wire
+//! JSON format, the bootstrap server, and the demo with its fault flags, all
+//! as real OS processes.
 // Test code: a failed unwrap is a failed test.
 #![allow(clippy::unwrap_used)]
 
@@ -33,7 +33,7 @@ fn run_stdin(args: &[&str], input: &str) -> (i32, String) {
 
 #[test]
 fn wire_decode_and_encode_follow_the_contract() {
-    // A status message as the seed sends it: [room, status, rank].
+    // A status message as sglang's Mooncake connector sends it: [room, status, rank].
     let (code, out) = run_stdin(
         &["wire", "decode"],
         r#"{"to": "decode", "frames": ["3939", "34", "35"]}"#,

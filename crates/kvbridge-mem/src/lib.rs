@@ -103,11 +103,12 @@ pub enum MemError {
         /// The kind that was asked for.
         kind: MemoryKind,
     },
-    /// A device runtime call failed (copy, allocation, ...).
-    #[error("device memory access failed: {reason}")]
+    /// A CUDA driver call failed (copy, allocation, ...).
+    #[error("device memory access failed: {source}")]
     Device {
-        /// The driver's error.
-        reason: String,
+        /// The failed driver call and its `CUresult`.
+        #[from]
+        source: CudaError,
     },
     /// A transport refused to register the region (e.g. `ucp_mem_map` failed).
     #[error("registering {addr:#x}+{len} with the transport failed: {reason}")]
@@ -127,4 +128,41 @@ pub enum MemError {
         /// OS error text.
         reason: String,
     },
+}
+
+/// A failed CUDA driver call (built by the `cuda` feature's driver layer;
+/// defined in every build so that [`MemError::Device`] keeps it).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{call} failed: {name} ({code})")]
+pub struct CudaError {
+    /// The driver function.
+    pub call: &'static str,
+    /// The `CUresult` value.
+    pub code: i32,
+    /// The driver's name for it.
+    pub name: String,
+}
+
+#[cfg(test)]
+mod tests {
+    use std::error::Error as _;
+
+    use super::*;
+
+    #[test]
+    fn device_error_keeps_the_driver_error() {
+        let cuda = CudaError {
+            call: "cuMemAlloc",
+            code: 2,
+            name: "CUDA_ERROR_OUT_OF_MEMORY".into(),
+        };
+        let e = MemError::from(cuda.clone());
+        assert_eq!(
+            e.to_string(),
+            "device memory access failed: cuMemAlloc failed: CUDA_ERROR_OUT_OF_MEMORY (2)"
+        );
+        let source = e.source().and_then(|s| s.downcast_ref::<CudaError>());
+        assert_eq!(source, Some(&cuda));
+        assert!(matches!(e, MemError::Device { source } if source.code == 2));
+    }
 }

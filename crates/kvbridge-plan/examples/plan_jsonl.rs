@@ -1,6 +1,7 @@
 //! Plans many scenarios in one process: reads one scenario JSON per line on
-//! stdin and prints one result JSON per line (contract §2, canonical form;
-//! `{"unreadable": "<why>"}` for a scenario the CLI would exit 2 on).
+//! stdin and prints one result JSON per line (docs/plan-scenario.md §2,
+//! canonical form; `{"unreadable": "<why>"}` for a scenario the CLI would exit
+//! 2 on).
 //!
 //! Used to cross-check the planner against other implementations in bulk:
 //! `cargo run --release -p kvbridge-plan --features scenario --example plan_jsonl < in.jsonl`

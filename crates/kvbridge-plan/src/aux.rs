@@ -1,5 +1,6 @@
-//! Aux (metadata) slots (`send_aux`, contract §3.8): on the last chunk, one
-//! block per decode aux buffer, from the prefill slot to the decode slot.
+//! Aux (metadata) slots (`send_aux`, docs/plan-scenario.md §3.8): on the last
+//! chunk, one block per decode aux buffer, from the prefill slot to the decode
+//! slot.
 
 use crate::block::Block;
 use crate::error::PlanError;

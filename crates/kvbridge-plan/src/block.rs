@@ -1,11 +1,11 @@
 //! The planner's output unit and the canonical form of a block list
-//! (contract §2).
+//! (docs/plan-scenario.md §2).
 
 pub use kvbridge_block::{Block, Run, expand_runs};
 
-/// Canonical form of a block list (contract §2): zero-length blocks dropped,
-/// blocks that continue each other in both address spaces merged into
-/// maximal runs, the result sorted by `(src, dst, len)`.
+/// Canonical form of a block list (docs/plan-scenario.md §2): zero-length
+/// blocks dropped, blocks that continue each other in both address spaces
+/// merged into maximal runs, the result sorted by `(src, dst, len)`.
 ///
 /// Two plans are equal when their canonical forms are equal; the order of
 /// blocks and the way a range is split into blocks do not matter.

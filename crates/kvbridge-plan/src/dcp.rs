@@ -1,7 +1,7 @@
 //! DCP relayout (`send_kvcache_dcp` + `build_dcp_token_transfer_plan`,
-//! contract §3.6): an MLA prefill without DCP feeds a decode whose DCP ranks
-//! each hold every `dst_dcp_size`-th token. Blocks are per token row (one
-//! row = one token of one buffer, `w[e]` bytes), grouped into runs.
+//! docs/plan-scenario.md §3.6): an MLA prefill without DCP feeds a decode whose
+//! DCP ranks each hold every `dst_dcp_size`-th token. Blocks are per token row
+//! (one row = one token of one buffer, `w[e]` bytes), grouped into runs.
 //!
 //! * **Target** entries (the model's layers) get the tokens whose global
 //!   position falls on the decode's DCP rank, stored compactly in its
@@ -36,8 +36,8 @@ pub(crate) enum DraftEntry {
     },
 }
 
-/// Prepared relayout, fixed per peer. Entry problems that the seed only hits
-/// when a chunk actually has target (or draft) tokens are kept as deferred
+/// Prepared relayout, fixed per peer. Entry problems that the reference only
+/// hits when a chunk actually has target (or draft) tokens are kept as deferred
 /// results.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct DcpRelayout {
@@ -97,7 +97,7 @@ pub(crate) fn prepare_dcp(
             let lens = if dst_lens_in.is_empty() {
                 Vec::new()
             } else {
-                // The seed slices the length list against the prefill's
+                // The reference slices the length list against the prefill's
                 // *length* list, exactly like the pointers.
                 flat_pp_positions(layout.kv_item_lens.len(), dst_lens_in.len(), start, nd)
                     .into_iter()
@@ -248,7 +248,7 @@ impl DcpRelayout {
         }
         let base = mul(c.page_offset, ps)?; // request-local token of the chunk's first token
         let last = n_tokens - 1;
-        // Every index the seed looks up; the target tokens use a subset
+        // Every index the reference looks up; the target tokens use a subset
         // ((base + t) / dcp / ps == (base + t) / vpage).
         let last_src_pos = last / ps;
         if last_src_pos >= u64_of(c.pages.len()) {
@@ -280,7 +280,7 @@ impl DcpRelayout {
             max_dst_page = max_dst_page.max(page(p, "dst_kv_indices")?);
         }
         // Row numbers stay below (max page + 1) * page size: check once
-        // (the seed computes rows in numpy int64).
+        // (the reference computes rows in numpy int64).
         signed(mul(max_src_page + 1, ps)?, "prefill token row")?;
         signed(mul(max_dst_page + 1, vpage)?, "decode token row")?;
         let (pages, vpages) = (c.pages, c.vpages);
@@ -341,7 +341,7 @@ impl DcpRelayout {
                         ..
                     } = *d
                     {
-                        // numpy int64 in the seed.
+                        // numpy int64 in the reference.
                         signed(src, "prefill draft address")?;
                         signed(dst, "decode draft address")?;
                         signed(addr(src, max_srow, src_width)?, "prefill draft address")?;

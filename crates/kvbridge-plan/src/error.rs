@@ -1,6 +1,6 @@
-//! The planner's rejections (contract §4), one variant per case.
+//! The planner's rejections (docs/plan-scenario.md §4), one variant per case.
 //!
-//! Every failure the seed would report for a configuration or a chunk (an
+//! Every failure the reference would report for a configuration or a chunk (an
 //! exception, or a `-1` status from one of its send paths) is one of these.
 //! A rejection means no plan at all: the planner never hands out a partial
 //! block list.
@@ -423,7 +423,7 @@ pub enum PlanError {
     #[error("address arithmetic overflows 64 bits")]
     AddressOverflow,
     /// Head slicing and the DCP token relayout compute addresses in signed
-    /// 64-bit arithmetic (the seed uses numpy int64 there, which rejects
+    /// 64-bit arithmetic (the reference uses numpy int64 there, which rejects
     /// larger inputs and wraps larger results); a value past `i64::MAX`.
     #[error("{what} exceeds the signed 64-bit range of the head-slice/DCP address arithmetic")]
     SignedOverflow {

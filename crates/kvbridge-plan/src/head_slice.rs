@@ -1,9 +1,9 @@
-//! Head slicing (`send_kvcache_slice`, contract §3.5): MHA with different
-//! attention TP sizes. Each token slot of a page holds `heads × head_bytes`;
-//! a prefill rank copies, for every token, the heads the decode rank needs
-//! (scatter, `P < D`) or all of its heads into their place among the decode
-//! rank's heads (aggregation, `P > D`). GQA replication maps several ranks
-//! onto one KV head by integer division.
+//! Head slicing (`send_kvcache_slice`, docs/plan-scenario.md §3.5): MHA with
+//! different attention TP sizes. Each token slot of a page holds `heads ×
+//! head_bytes`; a prefill rank copies, for every token, the heads the decode
+//! rank needs (scatter, `P < D`) or all of its heads into their place among the
+//! decode rank's heads (aggregation, `P > D`). GQA replication maps several
+//! ranks onto one KV head by integer division.
 
 use crate::block::{Block, Run};
 use crate::error::PlanError;
@@ -131,7 +131,7 @@ pub(crate) fn prepare_head_slice(
             slot: dst_token,
         });
     }
-    // The seed converts these to numpy int64 for every chunk.
+    // The reference converts these to numpy int64 for every chunk.
     signed(src_item, "prefill KV item size")?;
     signed(dst_item, "decode KV item size")?;
     Ok(HeadSlice {
@@ -149,7 +149,7 @@ pub(crate) fn prepare_head_slice(
 
 impl HeadSlice {
     /// Appends the blocks for the page pairs `zip(src_pages, dst_pages)`, one
-    /// batch per buffer pair (the seed submits one engine call per layer).
+    /// batch per buffer pair (the reference submits one engine call per layer).
     pub(crate) fn emit(
         &self,
         src_pages: &[i32],
@@ -195,7 +195,7 @@ impl HeadSlice {
             out.reserve(per_pair.saturating_mul(self.pairs.len()));
         }
         for &(sp, dp) in &self.pairs {
-            // numpy int64 in the seed: bases and results must fit i64.
+            // numpy int64 in the reference: bases and results must fit i64.
             signed(sp, "prefill KV buffer address")?;
             signed(dp, "decode KV buffer address")?;
             signed(add(add(sp, max_src_page)?, src_in_page)?, "prefill address")?;

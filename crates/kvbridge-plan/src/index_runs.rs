@@ -175,7 +175,7 @@ pub(crate) fn addr(base: u64, index: u64, size: u64) -> Result<u64, PlanError> {
     add(base, mul(index, size)?)
 }
 
-/// `v` if it fits in `i64` (numpy int64 arithmetic of the seed), else
+/// `v` if it fits in `i64` (numpy int64 arithmetic of the reference), else
 /// [`PlanError::SignedOverflow`].
 #[inline]
 pub(crate) fn signed(v: u64, what: &'static str) -> Result<u64, PlanError> {

@@ -1,5 +1,5 @@
-//! Page copy (`send_kvcache` / `_send_kvcache_generic`, contract §3.3 b and
-//! §3.4): every buffer pair copies whole items for every run of
+//! Page copy (`send_kvcache` / `_send_kvcache_generic`, docs/plan-scenario.md
+//! §3.3 b and §3.4): every buffer pair copies whole items for every run of
 //! concurrently contiguous pages.
 
 use crate::block::Block;
@@ -94,8 +94,8 @@ pub(crate) fn emit_entries_runs(
 
 /// The generic page copy's block emission for given entries and index lists,
 /// honouring `max_transfer_batch_indices`: with batching, runs are formed per
-/// batch of indices and each batch covers every entry (the seed's order), so
-/// each batch is one contiguous slice of `out`. Pushes each batch's end to
+/// batch of indices and each batch covers every entry (the reference's order),
+/// so each batch is one contiguous slice of `out`. Pushes each batch's end to
 /// `batch_ends`.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn emit_generic<S: PageIndex, D: PageIndex>(

@@ -2,7 +2,7 @@
 //! side), the decode peer's registration, the request and the chunk.
 //!
 //! Field names follow sglang's `KVArgs`, `KVArgsRegisterInfo`, `TransferInfo`
-//! and `TransferKVChunk` so that a reader of the seed finds them.
+//! and `TransferKVChunk` so that a reader of the reference finds them.
 
 use std::fmt;
 use std::str::FromStr;

@@ -2,12 +2,13 @@
 //!
 //! **Owns**: deciding which `(src, dst, len)` byte ranges one chunk of one
 //! request moves from this prefill rank to one decode rank — for every layout
-//! the seed's Mooncake connector handles (contract `plan-scenario.md` §3):
+//! sglang's Mooncake connector (the reference) handles
+//! (`docs/plan-scenario.md` §3):
 //! page runs, MHA K/V halves and flat (MLA) layouts with PP-stage slicing,
 //! layer-id pairing with draft entries, head slicing for any M→N TP with GQA
 //! replication, DCP relayout, mamba / DSA-tail / page-indexed state
 //! components, aux slots, the unified-memory envelope check and index
-//! batching — or the rejection the seed would produce ([`PlanError`]).
+//! batching — or the rejection the reference would produce ([`PlanError`]).
 //!
 //! **Must never**: do I/O, spawn threads, keep global state, depend on other
 //! kvbridge crates, panic on any input, or return a partial plan. Addresses
@@ -62,6 +63,7 @@ mod layout;
 mod pairing;
 mod peer;
 mod plan;
+pub mod rng;
 mod state;
 
 #[cfg(feature = "scenario")]

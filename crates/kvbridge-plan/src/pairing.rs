@@ -1,6 +1,6 @@
 //! Buffer pairing: which decode buffer each prefill buffer is copied into.
 //!
-//! Three rules, as in the seed (contract §3.4):
+//! Three rules, as in the reference (docs/plan-scenario.md §3.4):
 //! * **by layer id** (`build_transfer_entry_pairs`): the k-th prefill
 //!   occurrence of a layer id pairs with the k-th decode occurrence;
 //! * **flat PP slicing** (`get_mla_kv_ptrs_with_pp`): one buffer per layer,

@@ -1,14 +1,14 @@
-//! Peer registration (contract §3.1): what can be decided once per decode
-//! peer, before its first chunk.
+//! Peer registration (docs/plan-scenario.md §3.1): what can be decided once per
+//! decode peer, before its first chunk.
 //!
-//! [`PreparedPeer::new`] does exactly what the seed's bootstrap thread does
-//! when a `KVArgsRegisterInfo` arrives (DCP topology and token widths; a
+//! [`PreparedPeer::new`] does exactly what the reference's bootstrap thread
+//! does when a `KVArgsRegisterInfo` arrives (DCP topology and token widths; a
 //! failure there rejects the peer), and additionally precomputes the KV path
-//! and its buffer pairing. Problems of the KV configuration that the seed
+//! and its buffer pairing. Problems of the KV configuration that the reference
 //! only reports when a chunk actually carries KV pages (layer pairing,
 //! unified-memory envelope, head-slice width, DCP entry mapping) are kept and
-//! returned by every such chunk; [`PreparedPeer::kv_config_error`] exposes
-//! them up front so that a worker can fail loudly at registration.
+//! returned by every such chunk; [`PreparedPeer::kv_config_error`] exposes them
+//! up front so that a worker can fail loudly at registration.
 
 use crate::dcp::{DcpRelayout, prepare_dcp};
 use crate::error::PlanError;

@@ -69,10 +69,10 @@ impl TransferPlan {
         &self.aux
     }
 
-    /// The KV blocks in the batches the seed hands to its engine, one engine
-    /// call per slice: index batches of `max_transfer_batch_indices` pages
-    /// for the page copy, one batch per buffer pair for head slicing, and for
-    /// the DCP relayout one batch of row runs followed by token batches of
+    /// The KV blocks in the batches the reference hands to its engine, one
+    /// engine call per slice: index batches of `max_transfer_batch_indices`
+    /// pages for the page copy, one batch per buffer pair for head slicing, and
+    /// for the DCP relayout one batch of row runs followed by token batches of
     /// the sliced draft. Empty batches are skipped.
     pub fn kv_batches(&self) -> KvBatches<'_> {
         KvBatches {
@@ -82,8 +82,9 @@ impl TransferPlan {
         }
     }
 
-    /// The KV blocks in batches of at most `max_blocks` blocks (each seed
-    /// batch split further where it is longer). `max_blocks == 0` is taken as 1.
+    /// The KV blocks in batches of at most `max_blocks` blocks (each of the
+    /// reference's batches split further where it is longer). `max_blocks == 0`
+    /// is taken as 1.
     pub fn kv_batches_capped(&self, max_blocks: usize) -> impl Iterator<Item = &[Block]> {
         let cap = max_blocks.max(1);
         self.kv_batches().flat_map(move |b| b.chunks(cap))
@@ -133,7 +134,7 @@ impl TransferPlan {
         v
     }
 
-    /// The canonical form of all blocks (contract §2).
+    /// The canonical form of all blocks (docs/plan-scenario.md §2).
     pub fn canonical(&self) -> Vec<Block> {
         canonicalize(&self.to_vec())
     }
@@ -211,8 +212,8 @@ impl Planner {
     }
 
     /// Plans one chunk of one request for one decode peer: every block the
-    /// seed's `transfer_worker` would hand to its engine, or its rejection.
-    /// On error the planner holds no plan (never a partial one).
+    /// reference's `transfer_worker` would hand to its engine, or its
+    /// rejection. On error the planner holds no plan (never a partial one).
     ///
     /// `peer` must have been prepared with this `layout`.
     pub fn plan_chunk(
@@ -234,8 +235,8 @@ impl Planner {
 
     /// Plan head-sliced KV as strided runs (one per page run: a token
     /// slice at the token strides) instead of one block per token, for
-    /// engines that copy runs natively. Off by default (the contract's
-    /// block lists); the expanded runs equal the blocks either way.
+    /// engines that copy runs natively. Off by default (the scenario
+    /// format's block lists); the expanded runs equal the blocks either way.
     pub fn set_strided_kv(&mut self, on: bool) {
         self.strided = on;
     }

@@ -1,4 +1,4 @@
-//! The `plan` scenario format (contracts/plan-scenario.md §1–§2) as serde
+//! The `plan` scenario format (docs/plan-scenario.md §1–§2) as serde
 //! types, its conversion into the domain types, and the result JSON.
 //!
 //! A scenario is one JSON object holding our layout, the peer registration,
@@ -25,7 +25,7 @@ fn is_false(b: &bool) -> bool {
     !*b
 }
 
-/// One planning scenario (contract §1).
+/// One planning scenario (docs/plan-scenario.md §1).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Scenario {
@@ -353,7 +353,7 @@ impl Scenario {
 /// aux, in emission order (compare them through [`canonicalize`]).
 ///
 /// A state component without a `state_data_ptrs` or `state_item_lens` list
-/// cannot be expressed in the domain types; like the seed (which indexes
+/// cannot be expressed in the domain types; like the reference (which indexes
 /// those lists when it sends the component), the scenario is rejected when
 /// such a component would be sent, and planned normally otherwise.
 pub fn plan_scenario(scenario: &Scenario) -> Result<Vec<Block>, PlanError> {
@@ -364,7 +364,7 @@ pub fn plan_scenario(scenario: &Scenario) -> Result<Vec<Block>, PlanError> {
     plan_once(&i.layout, i.registration, &i.request, &i.chunk).map(|p| p.to_vec())
 }
 
-/// A parsed result (contract §2).
+/// A parsed result (docs/plan-scenario.md §2).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ScenarioResult {
     /// A plan.
@@ -394,8 +394,8 @@ impl ScenarioResult {
         }
     }
 
-    /// Whether two results are equal under contract §2 (canonical blocks;
-    /// any two rejections are equal).
+    /// Whether two results are equal under docs/plan-scenario.md §2 (canonical
+    /// blocks; any two rejections are equal).
     pub fn matches(&self, other: &ScenarioResult) -> bool {
         match (self, other) {
             (ScenarioResult::Blocks(a), ScenarioResult::Blocks(b)) => {
@@ -416,8 +416,8 @@ impl From<Result<Vec<Block>, PlanError>> for ScenarioResult {
     }
 }
 
-/// The result JSON of contract §2 for a plan (written in canonical form) or
-/// a rejection, on one line.
+/// The result JSON of docs/plan-scenario.md §2 for a plan (written in canonical
+/// form) or a rejection, on one line.
 pub fn result_to_json(result: &Result<Vec<Block>, PlanError>) -> String {
     match result {
         Ok(blocks) => blocks_to_json(&canonicalize(blocks)),

@@ -1,10 +1,12 @@
 //! Deterministic synthetic scenarios: the four large cases the planner's
 //! speed is measured on (criterion bench `plan`, `kvbridge plan --bench`).
 //!
-//! Page lists are pseudo-random but fixed (a seeded xorshift), shaped like a
+//! Page lists are pseudo-random but fixed (a seeded xorshift64*,
+//! [`crate::rng::Rng`]), shaped like a
 //! real allocator's output: the prefill side holds long runs of pages, the
 //! decode side short segments, so page runs have realistic lengths.
 
+use crate::rng::Rng;
 use crate::scenario::Scenario;
 
 /// One of the large benchmark cases.
@@ -47,25 +49,6 @@ impl LargeCase {
             LargeCase::MlaDcp4Draft => mla_dcp4_draft(),
             LargeCase::MlaDsa128k => mla_dsa_128k(),
         }
-    }
-}
-
-/// xorshift64*: tiny, deterministic.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        let mut x = self.0;
-        x ^= x >> 12;
-        x ^= x << 25;
-        x ^= x >> 27;
-        self.0 = x;
-        x.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-
-    /// Uniform in `lo..=hi`.
-    fn range(&mut self, lo: u64, hi: u64) -> u64 {
-        lo + self.next() % (hi - lo + 1)
     }
 }
 
@@ -153,7 +136,7 @@ fn base(name: &str, description: &str) -> Scenario {
 }
 
 fn mha_equal_tp_128k() -> Scenario {
-    let mut rng = Rng(0x5eed_0001);
+    let mut rng = Rng::new(0x5eed_0001);
     let pages = 131_072;
     let layers = 80;
     // Llama-70B-like: 8 KV heads / TP 8 = 1 head of 128 bf16 per token.
@@ -178,7 +161,7 @@ fn mha_equal_tp_128k() -> Scenario {
 }
 
 fn head_slice_tp8_to_2() -> Scenario {
-    let mut rng = Rng(0x5eed_0002);
+    let mut rng = Rng::new(0x5eed_0002);
     let page_size = 64;
     let pages = 32_768 / page_size as usize;
     let layers = 48;
@@ -204,7 +187,7 @@ fn head_slice_tp8_to_2() -> Scenario {
 }
 
 fn mla_dcp4_draft() -> Scenario {
-    let mut rng = Rng(0x5eed_0003);
+    let mut rng = Rng::new(0x5eed_0003);
     let page_size: u64 = 64;
     let tokens: u64 = 32_768;
     let dcp: u64 = 4;
@@ -235,7 +218,7 @@ fn mla_dcp4_draft() -> Scenario {
 }
 
 fn mla_dsa_128k() -> Scenario {
-    let mut rng = Rng(0x5eed_0004);
+    let mut rng = Rng::new(0x5eed_0004);
     let page_size: u64 = 64;
     let pages = (131_072 / page_size) as usize;
     let layers = 61;

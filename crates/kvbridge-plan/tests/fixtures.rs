@@ -1,7 +1,8 @@
-//! Every scenario under `tests/fixtures/plan-examples` (the contract's
-//! examples) and `tests/fixtures/plan-scenarios` (ours, checked against
-//! sglang 0.5.23's helpers and the seed) gives its expected result under the
-//! canonical comparison of contract §2.
+//! Every scenario under `tests/fixtures/plan-examples` (the examples of
+//! docs/plan-scenario.md §5) and `tests/fixtures/plan-scenarios` (ours,
+//! checked against sglang 0.5.23's helpers and the reference, sglang's
+//! Mooncake connector) gives its expected result under the
+//! canonical comparison of docs/plan-scenario.md §2.
 
 #![allow(clippy::unwrap_used)] // tests unwrap what they construct
 

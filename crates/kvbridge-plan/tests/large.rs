@@ -1,7 +1,8 @@
 //! The four large benchmark scenarios (`synthetic::LargeCase`) plan to the
 //! results sglang's code path produces for them: block count, bytes and a
-//! digest of the canonical block list, recorded from the seed + sglang 0.5.23
-//! helpers when the cases were written (their full results are megabytes).
+//! digest of the canonical block list, recorded from the reference (sglang's
+//! Mooncake connector) and sglang 0.5.23's helpers when the cases were
+//! written (their full results are megabytes).
 
 #![allow(clippy::unwrap_used)] // tests unwrap what they construct
 

@@ -1,5 +1,5 @@
-//! Contract §3.1 and §3.6: DCP registration and relayout — hand-derived blocks
-//! and exact errors.
+//! docs/plan-scenario.md §3.1 and §3.6: DCP registration and relayout —
+//! hand-derived blocks and exact errors.
 
 #![allow(clippy::unwrap_used)] // tests unwrap what they construct
 

@@ -1,5 +1,6 @@
-//! Contract §3.2–§3.5, §3.8: chunk pages, page copy, pairing, unified memory,
-//! head slicing, aux and plan plumbing — hand-derived blocks and exact errors.
+//! docs/plan-scenario.md §3.2–§3.5, §3.8: chunk pages, page copy, pairing,
+//! unified memory, head slicing, aux and plan plumbing — hand-derived blocks
+//! and exact errors.
 
 #![allow(clippy::unwrap_used)] // tests unwrap what they construct
 
@@ -637,7 +638,7 @@ fn planner_reuse_never_leaks_a_previous_or_partial_plan() {
 
 #[test]
 fn head_slicing_keeps_the_seeds_int64_address_range() {
-    // The seed computes head-slice addresses in numpy int64: buffers at or
+    // The reference computes head-slice addresses in numpy int64: buffers at or
     // above 2^63 are rejected there, while the page copy (Python ints) is fine.
     let l = heads_layout(1, 0, 8, 2, 16);
     let mut r = heads_peer(4, 2, 8, 2, 16);

@@ -1,5 +1,5 @@
-//! Contract §3.7: state components (mamba, page-indexed, MiniMax, DSA tail) —
-//! hand-derived blocks and exact errors.
+//! docs/plan-scenario.md §3.7: state components (mamba, page-indexed, MiniMax,
+//! DSA tail) — hand-derived blocks and exact errors.
 
 #![allow(clippy::unwrap_used)] // tests unwrap what they construct
 
@@ -596,7 +596,7 @@ fn dsa_tail_errors() {
 
 #[test]
 fn single_region_non_swa_state_on_mha_moves_nothing() {
-    // K/V halves of one buffer are zero layers (the seed ships nothing).
+    // K/V halves of one buffer are zero layers (the reference ships nothing).
     assert_eq!(
         paged(
             mha(1, 1, IL),

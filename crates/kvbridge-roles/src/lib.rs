@@ -15,6 +15,7 @@ pub mod bootstrap;
 pub mod config;
 pub mod control;
 pub mod error;
+#[cfg(feature = "synthetic")]
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod health;
@@ -35,4 +36,5 @@ pub use prefill::{KvSender, PrefillManager};
 pub mod decode;
 
 pub use decode::{DecodeManager, KvReceiver};
+#[cfg(feature = "synthetic")]
 pub mod synthetic;

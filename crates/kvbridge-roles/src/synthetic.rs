@@ -1,7 +1,7 @@
 //! Synthetic KV pools shaped like real models, filled with a pattern that
 //! every byte's position determines, so a receiver can verify every byte it
-//! got. The demo, the benches and the tests use these; production callers
-//! register their own pools.
+//! got. The demo, the benches and the tests use these (feature
+//! `synthetic`); production callers register their own pools.
 //!
 //! A byte's value derives from `(room, layer, K/V, token, global head,
 //! byte)`, so a decode rank holding a different head slice (TP M→N), a
@@ -10,6 +10,7 @@
 
 use kvbridge_mem::{HostBuffer, MemError};
 use kvbridge_plan::PrefillLayout;
+use kvbridge_plan::rng::{GOLDEN as STEP, mix};
 use serde::{Deserialize, Serialize};
 
 use crate::kv_args::KvArgs;
@@ -240,16 +241,6 @@ impl std::ops::AddAssign for Verified {
         self.mismatched += rhs.mismatched;
     }
 }
-
-fn mix(mut x: u64) -> u64 {
-    x ^= x >> 30;
-    x = x.wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    x ^= x >> 27;
-    x = x.wrapping_mul(0x94d0_49bb_1331_11eb);
-    x ^ (x >> 31)
-}
-
-const STEP: u64 = 0x9e37_79b9_7f4a_7c15;
 
 /// The first word of one head slice's pattern, from `(room, layer, kv, token, head)`.
 fn slice_seed(room: u64, layer: u64, kv: u64, token: u64, head: u64) -> u64 {

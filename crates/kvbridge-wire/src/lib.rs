@@ -1,9 +1,9 @@
 //! # kvbridge-wire
 //!
 //! The zmq control protocol between prefill and decode ranks, byte-compatible
-//! with sglang's Mooncake connector: every multipart message as a Rust type
-//! with `encode` (exactly the frames sglang sends) and a strict `decode`, plus
-//! the bootstrap server's HTTP JSON bodies ([`bootstrap`]).
+//! with sglang's Mooncake connector (the reference): every multipart message as
+//! a Rust type with `encode` (exactly the frames sglang sends) and a strict
+//! `decode`, plus the bootstrap server's HTTP JSON bodies ([`bootstrap`]).
 //!
 //! **Owns:** framing, field parsing, limits, typed decode errors.
 //! **Never:** opens sockets, spawns threads, keeps global state, or panics on

@@ -88,7 +88,7 @@ impl<'a> ToPrefill<'a> {
         }
     }
 
-    /// The frames the seed sends for this message.
+    /// The frames the reference sends for this message.
     pub fn encode(&self) -> Frames<'_> {
         match self {
             Self::Register(m) => m.encode(),
@@ -99,7 +99,7 @@ impl<'a> ToPrefill<'a> {
         }
     }
 
-    /// The kind's name as the CLI contract spells it.
+    /// The kind's name as `kvbridge wire` spells it (docs/cli.md).
     pub fn kind(&self) -> &'static str {
         match self {
             Self::Register(_) => "register",
@@ -154,7 +154,7 @@ impl<'a> ToDecode<'a> {
         }
     }
 
-    /// The frames the seed sends for this message.
+    /// The frames the reference sends for this message.
     pub fn encode(&self) -> Frames<'_> {
         match self {
             Self::Status(m) => m.encode(),
@@ -166,7 +166,7 @@ impl<'a> ToDecode<'a> {
         }
     }
 
-    /// The kind's name as the CLI contract spells it.
+    /// The kind's name as `kvbridge wire` spells it (docs/cli.md).
     pub fn kind(&self) -> &'static str {
         match self {
             Self::Status(_) => "status",

@@ -236,7 +236,7 @@ pub struct ChunkReady<'a> {
 }
 
 impl<'a> ChunkReady<'a> {
-    /// Frames the seed's decode thread reads.
+    /// Frames the reference's decode thread reads.
     pub const MIN_FRAMES: usize = 6;
 
     /// Decodes a chunk-ready notice.

@@ -131,7 +131,7 @@ impl<'a> Register<'a> {
         })
     }
 
-    /// The 20 frames the seed's `_register_kv_args` sends (plus the
+    /// The 20 frames the reference's `_register_kv_args` sends (plus the
     /// incarnation frame when set).
     pub fn encode(&self) -> Frames<'_> {
         let mut frames = vec![
@@ -293,8 +293,8 @@ impl<'a> Transfer<'a> {
         })
     }
 
-    /// The 10 frames the seed's `send_metadata` sends (`decode_prefix_len`
-    /// `None` travels as `"0"`, as the seed writes it).
+    /// The 10 frames the reference's `send_metadata` sends (`decode_prefix_len`
+    /// `None` travels as `"0"`, as the reference writes it).
     pub fn encode(&self) -> Frames<'_> {
         let empty = || Cow::Borrowed(&[][..]);
         let (kv, aux, state, device) = match &self.pages {
@@ -356,7 +356,7 @@ pub struct Abort<'a> {
 }
 
 impl<'a> Abort<'a> {
-    /// Frames of the seed's form.
+    /// Frames of the reference's form.
     pub const MIN_FRAMES: usize = 4;
 
     /// Decodes an abort notification.

@@ -1,7 +1,8 @@
-//! Golden byte vectors: each is what the seed's (or sglang 0.5.23's)
-//! `send_multipart([...])` call puts on the wire, derived by hand from the
-//! Python (`struct.pack`, `np.int32.tobytes()`, `pack_int_lists`). Every
-//! vector must decode to the expected fields and re-encode to the exact bytes.
+//! Golden byte vectors: each is what a `send_multipart([...])` call of the
+//! reference (sglang's Mooncake connector) or of sglang 0.5.23 puts on the
+//! wire, derived by hand from the Python (`struct.pack`,
+//! `np.int32.tobytes()`, `pack_int_lists`). Every vector must decode to the
+//! expected fields and re-encode to the exact bytes.
 
 use kvbridge_wire::json::{WireJson, hex_decode};
 use kvbridge_wire::{KvPoll, Limits, ToDecode, ToPrefill};
@@ -32,7 +33,7 @@ fn to_decode(hex: &[&str]) -> (Vec<Vec<u8>>, ToDecode<'static>) {
     (f, m)
 }
 
-/// The seed's `_register_kv_args` with two KV buffers, one aux buffer, two
+/// The reference's `_register_kv_args` with two KV buffers, one aux buffer, two
 /// state components (mamba with two buffers, an empty one), no staging:
 /// `[b"None", ip, str(port), session, b"".join(pack("Q", p) for p in kv),
 ///   …, pack_int_lists(state_ptrs, "Q"), b"3", b"4", b"16384",
@@ -136,7 +137,8 @@ fn register_with_staging_and_dcp() {
     assert!(r.dst_state_data_ptrs.is_empty());
 }
 
-/// An older peer's 10-frame registration: the tail takes the seed's defaults.
+/// An older peer's 10-frame registration: the tail takes the reference's
+/// defaults.
 #[test]
 fn register_short_form_defaults() {
     let f = frames(&[
@@ -162,7 +164,7 @@ fn register_short_form_defaults() {
     assert!(r.dst_kv_item_lens.is_empty());
 }
 
-/// The seed's `send_metadata`, non-dummy: `[str(room), ip, str(port),
+/// The reference's `send_metadata`, non-dummy: `[str(room), ip, str(port),
 /// session, kv_indices.tobytes(), str(aux), pack_int_lists(state, "i"),
 /// str(required), str(decode_prefix_len or 0), b""]` with negative and
 /// maximal int32 indices.

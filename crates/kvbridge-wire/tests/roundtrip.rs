@@ -1,6 +1,7 @@
 //! Property tests: `decode(encode(m)) == m`, `encode(decode(f)) == f` for
-//! frames the seed produces, the JSON form round-trips, and arbitrary or
-//! mutated frames never make decoding panic.
+//! frames the reference (sglang's Mooncake connector) produces, the JSON
+//! form round-trips, and arbitrary or mutated frames never make decoding
+//! panic.
 
 use std::borrow::Cow;
 
@@ -72,7 +73,7 @@ prop_compose! {
                 dst_device_kv_indices: device.map(PackedArray::from),
             }),
             required_dst_info_num: required,
-            // The seed always writes the prefix ("0" for None).
+            // The reference always writes the prefix ("0" for None).
             decode_prefix_len: Some(prefix),
         }
     }

@@ -13,8 +13,6 @@
 //! and one `cuMemcpyAsync` per block.
 
 use std::collections::VecDeque;
-use std::io::{BufRead, BufReader, Write};
-use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
@@ -23,6 +21,7 @@ use kvbridge_engine::ipc::{Copier, CopyMode, CopyTuning};
 use kvbridge_engine::{Batch, BatchHandle, Block, EngineConfig, IpcEngine, Run, TransferEngine};
 use kvbridge_mem::cuda::{self, DeviceBuffer, Event, Stream};
 
+use super::child::{self, Target};
 use super::ipc_layout::{dest, head_slice_runs, pattern, slot, threads};
 
 /// Options of `kvbridge bench ipc`.
@@ -114,105 +113,74 @@ fn serve(args: &IpcArgs) -> Result<()> {
     // SAFETY: `buf` lives until the end of this function and is deregistered
     // before it is dropped; it is only read (VERIFY) between transfers.
     unsafe { engine.batch_register(&[buf.region()]) }?;
-    let mut out = std::io::stdout().lock();
-    writeln!(out, "READY {} {}", engine.session_id(), buf.addr())?;
-    out.flush()?;
     let mut host = vec![0u8; len];
-    for line in std::io::stdin().lock().lines() {
-        let line = line?;
-        let parts: Vec<u64> = line
-            .split_whitespace()
-            .skip(1)
-            .filter_map(|x| x.parse().ok())
-            .collect();
-        if line.starts_with("QUIT") {
-            break;
-        }
-        if line.starts_with("ZERO") {
+    child::serve(engine.session_id(), buf.addr(), |words| match words {
+        ["ZERO"] => {
             buf.fill(0)?;
-            writeln!(out, "OK")?;
-            out.flush()?;
-            continue;
+            Ok("OK".to_owned())
         }
-        let [seed, size, mult, add, copies] = parts.as_slice() else {
-            bail!("target: bad command {line:?}");
-        };
-        buf.read(0, &mut host)?;
-        let want = pattern(*seed, len);
-        let size = usize::try_from(*size)?;
-        let n = (len / size) as u64;
-        let per = n.div_ceil(threads() as u64).max(1);
-        let (host, want) = (&host, &want);
-        let bad = std::thread::scope(|s| {
-            let parts: Vec<_> = (0..n)
-                .step_by(per as usize)
-                .map(|from| {
-                    s.spawn(move || {
-                        (from..(from + per).min(n)).find(|&i| {
-                            let s = dest(i, n, *mult, *add, *copies) as usize * size;
-                            let i = i as usize * size;
-                            host[s..s + size] != want[i..i + size]
-                        })
-                    })
-                })
-                .collect();
-            parts
-                .into_iter()
-                .find_map(|h| h.join().unwrap_or(Some(u64::MAX)))
-        });
-        match bad {
-            None => writeln!(out, "OK")?,
-            Some(b) => writeln!(out, "BAD {b}")?,
+        ["VERIFY", numbers @ ..] => {
+            let numbers = numbers
+                .iter()
+                .map(|x| x.parse())
+                .collect::<Result<Vec<u64>, _>>()?;
+            let [seed, size, mult, add, copies] = numbers[..] else {
+                bail!("VERIFY takes 5 numbers");
+            };
+            let bad = first_bad_block(&buf, &mut host, seed, size, (mult, add), copies)?;
+            Ok(child::verdict(bad))
         }
-        out.flush()?;
-    }
+        _ => bail!("unknown command"),
+    })?;
     engine.batch_deregister(&[buf.addr()])?;
     Ok(())
 }
 
-struct Target {
-    child: Child,
-    stdin: ChildStdin,
-    stdout: BufReader<ChildStdout>,
-    session: String,
-    addr: u64,
+/// The first block of `buf` (read into `host`) that does not hold the
+/// pattern of `seed` its source block had, if any.
+fn first_bad_block(
+    buf: &DeviceBuffer,
+    host: &mut [u8],
+    seed: u64,
+    size: u64,
+    (mult, add): (u64, u64),
+    copies: u64,
+) -> Result<Option<u64>> {
+    let len = host.len();
+    buf.read(0, host)?;
+    let want = pattern(seed, len);
+    let size = usize::try_from(size)?;
+    if size == 0 {
+        bail!("block size 0");
+    }
+    let n = (len / size) as u64;
+    let per = n.div_ceil(threads() as u64).max(1);
+    let (host, want) = (&*host, &want);
+    Ok(std::thread::scope(|s| {
+        let parts: Vec<_> = (0..n)
+            .step_by(per as usize)
+            .map(|from| {
+                s.spawn(move || {
+                    (from..(from + per).min(n)).find(|&i| {
+                        let s = dest(i, n, mult, add, copies) as usize * size;
+                        let i = i as usize * size;
+                        host[s..s + size] != want[i..i + size]
+                    })
+                })
+            })
+            .collect();
+        parts
+            .into_iter()
+            .find_map(|h| h.join().unwrap_or(Some(u64::MAX)))
+    }))
+}
+
+fn spawn_target(args: &IpcArgs) -> Result<Target> {
+    let extra = ["--device".to_owned(), args.device.to_string()];
+    Target::spawn("ipc", args.bytes, &extra, None)
 }
 
 impl Target {
-    fn spawn(args: &IpcArgs) -> Result<Self> {
-        let exe = std::env::current_exe().context("locating the kvbridge binary")?;
-        let mut child = Command::new(exe)
-            .args([
-                "bench",
-                "ipc",
-                "--serve",
-                "--bytes",
-                &args.bytes.to_string(),
-            ])
-            .args(["--device", &args.device.to_string()])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .context("spawning the target process")?;
-        let stdin = child.stdin.take().context("target stdin")?;
-        let mut stdout = BufReader::new(child.stdout.take().context("target stdout")?);
-        let mut line = String::new();
-        stdout.read_line(&mut line)?;
-        let f: Vec<&str> = line.split_whitespace().collect();
-        let (session, addr) = match f.as_slice() {
-            ["READY", s, a] => ((*s).to_owned(), a.parse::<u64>()?),
-            _ => bail!("target did not start: {line:?}"),
-        };
-        Ok(Self {
-            child,
-            stdin,
-            stdout,
-            session,
-            addr,
-        })
-    }
-
     fn verify(&mut self, seed: u64, size: u64, (mult, add): (u64, u64), copies: u64) -> Result<()> {
         self.ask(&format!("VERIFY {seed} {size} {mult} {add} {copies}"))
             .context("target found wrong bytes")
@@ -221,26 +189,6 @@ impl Target {
     /// Zero the target's buffer.
     fn zero(&mut self) -> Result<()> {
         self.ask("ZERO")
-    }
-
-    /// Send one command; `Ok` when the target answers `OK`.
-    fn ask(&mut self, command: &str) -> Result<()> {
-        writeln!(self.stdin, "{command}")?;
-        self.stdin.flush()?;
-        let mut line = String::new();
-        self.stdout.read_line(&mut line)?;
-        match line.trim() {
-            "OK" => Ok(()),
-            other => bail!("{command:?}: {other}"),
-        }
-    }
-}
-
-impl Drop for Target {
-    fn drop(&mut self) {
-        let _ = writeln!(self.stdin, "QUIT");
-        let _ = self.stdin.flush();
-        let _ = self.child.wait();
     }
 }
 
@@ -327,7 +275,7 @@ fn initiate(args: &IpcArgs) -> Result<()> {
     if args.runs == 0 || args.inflight == 0 || args.passes == 0 {
         bail!("--runs, --inflight and --passes must be positive");
     }
-    let mut target = Target::spawn(args)?;
+    let mut target = spawn_target(args)?;
     let tuning = args.tuning();
     let engine = IpcEngine::new(engine_config(), tuning)?;
     let len = usize::try_from(args.bytes)?;

@@ -3,13 +3,7 @@
 //! runs that move it there.
 
 use kvbridge_engine::Run;
-
-pub(super) fn splitmix(x: u64) -> u64 {
-    let mut z = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
+use kvbridge_plan::rng::splitmix;
 
 /// Threads for pattern generation and verification.
 pub(super) fn threads() -> usize {

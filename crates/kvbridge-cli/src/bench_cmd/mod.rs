@@ -4,6 +4,7 @@ use std::process::ExitCode;
 
 use clap::Subcommand;
 
+mod child;
 #[cfg(feature = "cuda")]
 mod ipc;
 #[cfg(feature = "cuda")]

@@ -1,21 +1,23 @@
 //! `kvbridge bench tcp`: two processes on 127.0.0.1.
 //!
 //! The initiator (this process) spawns the target (`current_exe() bench tcp
-//! --serve`), which registers one host buffer, prints `READY <session>` and
-//! then answers `VERIFY <seed> <bytes>` lines on stdin with `OK` or
-//! `BAD <offset>`. Per block size the initiator fills its source with a
+//! --serve`), which registers one host buffer, prints `READY <session>
+//! <addr>` and then answers `VERIFY <seed> <bytes>` lines on stdin with `OK`
+//! or `BAD <offset>` (the protocol of `child.rs`). Per block size the initiator fills its source with a
 //! pattern, moves about `--bytes` bytes `--runs` times (batches of
 //! `--batch-blocks` blocks, `--inflight` batches in flight), has the target
 //! verify the first run, and reports the best run.
 
-use std::io::{BufRead, BufReader, Write};
-use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::io::Write;
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use kvbridge_engine::{Batch, Block, EngineConfig, TcpEngine, TransferEngine};
 use kvbridge_mem::HostBuffer;
+use kvbridge_plan::rng::{GOLDEN, splitmix};
+
+use super::child::{self, Target};
 
 /// Options of `kvbridge bench tcp`.
 #[derive(Debug, Clone, Args)]
@@ -80,16 +82,21 @@ impl TcpArgs {
 
 /// Fill `buf` with the pattern of `seed` (a SplitMix64 stream per 8-byte word).
 pub(super) fn fill(buf: &mut [u8], seed: u64) {
+    fill_from(buf, seed, 0);
+}
+
+/// Fill `buf` with the pattern of `seed` as it reads from 8-byte word
+/// `first_word` on ([`fill`] is `first_word` 0).
+pub(super) fn fill_from(buf: &mut [u8], seed: u64, first_word: u64) {
     for (w, chunk) in buf.chunks_mut(8).enumerate() {
-        let v = splitmix(seed ^ (w as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)).to_le_bytes();
-        chunk.copy_from_slice(&v[..chunk.len()]);
+        chunk.copy_from_slice(&word(seed, first_word + w as u64)[..chunk.len()]);
     }
 }
 
 /// First offset in `buf` that differs from the pattern of `seed`.
 pub(super) fn first_mismatch(buf: &[u8], seed: u64) -> Option<usize> {
     for (w, chunk) in buf.chunks(8).enumerate() {
-        let v = splitmix(seed ^ (w as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)).to_le_bytes();
+        let v = word(seed, w as u64);
         if chunk != &v[..chunk.len()] {
             let i = chunk.iter().zip(v).position(|(a, b)| *a != b).unwrap_or(0);
             return Some(w * 8 + i);
@@ -98,12 +105,9 @@ pub(super) fn first_mismatch(buf: &[u8], seed: u64) -> Option<usize> {
     None
 }
 
-/// SplitMix64's output function.
-pub(super) fn splitmix(x: u64) -> u64 {
-    let mut z = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
+/// Word `w` of the pattern of `seed`, little-endian.
+fn word(seed: u64, w: u64) -> [u8; 8] {
+    splitmix(seed ^ w.wrapping_mul(GOLDEN)).to_le_bytes()
 }
 
 /// Entry point: initiator, or target with `--serve`.
@@ -125,106 +129,45 @@ pub(super) fn buffer(bytes: u64) -> Result<HostBuffer> {
 
 fn serve(args: &TcpArgs) -> Result<()> {
     let engine = TcpEngine::new(args.engine_config()).context("starting the tcp engine")?;
-    let buf = buffer(args.bytes)?;
-    // SAFETY: `buf` lives until the end of this function and is deregistered
-    // before it is dropped; it is only read (VERIFY) between transfers, when
-    // the initiator has waited for every batch.
-    unsafe { engine.batch_register(&[buf.region()]) }.context("registering the buffer")?;
-    let mut out = std::io::stdout().lock();
-    writeln!(out, "READY {} {}", engine.session_id(), buf.addr())?;
-    out.flush()?;
-    for line in std::io::stdin().lock().lines() {
-        let line = line?;
-        let parts: Vec<&str> = line.split_whitespace().collect();
-        match parts.as_slice() {
-            ["VERIFY", seed, bytes] => {
-                let seed: u64 = seed.parse()?;
-                let n = usize::try_from(bytes.parse::<u64>()?)?.min(buf.len());
-                match first_mismatch(&buf.as_slice()[..n], seed) {
-                    None => writeln!(out, "OK")?,
-                    Some(off) => writeln!(out, "BAD {off}")?,
-                }
-                out.flush()?;
-            }
-            ["QUIT"] => break,
-            _ => bail!("target: unknown command {line:?}"),
-        }
-    }
-    engine.batch_deregister(&[buf.addr()])?;
+    serve_buffer(&engine, args.bytes)?;
     let s = engine.stats();
     tracing::info!(bytes_received = s.bytes_received, "bench target done");
     Ok(())
 }
 
-struct Target {
-    child: Child,
-    stdin: ChildStdin,
-    stdout: BufReader<ChildStdout>,
-    session: String,
-    /// Address of the target's registered buffer.
-    addr: u64,
+/// The target of `bench tcp` and `bench ucx`: registers a host buffer of
+/// `bytes` with `engine` and answers `VERIFY <seed> <bytes>` (the first
+/// `bytes` hold the pattern of `seed`) with `OK` or `BAD <offset>`.
+pub(super) fn serve_buffer(engine: &impl TransferEngine, bytes: u64) -> Result<()> {
+    let buf = buffer(bytes)?;
+    // SAFETY: `buf` lives until the end of this function and is deregistered
+    // before it is dropped; it is only read (VERIFY) between transfers, when
+    // the initiator has waited for every batch.
+    unsafe { engine.batch_register(&[buf.region()]) }.context("registering the buffer")?;
+    child::serve(engine.session_id(), buf.addr(), |words| match words {
+        ["VERIFY", seed, bytes] => {
+            let seed: u64 = seed.parse()?;
+            let n = usize::try_from(bytes.parse::<u64>()?)?.min(buf.len());
+            Ok(child::verdict(first_mismatch(&buf.as_slice()[..n], seed)))
+        }
+        _ => bail!("unknown command"),
+    })?;
+    engine.batch_deregister(&[buf.addr()])?;
+    Ok(())
 }
 
-impl Target {
-    fn spawn(args: &TcpArgs) -> Result<Self> {
-        let exe = std::env::current_exe().context("locating the kvbridge binary")?;
-        let mut cmd = Command::new(exe);
-        cmd.args([
-            "bench",
-            "tcp",
-            "--serve",
-            "--bytes",
-            &args.bytes.to_string(),
-        ]);
-        let cfg = args.engine_config();
-        cmd.args(["--coalesce-threshold", &cfg.coalesce_threshold.to_string()]);
-        if let Some(s) = super::bench_secret(args.auth) {
-            cmd.arg("--auth")
-                .env(kvbridge_engine::secret::SECRET_ENV, s)
-                .env_remove(kvbridge_engine::secret::SECRET_FILE_ENV);
-        }
-        let mut child = cmd
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .context("spawning the target process")?;
-        let stdin = child.stdin.take().context("target stdin")?;
-        let mut stdout = BufReader::new(child.stdout.take().context("target stdout")?);
-        let mut line = String::new();
-        stdout.read_line(&mut line)?;
-        let fields: Vec<&str> = line.split_whitespace().collect();
-        let (session, addr) = match fields.as_slice() {
-            ["READY", session, addr] => ((*session).to_owned(), addr.parse::<u64>()?),
-            _ => bail!("target did not start: {line:?}"),
-        };
-        Ok(Self {
-            child,
-            stdin,
-            stdout,
-            session,
-            addr,
-        })
-    }
-
-    fn verify(&mut self, seed: u64, bytes: u64) -> Result<()> {
-        writeln!(self.stdin, "VERIFY {seed} {bytes}")?;
-        self.stdin.flush()?;
-        let mut line = String::new();
-        self.stdout.read_line(&mut line)?;
-        match line.trim() {
-            "OK" => Ok(()),
-            other => bail!("target found wrong bytes: {other}"),
-        }
-    }
+/// Spawns the target of `args` (`bench tcp --serve`).
+fn spawn_target(args: &TcpArgs) -> Result<Target> {
+    let threshold = args.engine_config().coalesce_threshold.to_string();
+    let extra = ["--coalesce-threshold".to_owned(), threshold];
+    Target::spawn("tcp", args.bytes, &extra, super::bench_secret(args.auth))
 }
 
-impl Drop for Target {
-    fn drop(&mut self) {
-        let _ = writeln!(self.stdin, "QUIT");
-        let _ = self.stdin.flush();
-        let _ = self.child.wait();
-    }
+/// Has the target check that its first `bytes` hold the pattern of `seed`.
+fn verify(target: &mut Target, seed: u64, bytes: u64) -> Result<()> {
+    target
+        .ask(&format!("VERIFY {seed} {bytes}"))
+        .context("target found wrong bytes")
 }
 
 /// One block size's best run.
@@ -239,11 +182,84 @@ pub(super) struct Row {
     pub verified: bool,
 }
 
-fn initiate(args: &TcpArgs) -> Result<()> {
-    if args.runs == 0 || args.batch_blocks == 0 || args.inflight == 0 {
-        bail!("--runs, --batch-blocks and --inflight must be positive");
+/// How `bench tcp` and `bench ucx` time one block size.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Timing {
+    /// Timed runs (the best is reported).
+    runs: u32,
+    /// Blocks per submitted batch.
+    batch_blocks: usize,
+    /// Batches in flight at once.
+    inflight: usize,
+    /// Whether the target verifies the first run.
+    verify: bool,
+}
+
+impl Timing {
+    /// From the options; all counts must be positive.
+    pub fn new(runs: u32, batch_blocks: usize, inflight: usize, verify: bool) -> Result<Self> {
+        if runs == 0 || batch_blocks == 0 || inflight == 0 {
+            bail!("--runs, --batch-blocks and --inflight must be positive");
+        }
+        Ok(Self {
+            runs,
+            batch_blocks,
+            inflight,
+            verify,
+        })
     }
-    let mut target = Target::spawn(args)?;
+
+    /// Moves `blocks` (each `size` bytes, together the target's first
+    /// `blocks.len() * size` bytes) `runs` times and has the target verify
+    /// the first run; the best run's row.
+    pub fn measure(
+        &self,
+        engine: &impl TransferEngine,
+        target: &mut Target,
+        blocks: &[Block],
+        size: u64,
+    ) -> Result<Row> {
+        let n = blocks.len() as u64;
+        let mut times = Vec::new();
+        for run in 0..self.runs {
+            let t = Instant::now();
+            let mut pending = std::collections::VecDeque::new();
+            for chunk in blocks.chunks(self.batch_blocks) {
+                if pending.len() >= self.inflight {
+                    let h: kvbridge_engine::BatchHandle = pending.pop_front().context("window")?;
+                    h.wait().context("transfer failed")?;
+                }
+                pending.push_back(engine.submit(
+                    kvbridge_engine::Target::any(&target.session),
+                    Batch::Blocks(chunk),
+                ));
+            }
+            for h in pending {
+                h.wait().context("transfer failed")?;
+            }
+            let secs = t.elapsed().as_secs_f64();
+            times.push(secs);
+            if run == 0 && self.verify {
+                verify(target, size, n * size)?;
+            }
+        }
+        let best = times.iter().copied().fold(f64::INFINITY, f64::min);
+        let bytes = n * size;
+        Ok(Row {
+            block_size: size,
+            bytes,
+            seconds: best,
+            gbps: bytes as f64 / best / 1e9,
+            blocks_per_s: n as f64 / best,
+            runs_gbps: times.iter().map(|s| bytes as f64 / s / 1e9).collect(),
+            verified: self.verify,
+        })
+    }
+}
+
+fn initiate(args: &TcpArgs) -> Result<()> {
+    let timing = Timing::new(args.runs, args.batch_blocks, args.inflight, !args.no_verify)?;
+    let mut target = spawn_target(args)?;
     let engine = TcpEngine::new(args.engine_config()).context("starting the tcp engine")?;
     let mut src = buffer(args.bytes)?;
     let base = src.addr();
@@ -265,40 +281,7 @@ fn initiate(args: &TcpArgs) -> Result<()> {
             })
             .collect();
         fill(src.as_mut_slice(), size);
-        let mut times = Vec::new();
-        for run in 0..args.runs {
-            let t = Instant::now();
-            let mut pending = std::collections::VecDeque::new();
-            for chunk in blocks.chunks(args.batch_blocks) {
-                if pending.len() >= args.inflight {
-                    let h: kvbridge_engine::BatchHandle = pending.pop_front().context("window")?;
-                    h.wait().context("transfer failed")?;
-                }
-                pending.push_back(engine.submit(
-                    kvbridge_engine::Target::any(&target.session),
-                    Batch::Blocks(chunk),
-                ));
-            }
-            for h in pending {
-                h.wait().context("transfer failed")?;
-            }
-            let secs = t.elapsed().as_secs_f64();
-            times.push(secs);
-            if run == 0 && !args.no_verify {
-                target.verify(size, n * size)?;
-            }
-        }
-        let best = times.iter().copied().fold(f64::INFINITY, f64::min);
-        let bytes = n * size;
-        rows.push(Row {
-            block_size: size,
-            bytes,
-            seconds: best,
-            gbps: bytes as f64 / best / 1e9,
-            blocks_per_s: n as f64 / best,
-            runs_gbps: times.iter().map(|s| bytes as f64 / s / 1e9).collect(),
-            verified: !args.no_verify,
-        });
+        rows.push(timing.measure(&engine, &mut target, &blocks, size)?);
     }
     engine.batch_deregister(&[base])?;
     drop(target);

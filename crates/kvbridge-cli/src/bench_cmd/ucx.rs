@@ -9,15 +9,12 @@
 //! its own put: that is the layout to set beside `ucx_perftest -t
 //! ucp_put_bw -s SIZE`.
 
-use std::io::{BufRead, BufReader, Write};
-use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
-use std::time::Instant;
-
 use anyhow::{Context, Result, bail};
 use clap::Args;
-use kvbridge_engine::{Batch, Block, EngineConfig, TransferEngine, UcxEngine};
+use kvbridge_engine::{Block, EngineConfig, TransferEngine, UcxEngine};
 
-use super::tcp::{Row, buffer, first_mismatch, print_rows, splitmix};
+use super::child::Target;
+use super::tcp::{Timing, buffer, fill_from, print_rows, serve_buffer};
 
 /// Options of `kvbridge bench ucx`.
 #[derive(Debug, Clone, Args)]
@@ -82,115 +79,17 @@ pub fn run(args: UcxArgs) -> Result<()> {
 }
 
 fn serve(args: &UcxArgs) -> Result<()> {
-    let engine = args.engine()?;
-    let buf = buffer(args.bytes)?;
-    // SAFETY: `buf` lives until the end of this function and is deregistered
-    // before it is dropped; it is only read (VERIFY) between transfers, when
-    // the initiator has waited for every batch.
-    unsafe { engine.batch_register(&[buf.region()]) }.context("registering the buffer")?;
-    let mut out = std::io::stdout().lock();
-    writeln!(out, "READY {} {}", engine.session_id(), buf.addr())?;
-    out.flush()?;
-    for line in std::io::stdin().lock().lines() {
-        let line = line?;
-        let parts: Vec<&str> = line.split_whitespace().collect();
-        match parts.as_slice() {
-            ["VERIFY", seed, bytes] => {
-                let seed: u64 = seed.parse()?;
-                let n = usize::try_from(bytes.parse::<u64>()?)?.min(buf.len());
-                match first_mismatch(&buf.as_slice()[..n], seed) {
-                    None => writeln!(out, "OK")?,
-                    Some(off) => writeln!(out, "BAD {off}")?,
-                }
-                out.flush()?;
-            }
-            ["QUIT"] => break,
-            _ => bail!("target: unknown command {line:?}"),
-        }
-    }
-    engine.batch_deregister(&[buf.addr()])?;
-    Ok(())
+    serve_buffer(&args.engine()?, args.bytes)
 }
 
-struct Target {
-    child: Child,
-    stdin: ChildStdin,
-    stdout: BufReader<ChildStdout>,
-    session: String,
-    addr: u64,
-}
-
-impl Target {
-    fn spawn(args: &UcxArgs) -> Result<Self> {
-        let exe = std::env::current_exe().context("locating the kvbridge binary")?;
-        let mut cmd = Command::new(exe);
-        cmd.args([
-            "bench",
-            "ucx",
-            "--serve",
-            "--bytes",
-            &args.bytes.to_string(),
-        ]);
-        if let Some(t) = &args.tls {
-            cmd.args(["--tls", t]);
-        }
-        if let Some(s) = super::bench_secret(args.auth) {
-            cmd.arg("--auth")
-                .env(kvbridge_engine::secret::SECRET_ENV, s)
-                .env_remove(kvbridge_engine::secret::SECRET_FILE_ENV);
-        }
-        let mut child = cmd
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .context("spawning the target process")?;
-        let stdin = child.stdin.take().context("target stdin")?;
-        let mut stdout = BufReader::new(child.stdout.take().context("target stdout")?);
-        let mut line = String::new();
-        stdout.read_line(&mut line)?;
-        let fields: Vec<&str> = line.split_whitespace().collect();
-        let (session, addr) = match fields.as_slice() {
-            ["READY", session, addr] => ((*session).to_owned(), addr.parse::<u64>()?),
-            _ => bail!("target did not start: {line:?}"),
-        };
-        Ok(Self {
-            child,
-            stdin,
-            stdout,
-            session,
-            addr,
-        })
-    }
-
-    fn verify(&mut self, seed: u64, bytes: u64) -> Result<()> {
-        writeln!(self.stdin, "VERIFY {seed} {bytes}")?;
-        self.stdin.flush()?;
-        let mut line = String::new();
-        self.stdout.read_line(&mut line)?;
-        match line.trim() {
-            "OK" => Ok(()),
-            other => bail!("target found wrong bytes: {other}"),
-        }
-    }
-}
-
-impl Drop for Target {
-    fn drop(&mut self) {
-        let _ = writeln!(self.stdin, "QUIT");
-        let _ = self.stdin.flush();
-        let _ = self.child.wait();
-    }
-}
-
-/// Fill `buf` with the pattern of `seed` as it reads from 8-byte word
-/// `first_word` on (`tcp::fill` is `first_word` 0).
-fn fill_from(buf: &mut [u8], seed: u64, first_word: u64) {
-    for (w, chunk) in buf.chunks_mut(8).enumerate() {
-        let word = first_word + w as u64;
-        let v = splitmix(seed ^ word.wrapping_mul(0x9E37_79B9_7F4A_7C15)).to_le_bytes();
-        chunk.copy_from_slice(&v[..chunk.len()]);
-    }
+/// Spawns the target of `args` (`bench ucx --serve`).
+fn spawn_target(args: &UcxArgs) -> Result<Target> {
+    let extra: Vec<String> = args
+        .tls
+        .iter()
+        .flat_map(|t| ["--tls".to_owned(), t.clone()])
+        .collect();
+    Target::spawn("ucx", args.bytes, &extra, super::bench_secret(args.auth))
 }
 
 /// A multiplier coprime with `n` and not 1 (mod n): `i -> i * m % n` is a
@@ -220,10 +119,8 @@ fn slot(i: u64, m: u64, n: u64) -> u64 {
 }
 
 fn initiate(args: &UcxArgs) -> Result<()> {
-    if args.runs == 0 || args.batch_blocks == 0 || args.inflight == 0 {
-        bail!("--runs, --batch-blocks and --inflight must be positive");
-    }
-    let mut target = Target::spawn(args)?;
+    let timing = Timing::new(args.runs, args.batch_blocks, args.inflight, !args.no_verify)?;
+    let mut target = spawn_target(args)?;
     let engine = args.engine()?;
     let mut src = buffer(args.bytes)?;
     let base = src.addr();
@@ -266,42 +163,9 @@ fn initiate(args: &UcxArgs) -> Result<()> {
             fill_from(chunk, size, slot(i as u64, m, n) * size / 8);
         }
         let puts_before = engine.stats().puts;
-        let mut times = Vec::new();
-        for run in 0..args.runs {
-            let t = Instant::now();
-            let mut pending = std::collections::VecDeque::new();
-            for chunk in blocks.chunks(args.batch_blocks) {
-                if pending.len() >= args.inflight {
-                    let h: kvbridge_engine::BatchHandle = pending.pop_front().context("window")?;
-                    h.wait().context("transfer failed")?;
-                }
-                pending.push_back(engine.submit(
-                    kvbridge_engine::Target::any(&target.session),
-                    Batch::Blocks(chunk),
-                ));
-            }
-            for h in pending {
-                h.wait().context("transfer failed")?;
-            }
-            let secs = t.elapsed().as_secs_f64();
-            times.push(secs);
-            if run == 0 && !args.no_verify {
-                target.verify(size, n * size)?;
-            }
-        }
+        rows.push(timing.measure(&engine, &mut target, &blocks, size)?);
         let puts = (engine.stats().puts - puts_before) / u64::from(args.runs);
         tracing::info!(size, puts, "puts per run");
-        let best = times.iter().copied().fold(f64::INFINITY, f64::min);
-        let bytes = n * size;
-        rows.push(Row {
-            block_size: size,
-            bytes,
-            seconds: best,
-            gbps: bytes as f64 / best / 1e9,
-            blocks_per_s: n as f64 / best,
-            runs_gbps: times.iter().map(|s| bytes as f64 / s / 1e9).collect(),
-            verified: !args.no_verify,
-        });
     }
     engine.batch_deregister(&[base])?;
     drop(target);

@@ -1,6 +1,7 @@
 //! The synthetic workload every rank derives identically from a seed: which
 //! rooms, how long each prompt is, how it is chunked.
 
+use kvbridge_plan::rng::mix;
 use serde::{Deserialize, Serialize};
 
 /// A deterministic list of requests.
@@ -41,14 +42,6 @@ pub struct Request {
     pub room: u64,
     /// Prompt length in tokens.
     pub tokens: u64,
-}
-
-fn mix(mut x: u64) -> u64 {
-    x ^= x >> 33;
-    x = x.wrapping_mul(0xff51_afd7_ed55_8ccd);
-    x ^= x >> 33;
-    x = x.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
-    x ^ (x >> 33)
 }
 
 impl Workload {

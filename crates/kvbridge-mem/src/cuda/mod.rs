@@ -22,31 +22,12 @@ use std::sync::OnceLock;
 
 use cudarc::driver::sys;
 
+pub use crate::CudaError;
 use crate::MemError;
 use crate::kind::{KindProber, MemoryAccess, MemoryKind};
 
 pub use kernel::Kernel;
 pub use mem::{DeviceBuffer, Event, IpcHandle, IpcMapping, ManagedBuffer, PinnedBuffer, Stream};
-
-/// A failed CUDA driver call.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{call} failed: {name} ({code})")]
-pub struct CudaError {
-    /// The driver function.
-    pub call: &'static str,
-    /// The `CUresult` value.
-    pub code: i32,
-    /// The driver's name for it.
-    pub name: String,
-}
-
-impl From<CudaError> for MemError {
-    fn from(e: CudaError) -> Self {
-        MemError::Device {
-            reason: e.to_string(),
-        }
-    }
-}
 
 /// Turns a `CUresult` into a `Result`.
 pub(crate) fn check(call: &'static str, r: sys::CUresult) -> Result<(), CudaError> {
@@ -54,7 +35,7 @@ pub(crate) fn check(call: &'static str, r: sys::CUresult) -> Result<(), CudaErro
         return Ok(());
     }
     let mut p: *const std::ffi::c_char = std::ptr::null();
-    // SAFETY: cuGetErrorString only writes a pointer to a static string (or
+    // SAFETY: cuGetErrorName only writes a pointer to a static string (or
     // leaves it null) for any error value; the driver is loaded (we got `r`).
     let named = unsafe { sys::cuGetErrorName(r, &mut p) };
     let name = if named == sys::CUresult::CUDA_SUCCESS && !p.is_null() {
@@ -238,8 +219,8 @@ impl Context {
     }
 }
 
-/// Probe one local pointer with `cuPointerGetAttributes` (as the seed's
-/// `_is_device_pointer`): any error means host memory.
+/// Probe one local pointer with `cuPointerGetAttributes` (as sglang's
+/// Mooncake connector's `_is_device_pointer`): any error means host memory.
 pub fn probe(addr: u64) -> MemoryKind {
     if !available() {
         return MemoryKind::Host;

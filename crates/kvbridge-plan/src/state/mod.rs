@@ -1,5 +1,5 @@
-//! State components (contract §3.7), sent on the last chunk only, in
-//! `state_types` order. Each type has its own rule:
+//! State components (docs/plan-scenario.md §3.7), sent on the last chunk only,
+//! in `state_types` order. Each type has its own rule:
 //!
 //! * [`mamba`]: one slot per request, copied whole (equal TP) or TP-resliced;
 //! * [`dsa_tail`]: one ring row per request, live slots remapped between

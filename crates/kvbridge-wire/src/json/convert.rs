@@ -135,7 +135,7 @@ impl WireJson {
         }
     }
 
-    /// The frames the seed would send for this object.
+    /// The frames the reference would send for this object.
     pub fn to_frames(&self) -> Result<Vec<Vec<u8>>, String> {
         let owned = |frames: crate::Frames<'_>| frames.into_iter().map(Cow::into_owned).collect();
         Ok(match self {

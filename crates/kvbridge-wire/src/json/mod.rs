@@ -1,5 +1,5 @@
 //! The JSON form of messages used by `kvbridge wire decode|encode`
-//! (`contracts/wire-cli.md`): sglang's field names, byte strings as
+//! (`docs/cli.md`): sglang's field names, byte strings as
 //! lowercase hex, integer arrays as JSON arrays, absent optionals as `null`.
 
 use serde::Deserialize;
@@ -15,7 +15,7 @@ pub use types::{
     StagingRspJson, StateDataJson, StatusJson, TransferJson, WatermarkJson, WireJson,
 };
 
-/// Input that is not the JSON the CLI contract describes (exit status 2).
+/// Input that is not the JSON docs/cli.md describes (exit status 2).
 #[derive(Debug, Error)]
 #[non_exhaustive]
 pub enum InputError {

@@ -1,4 +1,4 @@
-//! The JSON shape of each message kind (contracts/wire-cli.md).
+//! The JSON shape of each message kind (docs/cli.md).
 
 use serde::{Deserialize, Serialize};
 
