@@ -49,6 +49,7 @@ pub mod fuzzing;
 pub mod ipc;
 mod loopback;
 pub mod secret;
+mod session;
 pub mod tcp;
 #[cfg(feature = "ucx")]
 pub mod ucx;

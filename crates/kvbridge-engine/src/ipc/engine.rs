@@ -30,6 +30,7 @@ use super::peer::PeerState;
 use super::plan::{Batch, CopyTuning};
 use super::table::{self, Export};
 use crate::batch::Completer;
+use crate::session::control::ControlHost;
 use crate::{
     BatchHandle, Block, EngineConfig, ErrorKind, Run, TcpEngine, TransferEngine, TransferError,
 };

@@ -4,7 +4,8 @@
 //!
 //! * Control plane: an embedded [`TcpEngine`] gives the listening port,
 //!   session id, authenticated handshake (cluster secret), incarnation and
-//!   registry. On top of its framing: `Exports` (the receiver's table of
+//!   registry; the IPC engine reaches it only through the session layer's
+//!   control protocol (`session::control`). On the engine wire: `Exports` (the receiver's table of
 //!   registered device regions with the CUDA IPC handle of the allocation
 //!   holding each), `Lease` / `Release` / `Revoke`: a session *holds* the
 //!   peer's regions it copies into across batches; a deregistration on the

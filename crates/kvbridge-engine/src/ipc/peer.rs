@@ -13,7 +13,7 @@ use super::copier::{self, Copier, Slot};
 use super::engine::{FREE_SLOTS, IDLE_RELEASE, MAX_ATTEMPTS, Pipe, Shared};
 use super::plan::{self, Batch, CopyTuning, Miss, Prepared, RangeMap, RunSplit};
 use super::table::{self, Export};
-use crate::tcp::control::Control;
+use crate::session::control::{Control, ControlHost};
 use crate::{ErrorKind, Side, TransferError};
 
 /// An opened peer allocation and the handle it was opened from.

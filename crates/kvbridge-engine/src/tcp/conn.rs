@@ -11,8 +11,9 @@ use std::time::Instant;
 
 use super::request::{Item, Work};
 use super::send::{LaneBufs, SendError, send_item};
-use super::wire::{self, Ack, Header, Op, Status};
-use super::{Inner, PeerInfo, handshake, io};
+use super::{Inner, PeerInfo, handshake};
+use crate::session::io;
+use crate::session::wire::{self, Ack, Header, Op, Status};
 use crate::{ErrorKind, Side, TransferError};
 use crossbeam_channel::Receiver;
 
@@ -32,10 +33,10 @@ impl Conn {
         self.stream.as_raw_fd()
     }
 
-    /// The incarnation of the peer process this connection reached.
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-    pub(crate) fn incarnation(&self) -> u64 {
-        self.incarnation
+    /// The socket and the incarnation of the peer process it reached.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn into_parts(self) -> (TcpStream, u64) {
+        (self.stream, self.incarnation)
     }
 }
 

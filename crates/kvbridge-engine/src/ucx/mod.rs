@@ -25,7 +25,7 @@ pub(crate) mod side;
 mod sys;
 
 use std::collections::HashMap;
-use std::net::{SocketAddr, TcpListener, ToSocketAddrs};
+use std::net::{SocketAddr, TcpListener};
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -39,6 +39,7 @@ pub use api::UcxError;
 use progress::{BatchCmd, Cmd, Put, Wake};
 use side::{Ask, PeerInfo, Published, RemoteRegion};
 
+use crate::session::{self, resolve, shutdown_error};
 use crate::{BatchHandle, Block, EngineConfig, ErrorKind, Side, TransferEngine, TransferError};
 
 /// The version of the UCX library on this machine (`"1.13.1"`), or why
@@ -144,30 +145,16 @@ impl UcxEngine {
     /// environment: `("TLS", "tcp")` is `UCX_TLS=tcp` for this engine only.
     pub fn with_ucx_config(cfg: EngineConfig, ucx: &[(&str, &str)]) -> Result<Self, UcxError> {
         let version = available()?;
-        let other = |e: std::io::Error| UcxError::Other(e.to_string());
-        let listener = TcpListener::bind((cfg.listen_host.as_str(), cfg.port)).map_err(|e| {
-            UcxError::Other(format!("binding {}:{}: {e}", cfg.listen_host, cfg.port))
-        })?;
-        let port = listener.local_addr().map_err(other)?.port();
-        let host = cfg
-            .advertise_host
-            .clone()
-            .unwrap_or_else(|| cfg.listen_host.clone());
-        if host
-            .parse::<std::net::IpAddr>()
-            .is_ok_and(|ip| ip.is_unspecified())
-        {
-            return Err(UcxError::Other(
-                "listening on an unspecified address needs advertise_host".into(),
-            ));
-        }
-        let session = if host.contains(':') {
-            format!("[{host}]:{port}")
-        } else {
-            format!("{host}:{port}")
-        };
+        let listener = TcpListener::bind((cfg.listen_host.as_str(), cfg.port))
+            .map_err(|e| UcxError::io(format!("binding {}:{}", cfg.listen_host, cfg.port), e))?;
+        let port = listener
+            .local_addr()
+            .map_err(|e| UcxError::io("reading the side channel's port", e))?
+            .port();
+        let session = session::session_id(&cfg, port)
+            .map_err(|e| UcxError::io("deriving the session id", e))?;
         let shared = Arc::new(Shared::default());
-        let wake = Arc::new(Wake::new().map_err(other)?);
+        let wake = Arc::new(Wake::new().map_err(|e| UcxError::io("creating the wake-up fd", e))?);
         let (tx, rx) = crossbeam_channel::unbounded();
         let (ready_tx, ready_rx) = crossbeam_channel::bounded(1);
         let overrides: Vec<(String, String)> = ucx
@@ -178,7 +165,7 @@ impl UcxEngine {
         let progress = std::thread::Builder::new()
             .name("kvb-ucx-progress".into())
             .spawn(move || progress::run(overrides, s2, rx, w2, ready_tx))
-            .map_err(other)?;
+            .map_err(|e| UcxError::io("spawning the progress thread", e))?;
         let worker = match ready_rx.recv() {
             Ok(Ok(w)) => w,
             Ok(Err(e)) => {
@@ -187,7 +174,7 @@ impl UcxEngine {
             }
             Err(_) => {
                 let _ = progress.join();
-                return Err(UcxError::Other("the UCX progress thread died".into()));
+                return Err(UcxError::ProgressDied);
             }
         };
         let secret = cfg.secret.as_ref().map(|s| s.as_bytes().to_vec());
@@ -202,7 +189,9 @@ impl UcxEngine {
             served: AtomicU64::new(0),
             auth_failures: AtomicU64::new(0),
         });
-        let l2 = listener.try_clone().map_err(other)?;
+        let l2 = listener
+            .try_clone()
+            .map_err(|e| UcxError::io("cloning the side channel's socket", e))?;
         let p2 = published.clone();
         let engine = Self {
             cfg,
@@ -221,7 +210,7 @@ impl UcxEngine {
         let accept = std::thread::Builder::new()
             .name("kvb-ucx-accept".into())
             .spawn(move || side::accept_loop(p2, l2))
-            .map_err(other)?;
+            .map_err(|e| UcxError::io("spawning the side channel's thread", e))?;
         engine.threads.lock().push(accept);
         tracing::info!(session = %engine.session, ucx = %engine.version, "ucx engine listening");
         Ok(engine)
@@ -463,23 +452,6 @@ impl Drop for UcxEngine {
     }
 }
 
-fn shutdown_error(session: &str) -> TransferError {
-    TransferError::new(session, None, ErrorKind::Shutdown, "engine is shut down")
-}
-
-/// Parse and resolve a `host:port` session id.
-fn resolve(session: &str) -> Result<SocketAddr, TransferError> {
-    let bad = |d: &str| TransferError::new(session, None, ErrorKind::InvalidArgument, d);
-    if !session.contains(':') {
-        return Err(bad("session id is not host:port"));
-    }
-    session
-        .to_socket_addrs()
-        .map_err(|e| TransferError::new(session, None, ErrorKind::Unreachable, e.to_string()))?
-        .next()
-        .ok_or_else(|| bad("session id resolves to no address"))
-}
-
 impl TransferEngine for UcxEngine {
     fn session_id(&self) -> &str {
         &self.session
@@ -503,10 +475,9 @@ impl TransferEngine for UcxEngine {
             regions: fresh.clone(),
             reply: tx,
         }) {
-            rx.recv()
-                .unwrap_or_else(|_| Err(UcxError::Other("engine shut down".into())))
+            rx.recv().unwrap_or(Err(UcxError::Shutdown))
         } else {
-            Err(UcxError::Other("engine shut down".into()))
+            Err(UcxError::Shutdown)
         };
         match mapped {
             Ok(keys) => {

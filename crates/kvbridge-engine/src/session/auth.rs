@@ -33,64 +33,6 @@ fn mac(secret: &[u8], label: &[u8], parts: &[&[u8]]) -> HmacSha256 {
     m
 }
 
-fn parts<'a>(first: &'a [u8], second: &'a [u8], inc: &'a [u8; 8]) -> [&'a [u8]; 3] {
-    [first, second, inc]
-}
-
-/// The client's proof: binds the server's nonce (freshness), its own nonce and the incarnation.
-pub(crate) fn client_proof(
-    secret: &[u8],
-    server_nonce: &[u8; NONCE_LEN],
-    client_nonce: &[u8; NONCE_LEN],
-    incarnation: u64,
-) -> [u8; NONCE_LEN] {
-    let inc = incarnation.to_le_bytes();
-    mac(
-        secret,
-        CLIENT_LABEL,
-        &parts(server_nonce, client_nonce, &inc),
-    )
-    .finalize()
-    .into_bytes()
-    .into()
-}
-
-/// The server's proof: binds the client's nonce (freshness), its own nonce and the incarnation.
-pub(crate) fn server_proof(
-    secret: &[u8],
-    client_nonce: &[u8; NONCE_LEN],
-    server_nonce: &[u8; NONCE_LEN],
-    incarnation: u64,
-) -> [u8; NONCE_LEN] {
-    let inc = incarnation.to_le_bytes();
-    mac(
-        secret,
-        SERVER_LABEL,
-        &parts(client_nonce, server_nonce, &inc),
-    )
-    .finalize()
-    .into_bytes()
-    .into()
-}
-
-/// Constant-time check of a client proof.
-pub(crate) fn verify_client(
-    secret: &[u8],
-    server_nonce: &[u8; NONCE_LEN],
-    client_nonce: &[u8; NONCE_LEN],
-    incarnation: u64,
-    proof: &[u8; NONCE_LEN],
-) -> bool {
-    let inc = incarnation.to_le_bytes();
-    mac(
-        secret,
-        CLIENT_LABEL,
-        &parts(server_nonce, client_nonce, &inc),
-    )
-    .verify_slice(proof)
-    .is_ok()
-}
-
 /// What a client announces about itself in its hello: bound into its
 /// proof, so that in secret mode nobody can alter it in transit.
 #[derive(Debug, Clone, Copy)]
@@ -101,14 +43,20 @@ pub(crate) struct Announce<'a> {
     pub session: &'a str,
 }
 
-fn announced_mac(
+/// The client's MAC: the server's nonce (freshness), its own nonce and the
+/// server's incarnation; with an announcement (engine wire v2) also the
+/// client's incarnation and session id, under another label.
+fn client_mac(
     secret: &[u8],
     server_nonce: &[u8; NONCE_LEN],
     client_nonce: &[u8; NONCE_LEN],
     incarnation: u64,
-    a: Announce<'_>,
+    announce: Option<Announce<'_>>,
 ) -> HmacSha256 {
     let inc = incarnation.to_le_bytes();
+    let Some(a) = announce else {
+        return mac(secret, CLIENT_LABEL, &[server_nonce, client_nonce, &inc]);
+    };
     let client_inc = a.incarnation.to_le_bytes();
     // Fixed-size fields, then the length-prefixed session id: unambiguous.
     let len = (a.session.len() as u64).to_le_bytes();
@@ -126,32 +74,56 @@ fn announced_mac(
     )
 }
 
-/// The client's proof (wire v2): as [`client_proof`], also covering its announcement.
-pub(crate) fn client_proof_announced(
+/// The server's MAC: the client's nonce (freshness), its own nonce and its incarnation.
+fn server_mac(
+    secret: &[u8],
+    client_nonce: &[u8; NONCE_LEN],
+    server_nonce: &[u8; NONCE_LEN],
+    incarnation: u64,
+) -> HmacSha256 {
+    let inc = incarnation.to_le_bytes();
+    mac(secret, SERVER_LABEL, &[client_nonce, server_nonce, &inc])
+}
+
+/// The client's proof (see [`client_mac`] for what it binds).
+pub(crate) fn client_proof(
     secret: &[u8],
     server_nonce: &[u8; NONCE_LEN],
     client_nonce: &[u8; NONCE_LEN],
     incarnation: u64,
-    announce: Announce<'_>,
+    announce: Option<Announce<'_>>,
 ) -> [u8; NONCE_LEN] {
-    announced_mac(secret, server_nonce, client_nonce, incarnation, announce)
+    client_mac(secret, server_nonce, client_nonce, incarnation, announce)
         .finalize()
         .into_bytes()
         .into()
 }
 
-/// Constant-time check of a client proof made by [`client_proof_announced`].
-pub(crate) fn verify_client_announced(
+/// Constant-time check of a client proof made by [`client_proof`].
+pub(crate) fn verify_client(
     secret: &[u8],
     server_nonce: &[u8; NONCE_LEN],
     client_nonce: &[u8; NONCE_LEN],
     incarnation: u64,
-    announce: Announce<'_>,
+    announce: Option<Announce<'_>>,
     proof: &[u8; NONCE_LEN],
 ) -> bool {
-    announced_mac(secret, server_nonce, client_nonce, incarnation, announce)
+    client_mac(secret, server_nonce, client_nonce, incarnation, announce)
         .verify_slice(proof)
         .is_ok()
+}
+
+/// The server's proof: binds the client's nonce (freshness), its own nonce and the incarnation.
+pub(crate) fn server_proof(
+    secret: &[u8],
+    client_nonce: &[u8; NONCE_LEN],
+    server_nonce: &[u8; NONCE_LEN],
+    incarnation: u64,
+) -> [u8; NONCE_LEN] {
+    server_mac(secret, client_nonce, server_nonce, incarnation)
+        .finalize()
+        .into_bytes()
+        .into()
 }
 
 /// Constant-time check of a server proof.
@@ -162,14 +134,9 @@ pub(crate) fn verify_server(
     incarnation: u64,
     proof: &[u8; NONCE_LEN],
 ) -> bool {
-    let inc = incarnation.to_le_bytes();
-    mac(
-        secret,
-        SERVER_LABEL,
-        &parts(client_nonce, server_nonce, &inc),
-    )
-    .verify_slice(proof)
-    .is_ok()
+    server_mac(secret, client_nonce, server_nonce, incarnation)
+        .verify_slice(proof)
+        .is_ok()
 }
 
 #[cfg(test)]
@@ -180,14 +147,17 @@ mod tests {
     fn proofs_verify_only_with_the_same_secret_and_nonces() {
         let (cn, sn) = (nonce(), nonce());
         assert_ne!(cn, sn);
-        let p = client_proof(b"s3cret", &sn, &cn, 5);
-        assert!(verify_client(b"s3cret", &sn, &cn, 5, &p));
-        assert!(!verify_client(b"other", &sn, &cn, 5, &p));
-        assert!(!verify_client(b"s3cret", &cn, &sn, 5, &p));
-        assert!(!verify_client(b"s3cret", &sn, &cn, 6, &p));
+        let p = client_proof(b"s3cret", &sn, &cn, 5, None);
+        assert!(verify_client(b"s3cret", &sn, &cn, 5, None, &p));
+        assert!(!verify_client(b"other", &sn, &cn, 5, None, &p));
+        assert!(!verify_client(b"s3cret", &cn, &sn, 5, None, &p));
+        assert!(!verify_client(b"s3cret", &sn, &cn, 6, None, &p));
         let q = server_proof(b"s3cret", &cn, &sn, 5);
         assert!(verify_server(b"s3cret", &cn, &sn, 5, &q));
-        assert!(!verify_client(b"s3cret", &sn, &cn, 5, &q), "labels differ");
+        assert!(
+            !verify_client(b"s3cret", &sn, &cn, 5, None, &q),
+            "labels differ"
+        );
     }
 
     #[test]
@@ -197,33 +167,36 @@ mod tests {
             incarnation: 9,
             session: "10.0.0.1:7000",
         };
-        let p = client_proof_announced(b"s3cret", &sn, &cn, 5, a);
-        assert!(verify_client_announced(b"s3cret", &sn, &cn, 5, a, &p));
+        let p = client_proof(b"s3cret", &sn, &cn, 5, Some(a));
+        assert!(verify_client(b"s3cret", &sn, &cn, 5, Some(a), &p));
         let other_session = Announce {
             session: "10.0.0.2:7000",
             ..a
         };
-        assert!(!verify_client_announced(
+        assert!(!verify_client(
             b"s3cret",
             &sn,
             &cn,
             5,
-            other_session,
+            Some(other_session),
             &p
         ));
         let other_incarnation = Announce {
             incarnation: 10,
             ..a
         };
-        assert!(!verify_client_announced(
+        assert!(!verify_client(
             b"s3cret",
             &sn,
             &cn,
             5,
-            other_incarnation,
+            Some(other_incarnation),
             &p
         ));
-        assert!(!verify_client_announced(b"other", &sn, &cn, 5, a, &p));
-        assert!(!verify_client(b"s3cret", &sn, &cn, 5, &p), "labels differ");
+        assert!(!verify_client(b"other", &sn, &cn, 5, Some(a), &p));
+        assert!(
+            !verify_client(b"s3cret", &sn, &cn, 5, None, &p),
+            "labels differ"
+        );
     }
 }

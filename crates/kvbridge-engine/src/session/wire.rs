@@ -1,5 +1,7 @@
-//! The TCP engine's framing: handshake messages, request headers,
-//! descriptors and acks. Little-endian, fixed sizes, strictly decoded.
+//! The engine wire (TCP engine data connections and CUDA IPC control
+//! connections): handshake messages, request headers, descriptors and
+//! acks. Little-endian, fixed sizes, strictly decoded. The UCX side channel
+//! opens with the same hello prefix and challenge under its own magic.
 //!
 //! ```text
 //! connection set-up (client = the side that sends data)
@@ -112,13 +114,15 @@ fn u16_at(b: &[u8], at: usize) -> u16 {
     u16::from_le_bytes(a)
 }
 
-fn u32_at(b: &[u8], at: usize) -> u32 {
+/// The little-endian `u32` at `at` (the caller checked the length).
+pub(crate) fn u32_at(b: &[u8], at: usize) -> u32 {
     let mut a = [0u8; 4];
     a.copy_from_slice(&b[at..at + 4]);
     u32::from_le_bytes(a)
 }
 
-fn u64_at(b: &[u8], at: usize) -> u64 {
+/// The little-endian `u64` at `at` (the caller checked the length).
+pub(crate) fn u64_at(b: &[u8], at: usize) -> u64 {
     let mut a = [0u8; 8];
     a.copy_from_slice(&b[at..at + 8]);
     u64::from_le_bytes(a)
@@ -146,10 +150,12 @@ impl Hello {
     /// The whole message: prefix, announcement and session id.
     pub(crate) fn encode(&self) -> Vec<u8> {
         let mut b = Vec::with_capacity(HELLO_LEN + ANNOUNCE_LEN + self.session.len());
-        b.extend_from_slice(&MAGIC);
-        b.extend_from_slice(&self.version.to_le_bytes());
-        b.extend_from_slice(&self.flags.to_le_bytes());
-        b.extend_from_slice(&self.nonce);
+        b.extend_from_slice(&Self::encode_prefix_as(
+            MAGIC,
+            self.version,
+            self.flags,
+            &self.nonce,
+        ));
         b.extend_from_slice(&self.incarnation.to_le_bytes());
         let len = u16::try_from(self.session.len()).unwrap_or(u16::MAX);
         b.extend_from_slice(&len.to_le_bytes());
@@ -159,7 +165,30 @@ impl Hello {
 
     /// The fixed prefix, `(version, flags, nonce)`; `None` without the magic.
     pub(crate) fn decode_prefix(b: &[u8; HELLO_LEN]) -> Option<(u16, u16, [u8; NONCE_LEN])> {
-        (b[..4] == MAGIC).then(|| (u16_at(b, 4), u16_at(b, 6), nonce_at(b, 8)))
+        Self::decode_prefix_as(MAGIC, b)
+    }
+
+    /// [`Hello::decode_prefix`] of a protocol opening with `magic`.
+    pub(crate) fn decode_prefix_as(
+        magic: [u8; 4],
+        b: &[u8; HELLO_LEN],
+    ) -> Option<(u16, u16, [u8; NONCE_LEN])> {
+        (b[..4] == magic).then(|| (u16_at(b, 4), u16_at(b, 6), nonce_at(b, 8)))
+    }
+
+    /// The fixed prefix alone, of a protocol opening with `magic`.
+    pub(crate) fn encode_prefix_as(
+        magic: [u8; 4],
+        version: u16,
+        flags: u16,
+        nonce: &[u8; NONCE_LEN],
+    ) -> [u8; HELLO_LEN] {
+        let mut b = [0u8; HELLO_LEN];
+        b[..4].copy_from_slice(&magic);
+        b[4..6].copy_from_slice(&version.to_le_bytes());
+        b[6..8].copy_from_slice(&flags.to_le_bytes());
+        b[8..].copy_from_slice(nonce);
+        b
     }
 
     /// The announcement after the prefix: `(incarnation, session id length)`;
@@ -183,9 +212,20 @@ pub(crate) struct Challenge {
 }
 
 impl Challenge {
+    /// The engine wire's challenge.
     pub(crate) fn encode(&self) -> [u8; CHALLENGE_LEN] {
+        self.encode_as(MAGIC)
+    }
+
+    /// Strict decode of the engine wire's challenge; `None` without the magic.
+    pub(crate) fn decode(b: &[u8; CHALLENGE_LEN]) -> Option<Self> {
+        Self::decode_as(MAGIC, b)
+    }
+
+    /// The challenge of a protocol opening with `magic`.
+    pub(crate) fn encode_as(&self, magic: [u8; 4]) -> [u8; CHALLENGE_LEN] {
         let mut b = [0u8; CHALLENGE_LEN];
-        b[..4].copy_from_slice(&MAGIC);
+        b[..4].copy_from_slice(&magic);
         b[4..6].copy_from_slice(&self.version.to_le_bytes());
         b[6..8].copy_from_slice(&self.flags.to_le_bytes());
         b[8..16].copy_from_slice(&self.incarnation.to_le_bytes());
@@ -194,8 +234,9 @@ impl Challenge {
         b
     }
 
-    pub(crate) fn decode(b: &[u8; CHALLENGE_LEN]) -> Option<Self> {
-        (b[..4] == MAGIC).then(|| Self {
+    /// [`Challenge::decode`] of a protocol opening with `magic`.
+    pub(crate) fn decode_as(magic: [u8; 4], b: &[u8; CHALLENGE_LEN]) -> Option<Self> {
+        (b[..4] == magic).then(|| Self {
             version: u16_at(b, 4),
             flags: u16_at(b, 6),
             incarnation: u64_at(b, 8),
