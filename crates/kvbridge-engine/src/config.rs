@@ -1,21 +1,36 @@
-//! The TCP engine's configuration.
+//! The engines' configuration, one serde-friendly struct (a file's
+//! `engine` section, or flags) in three parts:
+//!
+//! * what every transport shares: where it listens and what it announces
+//!   (`listen_host`, `advertise_host`, `port`), the connect and I/O
+//!   timeouts and the cluster secret (the session layer's handshake);
+//! * the TCP engine's settings (also those of the CUDA IPC engine's
+//!   control server): connections, framing, limits against hostile peers;
+//!   flat, as they always were, so existing files and code keep working;
+//! * per-transport sections: `ipc` (copy tuning) and `ucx` (UCX settings).
+//!
+//! **Never:** holds anything but plain settings (no sockets, no secrets
+//! other than the configured one, which `Debug` redacts).
 
+use std::collections::BTreeMap;
 use std::fmt;
 use std::time::Duration;
 
-/// Configuration of a [`crate::TcpEngine`]; serde-friendly (file or flags),
-/// every field optional with the defaults below.
+use crate::ipc::CopyTuning;
+
+/// Configuration of every engine ([`crate::TcpEngine`], the CUDA IPC and
+/// UCX engines); serde-friendly (file or flags), every field optional with
+/// the defaults below. Old files (flat, without sections) parse unchanged.
 #[derive(Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct EngineConfig {
+    // Shared by every transport.
     /// Address to listen on (`"127.0.0.1"` by default; the node's IP in production).
     pub listen_host: String,
     /// Host peers should dial, when it differs from `listen_host` (e.g. listening on `0.0.0.0`).
     pub advertise_host: Option<String>,
     /// Port to listen on; 0 picks a free one.
     pub port: u16,
-    /// Parallel connections (and sender threads) per peer.
-    pub connections_per_peer: usize,
     /// Limit on establishing a connection and its whole handshake (not per
     /// read: a peer trickling its hello is dropped when it passes), in milliseconds.
     pub connect_timeout_ms: u64,
@@ -24,6 +39,9 @@ pub struct EngineConfig {
     /// Shared cluster secret: when set, connections must prove knowledge of it
     /// (HMAC challenge-response, never sent on the wire), in both directions.
     pub secret: Option<String>,
+    // The TCP engine (and the CUDA IPC engine's control server).
+    /// Parallel connections (and sender threads) per peer.
+    pub connections_per_peer: usize,
     /// Blocks shorter than this are copied into frame buffers (coalesced);
     /// longer ones are sent and received in place with vectored I/O.
     pub coalesce_threshold: usize,
@@ -48,6 +66,19 @@ pub struct EngineConfig {
     /// through host bounce buffers), to exercise the staging path.
     #[doc(hidden)]
     pub force_staging: bool,
+    /// The CUDA IPC engine's section: how it copies.
+    pub ipc: CopyTuning,
+    /// The UCX engine's section.
+    pub ucx: UcxConfig,
+}
+
+/// The UCX engine's section of [`EngineConfig`].
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct UcxConfig {
+    /// UCX settings applied over UCX's environment, names without the
+    /// `UCX_` prefix: `{"TLS": "rc,sm"}` is `UCX_TLS=rc,sm` for this engine.
+    pub settings: BTreeMap<String, String>,
 }
 
 impl Default for EngineConfig {
@@ -67,6 +98,8 @@ impl Default for EngineConfig {
             idle_timeout_ms: 600_000,
             request_timeout_ms: 60_000,
             force_staging: false,
+            ipc: CopyTuning::default(),
+            ucx: UcxConfig::default(),
         }
     }
 }
@@ -110,6 +143,8 @@ impl fmt::Debug for EngineConfig {
             .field("idle_timeout_ms", &self.idle_timeout_ms)
             .field("request_timeout_ms", &self.request_timeout_ms)
             .field("force_staging", &self.force_staging)
+            .field("ipc", &self.ipc)
+            .field("ucx", &self.ucx)
             .finish()
     }
 }
@@ -136,5 +171,21 @@ mod tests {
             serde_json::from_str(&serde_json::to_string(&c).unwrap_or_default())
                 .unwrap_or_default();
         assert_eq!(back, c);
+    }
+
+    #[test]
+    fn transport_sections_parse_next_to_the_flat_settings() {
+        let c: EngineConfig = serde_json::from_str(
+            r#"{"port": 1, "connections_per_peer": 2,
+                "ipc": {"mode": "kernel", "kernel_streams": 1},
+                "ucx": {"settings": {"TLS": "tcp"}}}"#,
+        )
+        .unwrap_or_default();
+        assert_eq!((c.port, c.connections_per_peer), (1, 2));
+        assert_eq!(c.ipc.mode, crate::ipc::CopyMode::Kernel);
+        assert_eq!(c.ipc.kernel_streams, 1);
+        assert_eq!(c.ipc.piece, CopyTuning::default().piece);
+        assert_eq!(c.ucx.settings.get("TLS").map(String::as_str), Some("tcp"));
+        assert!(serde_json::from_str::<EngineConfig>(r#"{"ucx": {"tls": 1}}"#).is_err());
     }
 }

@@ -135,14 +135,15 @@ pub struct UcxEngine {
 
 impl UcxEngine {
     /// Start an engine: UCX configured from its environment (`UCX_TLS`,
-    /// `UCX_NET_DEVICES`, ...); the side channel listens on
+    /// `UCX_NET_DEVICES`, ...) with `cfg.ucx.settings` over it; the side channel listens on
     /// `cfg.listen_host:cfg.port`, which is the session id.
     pub fn new(cfg: EngineConfig) -> Result<Self, UcxError> {
         Self::with_ucx_config(cfg, &[])
     }
 
     /// Like [`UcxEngine::new`], with UCX settings applied over the
-    /// environment: `("TLS", "tcp")` is `UCX_TLS=tcp` for this engine only.
+    /// environment and `cfg.ucx.settings`: `("TLS", "tcp")` is
+    /// `UCX_TLS=tcp` for this engine only.
     pub fn with_ucx_config(cfg: EngineConfig, ucx: &[(&str, &str)]) -> Result<Self, UcxError> {
         let version = available()?;
         let listener = TcpListener::bind((cfg.listen_host.as_str(), cfg.port))
@@ -157,9 +158,12 @@ impl UcxEngine {
         let wake = Arc::new(Wake::new().map_err(|e| UcxError::io("creating the wake-up fd", e))?);
         let (tx, rx) = crossbeam_channel::unbounded();
         let (ready_tx, ready_rx) = crossbeam_channel::bounded(1);
-        let overrides: Vec<(String, String)> = ucx
+        let overrides: Vec<(String, String)> = cfg
+            .ucx
+            .settings
             .iter()
-            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .chain(ucx.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())))
             .collect();
         let (s2, w2) = (shared.clone(), wake.clone());
         let progress = std::thread::Builder::new()
