@@ -27,7 +27,7 @@ use parking_lot::Mutex;
 
 use super::copier::Slot;
 use super::peer::PeerState;
-use super::plan::{Batch, CopyTuning};
+use super::schedule::{Batch, CopyTuning};
 use super::table::{self, Export};
 use crate::batch::Completer;
 use crate::session::control::ControlHost;

@@ -11,7 +11,7 @@ use kvbridge_mem::cuda::{CudaError, IpcHandle, IpcMapping};
 
 use super::copier::{self, Copier, Slot};
 use super::engine::{FREE_SLOTS, IDLE_RELEASE, MAX_ATTEMPTS, Pipe, Shared};
-use super::plan::{self, Batch, CopyTuning, Miss, Prepared, RangeMap, RunSplit};
+use super::schedule::{self, Batch, CopyTuning, Miss, Prepared, RangeMap, RunSplit};
 use super::table::{self, Export};
 use crate::session::control::{Control, ControlHost};
 use crate::{ErrorKind, Side, TransferError};
@@ -381,7 +381,7 @@ impl PeerState {
             Batch::Runs(runs) => {
                 // Few descriptors (two per up to 64 copies): prepared (on
                 // the preparation threads for large batches), uploaded at launch.
-                return plan::prepare_runs(
+                return schedule::prepare_runs(
                     runs,
                     &self.split,
                     local,
@@ -405,7 +405,7 @@ impl PeerState {
                 failed.store(true, Ordering::Relaxed);
             }
         };
-        plan::prepare(
+        schedule::prepare(
             blocks,
             local,
             &self.remote,

@@ -5,10 +5,7 @@
 
 mod runs;
 
-pub use runs::{
-    PAR_MIN_RUNS, RUN_MAX_COUNT, RunSplit, pack_run, prepare_runs, run_entries, run_shifts,
-    unpack_run,
-};
+pub use runs::{RunSplit, prepare_runs, run_shifts};
 
 use crate::{Block, Run};
 
@@ -28,11 +25,6 @@ impl Batch<'_> {
             Batch::Blocks(b) => b.len(),
             Batch::Runs(r) => r.len(),
         }
-    }
-
-    /// Whether the batch holds no blocks or runs.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
     }
 
     /// Whether the batch moves no byte.
@@ -121,7 +113,8 @@ impl CopyTuning {
     }
 
     /// Whether every block can go to the kernel as it is (no cutting, no memcpy).
-    pub fn all_kernel_as_is(&self, blocks: &[Block]) -> bool {
+    #[cfg(test)]
+    pub(crate) fn all_kernel_as_is(&self, blocks: &[Block]) -> bool {
         let piece = self.piece.max(16);
         blocks
             .iter()
@@ -129,7 +122,7 @@ impl CopyTuning {
     }
 
     /// Split a batch: memcpy blocks, and kernel blocks cut into pieces.
-    pub fn split(&self, blocks: &[Block]) -> Split {
+    pub(crate) fn split(&self, blocks: &[Block]) -> Split {
         let piece = self.piece.max(16);
         let mut s = Split::default();
         for b in blocks.iter().filter(|b| b.len > 0) {
@@ -166,6 +159,7 @@ pub fn pack(b: &Block) -> [u64; 2] {
 }
 
 /// The inverse of [`pack`].
+#[cfg(test)]
 pub fn unpack(d: [u64; 2]) -> Block {
     let mask = ADDR_LIMIT - 1;
     Block {
@@ -254,21 +248,6 @@ impl RangeMap {
             *hint = i;
             i
         })
-    }
-
-    /// The delta of range `i`.
-    pub fn delta(&self, i: usize) -> i64 {
-        self.ranges.get(i).map_or(0, |r| r.2)
-    }
-
-    /// Number of ranges.
-    pub fn len(&self) -> usize {
-        self.ranges.len()
-    }
-
-    /// Whether the map is empty.
-    pub fn is_empty(&self) -> bool {
-        self.ranges.is_empty()
     }
 }
 

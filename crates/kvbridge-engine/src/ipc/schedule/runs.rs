@@ -19,6 +19,7 @@ pub fn pack_run(r: &Run) -> [[u64; 2]; 2] {
 }
 
 /// The inverse of [`pack_run`].
+#[cfg(test)]
 pub fn unpack_run(d: [[u64; 2]; 2]) -> Run {
     let lo = |x: u64| x & 0xffff_ffff;
     Run {
@@ -258,7 +259,7 @@ pub fn run_shifts(acc: &Prepared) -> (u32, u32) {
 mod tests {
     use super::*;
     use crate::Block;
-    use crate::ipc::plan::unpack;
+    use crate::ipc::schedule::unpack;
 
     fn b(src: u64, dst: u64, len: u64) -> Block {
         Block { src, dst, len }
