@@ -104,50 +104,48 @@ impl Default for EngineConfig {
     }
 }
 
-impl EngineConfig {
-    /// `connect_timeout_ms` as a duration.
-    pub fn connect_timeout(&self) -> Duration {
-        Duration::from_millis(self.connect_timeout_ms.max(1))
-    }
-
-    /// `io_timeout_ms` as a duration.
-    pub fn io_timeout(&self) -> Duration {
-        Duration::from_millis(self.io_timeout_ms.max(1))
-    }
-
-    /// `idle_timeout_ms` as a duration.
-    pub fn idle_timeout(&self) -> Duration {
-        Duration::from_millis(self.idle_timeout_ms.max(1))
-    }
-
-    /// `request_timeout_ms` as a duration.
-    pub fn request_timeout(&self) -> Duration {
-        Duration::from_millis(self.request_timeout_ms.max(1))
-    }
+/// Accessors that turn `*_ms` settings into durations (at least 1 ms).
+macro_rules! durations {
+    ($($name:ident: $field:ident),* $(,)?) => {
+        impl EngineConfig {
+            $(
+                #[doc = concat!("`", stringify!($field), "` as a duration.")]
+                pub fn $name(&self) -> Duration {
+                    Duration::from_millis(self.$field.max(1))
+                }
+            )*
+        }
+    };
 }
 
-impl fmt::Debug for EngineConfig {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("EngineConfig")
-            .field("listen_host", &self.listen_host)
-            .field("advertise_host", &self.advertise_host)
-            .field("port", &self.port)
-            .field("connections_per_peer", &self.connections_per_peer)
-            .field("connect_timeout_ms", &self.connect_timeout_ms)
-            .field("io_timeout_ms", &self.io_timeout_ms)
-            .field("secret", &self.secret.as_ref().map(|_| "<redacted>"))
-            .field("coalesce_threshold", &self.coalesce_threshold)
-            .field("request_bytes", &self.request_bytes)
-            .field("pipeline_depth", &self.pipeline_depth)
-            .field("max_connections", &self.max_connections)
-            .field("idle_timeout_ms", &self.idle_timeout_ms)
-            .field("request_timeout_ms", &self.request_timeout_ms)
-            .field("force_staging", &self.force_staging)
-            .field("ipc", &self.ipc)
-            .field("ucx", &self.ucx)
-            .finish()
-    }
+durations!(
+    connect_timeout: connect_timeout_ms,
+    io_timeout: io_timeout_ms,
+    idle_timeout: idle_timeout_ms,
+    request_timeout: request_timeout_ms,
+);
+
+/// `Debug` of every field in order, with the secret (between the two
+/// lists) redacted.
+macro_rules! debug_redacting_secret {
+    ($($before:ident),*; $($after:ident),*) => {
+        impl fmt::Debug for EngineConfig {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                let mut d = f.debug_struct("EngineConfig");
+                $(d.field(stringify!($before), &self.$before);)*
+                d.field("secret", &self.secret.as_ref().map(|_| "<redacted>"));
+                $(d.field(stringify!($after), &self.$after);)*
+                d.finish()
+            }
+        }
+    };
 }
+
+debug_redacting_secret!(
+    listen_host, advertise_host, port, connections_per_peer, connect_timeout_ms, io_timeout_ms;
+    coalesce_threshold, request_bytes, pipeline_depth, max_connections, idle_timeout_ms,
+    request_timeout_ms, force_staging, ipc, ucx
+);
 
 #[cfg(test)]
 mod tests {

@@ -436,7 +436,7 @@ impl Copier {
         let all = RangeMap::new(vec![(0, u64::MAX, 0)]);
         let mut acc = Prepared::default();
         let tuning = self.tuning;
-        schedule::prepare(
+        schedule::prepare::<true>(
             blocks,
             &all,
             &all,

@@ -381,16 +381,9 @@ impl PeerState {
             Batch::Runs(runs) => {
                 // Few descriptors (two per up to 64 copies): prepared (on
                 // the preparation threads for large batches), uploaded at launch.
-                return schedule::prepare_runs(
-                    runs,
-                    &self.split,
-                    local,
-                    &self.remote,
-                    tuning,
-                    copier::prep_pool(),
-                    slot.descs_mut(),
-                    &mut self.acc,
-                );
+                let (split, remote, acc) = (&self.split, &self.remote, &mut self.acc);
+                let (pool, out) = (copier::prep_pool(), slot.descs_mut());
+                return schedule::prepare_runs(runs, split, local, remote, tuning, pool, out, acc);
             }
         };
         let uploader = copier.uploader(slot);
@@ -405,7 +398,7 @@ impl PeerState {
                 failed.store(true, Ordering::Relaxed);
             }
         };
-        schedule::prepare(
+        schedule::prepare::<true>(
             blocks,
             local,
             &self.remote,

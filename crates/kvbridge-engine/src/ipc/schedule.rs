@@ -492,23 +492,10 @@ fn prepare_chunk<const NT: bool>(
 /// `written(at, n)` is called (on the thread that wrote them) as soon as
 /// the descriptors of blocks `[at, at + n)` are in `out`, e.g. to upload
 /// them while the rest is prepared. Returns the first failing block.
+/// `NT`: write the descriptors with non-temporal (streaming) stores, what
+/// the engine does; `false` only to compare in tests.
 #[allow(clippy::too_many_arguments)]
-pub fn prepare(
-    blocks: &[Block],
-    local: &RangeMap,
-    remote: &RangeMap,
-    tuning: &CopyTuning,
-    pool: Option<&rayon::ThreadPool>,
-    out: &mut [[u64; 2]],
-    acc: &mut Prepared,
-    written: &(dyn Fn(usize, usize) + Sync),
-) -> Result<(), (usize, Miss)> {
-    prepare_impl::<true>(blocks, local, remote, tuning, pool, out, acc, written)
-}
-
-/// [`prepare`], with non-temporal descriptor stores or not.
-#[allow(clippy::too_many_arguments)]
-fn prepare_impl<const NT: bool>(
+pub fn prepare<const NT: bool>(
     blocks: &[Block],
     local: &RangeMap,
     remote: &RangeMap,
@@ -697,7 +684,7 @@ mod tests {
     ) -> Prep {
         let mut out = vec![[9u64; 2]; blocks.len()];
         let mut acc = Prepared::default();
-        prepare(
+        prepare::<true>(
             blocks,
             local,
             remote,
@@ -822,9 +809,9 @@ mod tests {
                 acc.clear();
                 let t0 = std::time::Instant::now();
                 let f = if k % 2 == 0 {
-                    prepare_impl::<true>
+                    prepare::<true>
                 } else {
-                    prepare_impl::<false>
+                    prepare::<false>
                 };
                 f(
                     &blocks,
@@ -890,9 +877,9 @@ mod tests {
                 acc.clear();
                 let t0 = std::time::Instant::now();
                 let f = if nt {
-                    prepare_impl::<true>
+                    prepare::<true>
                 } else {
-                    prepare_impl::<false>
+                    prepare::<false>
                 };
                 f(
                     &blocks,

@@ -43,119 +43,96 @@ pub(crate) struct Announce<'a> {
     pub session: &'a str,
 }
 
-/// The client's MAC: the server's nonce (freshness), its own nonce and the
-/// server's incarnation; with an announcement (engine wire v2) also the
-/// client's incarnation and session id, under another label.
-fn client_mac(
-    secret: &[u8],
-    server_nonce: &[u8; NONCE_LEN],
-    client_nonce: &[u8; NONCE_LEN],
-    incarnation: u64,
-    announce: Option<Announce<'_>>,
-) -> HmacSha256 {
-    let inc = incarnation.to_le_bytes();
-    let Some(a) = announce else {
-        return mac(secret, CLIENT_LABEL, &[server_nonce, client_nonce, &inc]);
-    };
-    let client_inc = a.incarnation.to_le_bytes();
-    // Fixed-size fields, then the length-prefixed session id: unambiguous.
-    let len = (a.session.len() as u64).to_le_bytes();
-    mac(
-        secret,
-        CLIENT_LABEL_V2,
-        &[
-            server_nonce,
-            client_nonce,
-            &inc,
-            &client_inc,
-            &len,
-            a.session.as_bytes(),
-        ],
-    )
+/// What both proofs of one handshake bind: the two nonces (freshness), the
+/// server's incarnation and, on the engine wire (v2), the client's
+/// announcement (its client proof then takes another label).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Transcript<'a> {
+    /// The server's nonce.
+    pub server_nonce: &'a [u8; NONCE_LEN],
+    /// The client's nonce.
+    pub client_nonce: &'a [u8; NONCE_LEN],
+    /// The server's incarnation.
+    pub incarnation: u64,
+    /// The client's announcement, when the protocol has one.
+    pub announce: Option<Announce<'a>>,
 }
 
-/// The server's MAC: the client's nonce (freshness), its own nonce and its incarnation.
-fn server_mac(
-    secret: &[u8],
-    client_nonce: &[u8; NONCE_LEN],
-    server_nonce: &[u8; NONCE_LEN],
-    incarnation: u64,
-) -> HmacSha256 {
-    let inc = incarnation.to_le_bytes();
-    mac(secret, SERVER_LABEL, &[client_nonce, server_nonce, &inc])
-}
+impl Transcript<'_> {
+    fn client_mac(&self, secret: &[u8]) -> HmacSha256 {
+        let inc = self.incarnation.to_le_bytes();
+        let (sn, cn) = (self.server_nonce, self.client_nonce);
+        let Some(a) = self.announce else {
+            return mac(secret, CLIENT_LABEL, &[sn, cn, &inc]);
+        };
+        let client_inc = a.incarnation.to_le_bytes();
+        // Fixed-size fields, then the length-prefixed session id: unambiguous.
+        let len = (a.session.len() as u64).to_le_bytes();
+        let parts: [&[u8]; 6] = [sn, cn, &inc, &client_inc, &len, a.session.as_bytes()];
+        mac(secret, CLIENT_LABEL_V2, &parts)
+    }
 
-/// The client's proof (see [`client_mac`] for what it binds).
-pub(crate) fn client_proof(
-    secret: &[u8],
-    server_nonce: &[u8; NONCE_LEN],
-    client_nonce: &[u8; NONCE_LEN],
-    incarnation: u64,
-    announce: Option<Announce<'_>>,
-) -> [u8; NONCE_LEN] {
-    client_mac(secret, server_nonce, client_nonce, incarnation, announce)
-        .finalize()
-        .into_bytes()
-        .into()
-}
+    fn server_mac(&self, secret: &[u8]) -> HmacSha256 {
+        let inc = self.incarnation.to_le_bytes();
+        mac(
+            secret,
+            SERVER_LABEL,
+            &[self.client_nonce, self.server_nonce, &inc],
+        )
+    }
 
-/// Constant-time check of a client proof made by [`client_proof`].
-pub(crate) fn verify_client(
-    secret: &[u8],
-    server_nonce: &[u8; NONCE_LEN],
-    client_nonce: &[u8; NONCE_LEN],
-    incarnation: u64,
-    announce: Option<Announce<'_>>,
-    proof: &[u8; NONCE_LEN],
-) -> bool {
-    client_mac(secret, server_nonce, client_nonce, incarnation, announce)
-        .verify_slice(proof)
-        .is_ok()
-}
+    /// The client's proof.
+    pub(crate) fn client_proof(&self, secret: &[u8]) -> [u8; NONCE_LEN] {
+        self.client_mac(secret).finalize().into_bytes().into()
+    }
 
-/// The server's proof: binds the client's nonce (freshness), its own nonce and the incarnation.
-pub(crate) fn server_proof(
-    secret: &[u8],
-    client_nonce: &[u8; NONCE_LEN],
-    server_nonce: &[u8; NONCE_LEN],
-    incarnation: u64,
-) -> [u8; NONCE_LEN] {
-    server_mac(secret, client_nonce, server_nonce, incarnation)
-        .finalize()
-        .into_bytes()
-        .into()
-}
+    /// Constant-time check of a client proof.
+    pub(crate) fn verify_client(&self, secret: &[u8], proof: &[u8; NONCE_LEN]) -> bool {
+        self.client_mac(secret).verify_slice(proof).is_ok()
+    }
 
-/// Constant-time check of a server proof.
-pub(crate) fn verify_server(
-    secret: &[u8],
-    client_nonce: &[u8; NONCE_LEN],
-    server_nonce: &[u8; NONCE_LEN],
-    incarnation: u64,
-    proof: &[u8; NONCE_LEN],
-) -> bool {
-    server_mac(secret, client_nonce, server_nonce, incarnation)
-        .verify_slice(proof)
-        .is_ok()
+    /// The server's proof.
+    pub(crate) fn server_proof(&self, secret: &[u8]) -> [u8; NONCE_LEN] {
+        self.server_mac(secret).finalize().into_bytes().into()
+    }
+
+    /// Constant-time check of a server proof.
+    pub(crate) fn verify_server(&self, secret: &[u8], proof: &[u8; NONCE_LEN]) -> bool {
+        self.server_mac(secret).verify_slice(proof).is_ok()
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    fn t<'a>(
+        server_nonce: &'a [u8; NONCE_LEN],
+        client_nonce: &'a [u8; NONCE_LEN],
+        incarnation: u64,
+        announce: Option<Announce<'a>>,
+    ) -> Transcript<'a> {
+        Transcript {
+            server_nonce,
+            client_nonce,
+            incarnation,
+            announce,
+        }
+    }
+
     #[test]
     fn proofs_verify_only_with_the_same_secret_and_nonces() {
         let (cn, sn) = (nonce(), nonce());
         assert_ne!(cn, sn);
-        let p = client_proof(b"s3cret", &sn, &cn, 5, None);
-        assert!(verify_client(b"s3cret", &sn, &cn, 5, None, &p));
-        assert!(!verify_client(b"other", &sn, &cn, 5, None, &p));
-        assert!(!verify_client(b"s3cret", &cn, &sn, 5, None, &p));
-        assert!(!verify_client(b"s3cret", &sn, &cn, 6, None, &p));
-        let q = server_proof(b"s3cret", &cn, &sn, 5);
-        assert!(verify_server(b"s3cret", &cn, &sn, 5, &q));
+        let p = t(&sn, &cn, 5, None).client_proof(b"s3cret");
+        assert!(t(&sn, &cn, 5, None).verify_client(b"s3cret", &p));
+        assert!(!t(&sn, &cn, 5, None).verify_client(b"other", &p));
+        assert!(!t(&cn, &sn, 5, None).verify_client(b"s3cret", &p));
+        assert!(!t(&sn, &cn, 6, None).verify_client(b"s3cret", &p));
+        let q = t(&sn, &cn, 5, None).server_proof(b"s3cret");
+        assert!(t(&sn, &cn, 5, None).verify_server(b"s3cret", &q));
         assert!(
-            !verify_client(b"s3cret", &sn, &cn, 5, None, &q),
+            !t(&sn, &cn, 5, None).verify_client(b"s3cret", &q),
             "labels differ"
         );
     }
@@ -167,35 +144,21 @@ mod tests {
             incarnation: 9,
             session: "10.0.0.1:7000",
         };
-        let p = client_proof(b"s3cret", &sn, &cn, 5, Some(a));
-        assert!(verify_client(b"s3cret", &sn, &cn, 5, Some(a), &p));
+        let p = t(&sn, &cn, 5, Some(a)).client_proof(b"s3cret");
+        assert!(t(&sn, &cn, 5, Some(a)).verify_client(b"s3cret", &p));
         let other_session = Announce {
             session: "10.0.0.2:7000",
             ..a
         };
-        assert!(!verify_client(
-            b"s3cret",
-            &sn,
-            &cn,
-            5,
-            Some(other_session),
-            &p
-        ));
+        assert!(!t(&sn, &cn, 5, Some(other_session)).verify_client(b"s3cret", &p));
         let other_incarnation = Announce {
             incarnation: 10,
             ..a
         };
-        assert!(!verify_client(
-            b"s3cret",
-            &sn,
-            &cn,
-            5,
-            Some(other_incarnation),
-            &p
-        ));
-        assert!(!verify_client(b"other", &sn, &cn, 5, Some(a), &p));
+        assert!(!t(&sn, &cn, 5, Some(other_incarnation)).verify_client(b"s3cret", &p));
+        assert!(!t(&sn, &cn, 5, Some(a)).verify_client(b"other", &p));
         assert!(
-            !verify_client(b"s3cret", &sn, &cn, 5, None, &p),
+            !t(&sn, &cn, 5, None).verify_client(b"s3cret", &p),
             "labels differ"
         );
     }

@@ -209,13 +209,13 @@ mod client {
             TransferError::from_io(&self.session, None, e)
         }
 
+        /// A refusal by (or of) the peer, `what` saying which.
+        fn refused(&self, what: impl Into<String>) -> TransferError {
+            TransferError::new(&self.session, None, ErrorKind::Refused, what)
+        }
+
         fn malformed(&self) -> TransferError {
-            TransferError::new(
-                &self.session,
-                None,
-                ErrorKind::Refused,
-                "peer sent a malformed or out-of-order control ack",
-            )
+            self.refused("peer sent a malformed or out-of-order control ack")
         }
 
         /// The ack of request `seq`; `Revoke` frames before it are noted.
@@ -265,23 +265,13 @@ mod client {
         pub(crate) fn exports(&mut self) -> Result<Vec<u8>, TransferError> {
             let ack = self.request(Op::Exports, &[])?;
             if ack.status != Status::Ok {
-                return Err(TransferError::new(
-                    &self.session,
-                    None,
-                    ErrorKind::Refused,
-                    "peer refused to send its export table",
-                ));
+                return Err(self.refused("peer refused to send its export table"));
             }
             let mut lb = [0u8; 8];
             io::read_exact(self.fd(), &mut lb).map_err(|e| self.err(&e))?;
             let len = u64::from_le_bytes(lb);
             if len > wire::MAX_EXPORTS_BYTES {
-                return Err(TransferError::new(
-                    &self.session,
-                    None,
-                    ErrorKind::Refused,
-                    format!("peer announced a {len}-byte export table"),
-                ));
+                return Err(self.refused(format!("peer announced a {len}-byte export table")));
             }
             let mut table = vec![0u8; len as usize];
             io::read_exact(self.fd(), &mut table).map_err(|e| self.err(&e))?;
@@ -301,12 +291,7 @@ mod client {
                     ErrorKind::OutOfRegion(Side::Remote),
                     "peer no longer has the region registered",
                 )),
-                _ => Err(TransferError::new(
-                    &self.session,
-                    None,
-                    ErrorKind::Refused,
-                    "peer refused the lease",
-                )),
+                _ => Err(self.refused("peer refused the lease")),
             }
         }
 
@@ -315,12 +300,7 @@ mod client {
         pub(crate) fn release(&mut self) -> Result<(), TransferError> {
             let ack = self.request(Op::Release, &[])?;
             if ack.status != Status::Ok {
-                return Err(TransferError::new(
-                    &self.session,
-                    None,
-                    ErrorKind::Refused,
-                    "peer refused the release",
-                ));
+                return Err(self.refused("peer refused the release"));
             }
             self.revoked = false;
             Ok(())

@@ -16,7 +16,7 @@
 //! **Never:** reads or writes a socket (callers do, within their
 //! deadlines), or accepts a proof it did not check in constant time.
 
-use super::auth::{self, Announce};
+use super::auth::{self, Announce, Transcript};
 use super::wire::{Challenge, FLAG_SECRET, NONCE_LEN};
 use crate::{ErrorKind, TransferError};
 
@@ -50,10 +50,14 @@ pub(crate) fn challenge(
     client_nonce: &[u8; NONCE_LEN],
 ) -> Challenge {
     let nonce = auth::nonce();
+    let transcript = Transcript {
+        server_nonce: &nonce,
+        client_nonce,
+        incarnation,
+        announce: None,
+    };
     let proof = match secret {
-        Some(s) if client_flags & FLAG_SECRET != 0 => {
-            auth::server_proof(s, client_nonce, &nonce, incarnation)
-        }
+        Some(s) if client_flags & FLAG_SECRET != 0 => transcript.server_proof(s),
         _ => [0u8; NONCE_LEN],
     };
     Challenge {
@@ -75,14 +79,13 @@ pub(crate) fn verify(
     announce: Option<Announce<'_>>,
     proof: &[u8; NONCE_LEN],
 ) -> bool {
-    auth::verify_client(
-        secret,
-        &ch.nonce,
+    let transcript = Transcript {
+        server_nonce: &ch.nonce,
         client_nonce,
-        ch.incarnation,
+        incarnation: ch.incarnation,
         announce,
-        proof,
-    )
+    };
+    transcript.verify_client(secret, proof)
 }
 
 /// Client side: decode the server's challenge (to our hello with
@@ -119,13 +122,19 @@ pub(crate) fn respond(
     if ch.flags & FLAG_SECRET == 0 {
         return Err(err(ErrorKind::Auth, "peer has no cluster secret".into()));
     }
-    if !auth::verify_server(s, hello_nonce, &ch.nonce, ch.incarnation, &ch.proof) {
+    let transcript = Transcript {
+        server_nonce: &ch.nonce,
+        client_nonce: hello_nonce,
+        incarnation: ch.incarnation,
+        announce,
+    };
+    if !transcript.verify_server(s, &ch.proof) {
         return Err(err(
             ErrorKind::Auth,
             "peer failed to prove the cluster secret".into(),
         ));
     }
-    let proof = auth::client_proof(s, &ch.nonce, hello_nonce, ch.incarnation, announce);
+    let proof = transcript.client_proof(s);
     Ok((ch, proof))
 }
 

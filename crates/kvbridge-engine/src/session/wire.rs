@@ -68,11 +68,17 @@ pub(crate) const VERDICT_FENCED: u32 = 3;
 /// Request opcodes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Op {
+    /// Write the payload at the descriptors' destinations.
     Write = 1,
+    /// Check a whole batch's destinations.
     Check = 2,
+    /// Answer Ok (alive, authenticated).
     Ping = 3,
+    /// Send the export table.
     Exports = 4,
+    /// Hold the named regions.
     Lease = 5,
+    /// Drop every hold of the connection.
     Release = 6,
 }
 
@@ -85,13 +91,16 @@ pub(crate) const MAX_LEASE_REGIONS: u32 = 1 << 16;
 /// Ack statuses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Status {
+    // On the wire as these values: 0, 1, 2, ... in order.
     Ok = 0,
-    OutOfRegion = 1,
-    BadRequest = 2,
-    Memory = 3,
-    ShuttingDown = 4,
+    /// A destination (`index`) is outside the receiver's regions.
+    OutOfRegion,
+    BadRequest,
+    /// The receiver could not access its memory.
+    Memory,
+    ShuttingDown,
     /// Unprompted (seq 0): the receiver revokes the connection's holds.
-    Revoked = 5,
+    Revoked,
 }
 
 impl Status {
@@ -387,6 +396,22 @@ mod tests {
         push_desc(&mut d, 0xbeef, 13);
         assert_eq!(desc_at(&d, 1), (0xbeef, 13));
         assert_eq!(decode_verdict(&encode_verdict(VERDICT_AUTH)), VERDICT_AUTH);
+    }
+
+    #[test]
+    fn status_values_are_fixed() {
+        let all = [
+            Status::Ok,
+            Status::OutOfRegion,
+            Status::BadRequest,
+            Status::Memory,
+            Status::ShuttingDown,
+            Status::Revoked,
+        ];
+        for (v, s) in all.into_iter().enumerate() {
+            assert_eq!(s as u32, v as u32);
+            assert_eq!(Status::from_u32(v as u32), Some(s));
+        }
     }
 
     #[test]

@@ -140,6 +140,11 @@ fn fail_all(inflight: &mut VecDeque<(u64, Item)>, e: &TransferError) {
 }
 
 /// Drop a connection, forgetting its shutdown clone.
+/// The error of an item that finds its lane without a connection.
+fn no_connection(info: &PeerInfo) -> TransferError {
+    TransferError::new(&info.session, None, ErrorKind::Io, "no connection")
+}
+
 fn close(info: &PeerInfo, conn: &mut Option<Conn>) {
     if let Some(c) = conn.take() {
         info.live.lock().remove(&c.id);
@@ -233,12 +238,7 @@ pub(crate) fn lane(inner: Arc<Inner>, info: Arc<PeerInfo>, rx: Receiver<Item>) {
                 continue;
             }
             let Some(c) = conn.as_mut() else {
-                item.finish(Err(TransferError::new(
-                    &info.session,
-                    None,
-                    ErrorKind::Io,
-                    "no connection",
-                )));
+                item.finish(Err(no_connection(&info)));
                 continue;
             };
             if item.batch.expected != 0 && c.incarnation != item.batch.expected {
@@ -269,12 +269,7 @@ pub(crate) fn lane(inner: Arc<Inner>, info: Arc<PeerInfo>, rx: Receiver<Item>) {
             continue;
         };
         let Some(c) = conn.as_ref() else {
-            item.finish(Err(TransferError::new(
-                &info.session,
-                None,
-                ErrorKind::Io,
-                "no connection",
-            )));
+            item.finish(Err(no_connection(&info)));
             continue;
         };
         match read_ack(c.fd()) {

@@ -271,15 +271,20 @@ impl UcxEngine {
         ok
     }
 
+    /// Ask the peer at `session` (`addr`) over the side channel.
+    fn query(
+        &self,
+        session: &str,
+        addr: SocketAddr,
+        ask: Ask,
+    ) -> Result<(u64, Option<PeerInfo>), TransferError> {
+        let (secret, timeout) = (self.secret.as_deref(), self.cfg.connect_timeout());
+        side::query(session, addr, secret, timeout, ask)
+    }
+
     /// Handshake with `session` and cache what it published.
     fn fetch(&self, session: &str, addr: SocketAddr) -> Result<Arc<PeerInfo>, TransferError> {
-        let (_, info) = side::query(
-            session,
-            addr,
-            self.secret.as_deref(),
-            self.cfg.connect_timeout(),
-            Ask::Info,
-        )?;
+        let (_, info) = self.query(session, addr, Ask::Info)?;
         self.shared.stats.handshakes.fetch_add(1, Ordering::Relaxed);
         info.map(Arc::new).ok_or_else(|| {
             TransferError::new(session, None, ErrorKind::Refused, "peer sent no info")
@@ -315,12 +320,7 @@ impl UcxEngine {
     }
 
     /// Check the whole batch, merge contiguous runs and queue it.
-    fn plan(
-        &self,
-        session: &str,
-        expected: u64,
-        blocks: &[Block],
-    ) -> Result<Option<BatchHandle>, TransferError> {
+    fn plan(&self, session: &str, expected: u64, blocks: &[Block]) -> Planned {
         if self.is_shutdown() {
             return Err(shutdown_error(session));
         }
@@ -425,6 +425,9 @@ impl UcxEngine {
         Ok(Some(handle))
     }
 }
+
+/// A batch checked and queued (`Some`), with nothing to move (`None`), or refused.
+type Planned = Result<Option<BatchHandle>, TransferError>;
 
 /// The start of the published region holding each block's destination
 /// (0 for empty blocks), or the index of the first block outside them.
@@ -562,13 +565,7 @@ impl TransferEngine for UcxEngine {
             return Err(shutdown_error(session));
         }
         let addr = resolve(session)?;
-        let (incarnation, _) = side::query(
-            session,
-            addr,
-            self.secret.as_deref(),
-            self.cfg.connect_timeout(),
-            Ask::Ping,
-        )?;
+        let (incarnation, _) = self.query(session, addr, Ask::Ping)?;
         let slot = self.shared.slot(session);
         let mut cached = slot.info.lock();
         if cached
