@@ -18,7 +18,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use kvbridge_mem::cuda::{self, CudaError, DeviceBuffer, Event, Kernel, PinnedBuffer, Stream};
 
 use super::kernel;
-use super::schedule::{self, CopyTuning, Prepared, RangeMap};
+use super::schedule::{self, Context, CopyTuning, Prepared, RangeMap};
 use crate::{Block, Run};
 
 /// The compiled block-copy kernel of GPU `ordinal` (compiled once per process).
@@ -329,7 +329,16 @@ impl Copier {
         let mut acc = Prepared::default();
         let tuning = self.tuning;
         schedule::prepare_runs(
-            runs, &split, &all, &all, &tuning, pool, &mut words, &mut acc,
+            runs,
+            &split,
+            Context {
+                local: &all,
+                remote: &all,
+                tuning: &tuning,
+                pool,
+            },
+            &mut words,
+            &mut acc,
         )
         .map_err(|(i, m)| cuda_err("time_runs", format!("run {i}: {m:?}")))?;
         if !acc.pieces.is_empty() || !acc.memcpy.is_empty() {
@@ -438,10 +447,12 @@ impl Copier {
         let tuning = self.tuning;
         schedule::prepare::<true>(
             blocks,
-            &all,
-            &all,
-            &tuning,
-            prep_pool(),
+            Context {
+                local: &all,
+                remote: &all,
+                tuning: &tuning,
+                pool: prep_pool(),
+            },
             slot.descs_mut(),
             &mut acc,
             &|_, _| {},

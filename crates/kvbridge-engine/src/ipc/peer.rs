@@ -11,7 +11,7 @@ use kvbridge_mem::cuda::{CudaError, IpcHandle, IpcMapping};
 
 use super::copier::{self, Copier, Slot};
 use super::engine::{FREE_SLOTS, IDLE_RELEASE, MAX_ATTEMPTS, Pipe, Shared};
-use super::schedule::{self, Batch, CopyTuning, Miss, Prepared, RangeMap, RunSplit};
+use super::schedule::{self, Batch, Context, CopyTuning, Miss, Prepared, RangeMap, RunSplit};
 use super::table::{self, Export};
 use crate::session::control::{Control, ControlHost};
 use crate::{ErrorKind, Side, TransferError};
@@ -383,7 +383,18 @@ impl PeerState {
                 // the preparation threads for large batches), uploaded at launch.
                 let (split, remote, acc) = (&self.split, &self.remote, &mut self.acc);
                 let (pool, out) = (copier::prep_pool(), slot.descs_mut());
-                return schedule::prepare_runs(runs, split, local, remote, tuning, pool, out, acc);
+                return schedule::prepare_runs(
+                    runs,
+                    split,
+                    Context {
+                        local,
+                        remote,
+                        tuning,
+                        pool,
+                    },
+                    out,
+                    acc,
+                );
             }
         };
         let uploader = copier.uploader(slot);
@@ -400,10 +411,12 @@ impl PeerState {
         };
         schedule::prepare::<true>(
             blocks,
-            local,
-            &self.remote,
-            tuning,
-            copier::prep_pool(),
+            Context {
+                local,
+                remote: &self.remote,
+                tuning,
+                pool: copier::prep_pool(),
+            },
             slot.descs_mut(),
             &mut self.acc,
             &written,

@@ -484,6 +484,20 @@ fn prepare_chunk<const NT: bool>(
     c
 }
 
+/// What a batch is prepared against: the address maps of both sides (see
+/// [`RangeMap`]), the tuning, and the threads for large batches.
+#[derive(Debug, Clone, Copy)]
+pub struct Context<'a> {
+    /// Our registered memory, as this process sees it.
+    pub local: &'a RangeMap,
+    /// The peer's memory, translated into this process's view.
+    pub remote: &'a RangeMap,
+    /// How to copy.
+    pub tuning: &'a CopyTuning,
+    /// Threads to prepare large batches on (`None`: this thread).
+    pub pool: Option<&'a rayon::ThreadPool>,
+}
+
 /// Check every source against `local`, translate every destination
 /// through `remote` and write one kernel descriptor per block into
 /// `out[..blocks.len()]`, in one pass (on `pool`'s threads for large
@@ -494,18 +508,15 @@ fn prepare_chunk<const NT: bool>(
 /// them while the rest is prepared. Returns the first failing block.
 /// `NT`: write the descriptors with non-temporal (streaming) stores, what
 /// the engine does; `false` only to compare in tests.
-#[allow(clippy::too_many_arguments)]
 pub fn prepare<const NT: bool>(
     blocks: &[Block],
-    local: &RangeMap,
-    remote: &RangeMap,
-    tuning: &CopyTuning,
-    pool: Option<&rayon::ThreadPool>,
+    cx: Context<'_>,
     out: &mut [[u64; 2]],
     acc: &mut Prepared,
     written: &(dyn Fn(usize, usize) + Sync),
 ) -> Result<(), (usize, Miss)> {
     use rayon::prelude::*;
+    let (local, remote, tuning, pool) = (cx.local, cx.remote, cx.tuning, cx.pool);
     let out = &mut out[..blocks.len()];
     let piece = tuning.piece.max(16);
     let memcpy_from = memcpy_from(tuning);

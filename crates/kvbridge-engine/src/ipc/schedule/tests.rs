@@ -93,10 +93,12 @@ fn prep(
     let mut acc = Prepared::default();
     prepare::<true>(
         blocks,
-        local,
-        remote,
-        tuning,
-        pool,
+        Context {
+            local,
+            remote,
+            tuning,
+            pool,
+        },
         &mut out,
         &mut acc,
         &|_, _| {},
@@ -222,10 +224,12 @@ fn prepare_speed_long_blocks() {
             };
             f(
                 &blocks,
-                &local,
-                &remote,
-                &t,
-                None,
+                Context {
+                    local: &local,
+                    remote: &remote,
+                    tuning: &t,
+                    pool: None,
+                },
                 &mut out,
                 &mut acc,
                 &|_, _| {},
@@ -290,10 +294,12 @@ fn prepare_speed() {
             };
             f(
                 &blocks,
-                &local,
-                &remote,
-                &t,
-                p,
+                Context {
+                    local: &local,
+                    remote: &remote,
+                    tuning: &t,
+                    pool: p,
+                },
                 &mut out,
                 &mut acc,
                 &|_, _| {},
