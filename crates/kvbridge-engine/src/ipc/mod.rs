@@ -21,11 +21,11 @@
 //!   everything is dropped and fetched again) and at teardown.
 //! * A batch is checked (sources in our device regions, destinations in
 //!   the peer's table), translated into this process's view of the peer's
-//!   memory and packed in one pass ([`schedule::prepare`], on several threads
+//!   memory and packed in one pass (`schedule::prepare`, on several threads
 //!   for large batches), uploaded as it is packed and launched on the
 //!   session's streams once all of it checked out: large blocks with
-//!   `cuMemcpyAsync`, the others with one batched copy kernel ([`schedule`]
-//!   decides, [`kernel`] holds the source). Submission returns while the
+//!   `cuMemcpyAsync`, the others with one batched copy kernel (`schedule`
+//!   decides, `kernel` holds the source). Submission returns while the
 //!   copy runs; several batches can be in flight.
 //! * Measurement: [`CopyBench`] times the copy paths alone on one GPU
 //!   (for `kvbridge bench ipc` and the GPU tests), on device buffers it

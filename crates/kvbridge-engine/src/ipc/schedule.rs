@@ -73,7 +73,7 @@ pub struct CopyTuning {
     pub mode: CopyMode,
     /// Kernel streams a session alternates its batches over (1 or 2): with
     /// two, one batch's kernel tail overlaps the next one's start (batches
-    /// of short copies stay on the first, see [`ALTERNATE_MIN_COPY`]).
+    /// of short copies stay on the first, see `ALTERNATE_MIN_COPY`).
     pub kernel_streams: u32,
 }
 

@@ -4,13 +4,13 @@
 //! anywhere. UCX's own environment (`UCX_TLS`, `UCX_NET_DEVICES`, ...) picks
 //! the transports.
 //!
-//! * libucp is loaded at run time ([`sys`]); without it [`UcxEngine::new`]
+//! * libucp is loaded at run time (`sys`); without it [`UcxEngine::new`]
 //!   fails with "UCX is not available on this machine".
 //! * One UCP context and worker per engine, owned by one progress thread
-//!   ([`progress`]); callers submit over a channel and wait on
+//!   (`progress`); callers submit over a channel and wait on
 //!   [`BatchHandle`]s, so a blocked caller never stalls other sessions.
 //! * Peers find each other by session id (`host:port`) through a small
-//!   authenticated side channel ([`side`]): the target's worker address, the
+//!   authenticated side channel (`side`): the target's worker address, the
 //!   packed remote keys of its registered regions and its incarnation.
 //! * A batch is checked whole before anything is issued (sources against our
 //!   regions, destinations against the peer's published regions), then
