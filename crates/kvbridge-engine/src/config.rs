@@ -1,21 +1,36 @@
-//! The TCP engine's configuration.
+//! The engines' configuration, one serde-friendly struct (a file's
+//! `engine` section, or flags) in three parts:
+//!
+//! * what every transport shares: where it listens and what it announces
+//!   (`listen_host`, `advertise_host`, `port`), the connect and I/O
+//!   timeouts and the cluster secret (the session layer's handshake);
+//! * the TCP engine's settings (also those of the CUDA IPC engine's
+//!   control server): connections, framing, limits against hostile peers;
+//!   flat, as they always were, so existing files and code keep working;
+//! * per-transport sections: `ipc` (copy tuning) and `ucx` (UCX settings).
+//!
+//! **Never:** holds anything but plain settings (no sockets, no secrets
+//! other than the configured one, which `Debug` redacts).
 
+use std::collections::BTreeMap;
 use std::fmt;
 use std::time::Duration;
 
-/// Configuration of a [`crate::TcpEngine`]; serde-friendly (file or flags),
-/// every field optional with the defaults below.
+use crate::ipc::CopyTuning;
+
+/// Configuration of every engine ([`crate::TcpEngine`], the CUDA IPC and
+/// UCX engines); serde-friendly (file or flags), every field optional with
+/// the defaults below. Old files (flat, without sections) parse unchanged.
 #[derive(Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct EngineConfig {
+    // Shared by every transport.
     /// Address to listen on (`"127.0.0.1"` by default; the node's IP in production).
     pub listen_host: String,
     /// Host peers should dial, when it differs from `listen_host` (e.g. listening on `0.0.0.0`).
     pub advertise_host: Option<String>,
     /// Port to listen on; 0 picks a free one.
     pub port: u16,
-    /// Parallel connections (and sender threads) per peer.
-    pub connections_per_peer: usize,
     /// Limit on establishing a connection and its whole handshake (not per
     /// read: a peer trickling its hello is dropped when it passes), in milliseconds.
     pub connect_timeout_ms: u64,
@@ -24,6 +39,9 @@ pub struct EngineConfig {
     /// Shared cluster secret: when set, connections must prove knowledge of it
     /// (HMAC challenge-response, never sent on the wire), in both directions.
     pub secret: Option<String>,
+    // The TCP engine (and the CUDA IPC engine's control server).
+    /// Parallel connections (and sender threads) per peer.
+    pub connections_per_peer: usize,
     /// Blocks shorter than this are copied into frame buffers (coalesced);
     /// longer ones are sent and received in place with vectored I/O.
     pub coalesce_threshold: usize,
@@ -48,6 +66,19 @@ pub struct EngineConfig {
     /// through host bounce buffers), to exercise the staging path.
     #[doc(hidden)]
     pub force_staging: bool,
+    /// The CUDA IPC engine's section: how it copies.
+    pub ipc: CopyTuning,
+    /// The UCX engine's section.
+    pub ucx: UcxConfig,
+}
+
+/// The UCX engine's section of [`EngineConfig`].
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct UcxConfig {
+    /// UCX settings applied over UCX's environment, names without the
+    /// `UCX_` prefix: `{"TLS": "rc,sm"}` is `UCX_TLS=rc,sm` for this engine.
+    pub settings: BTreeMap<String, String>,
 }
 
 impl Default for EngineConfig {
@@ -67,52 +98,54 @@ impl Default for EngineConfig {
             idle_timeout_ms: 600_000,
             request_timeout_ms: 60_000,
             force_staging: false,
+            ipc: CopyTuning::default(),
+            ucx: UcxConfig::default(),
         }
     }
 }
 
-impl EngineConfig {
-    /// `connect_timeout_ms` as a duration.
-    pub fn connect_timeout(&self) -> Duration {
-        Duration::from_millis(self.connect_timeout_ms.max(1))
-    }
-
-    /// `io_timeout_ms` as a duration.
-    pub fn io_timeout(&self) -> Duration {
-        Duration::from_millis(self.io_timeout_ms.max(1))
-    }
-
-    /// `idle_timeout_ms` as a duration.
-    pub fn idle_timeout(&self) -> Duration {
-        Duration::from_millis(self.idle_timeout_ms.max(1))
-    }
-
-    /// `request_timeout_ms` as a duration.
-    pub fn request_timeout(&self) -> Duration {
-        Duration::from_millis(self.request_timeout_ms.max(1))
-    }
+/// Accessors that turn `*_ms` settings into durations (at least 1 ms).
+macro_rules! durations {
+    ($($name:ident: $field:ident),* $(,)?) => {
+        impl EngineConfig {
+            $(
+                #[doc = concat!("`", stringify!($field), "` as a duration.")]
+                pub fn $name(&self) -> Duration {
+                    Duration::from_millis(self.$field.max(1))
+                }
+            )*
+        }
+    };
 }
 
-impl fmt::Debug for EngineConfig {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("EngineConfig")
-            .field("listen_host", &self.listen_host)
-            .field("advertise_host", &self.advertise_host)
-            .field("port", &self.port)
-            .field("connections_per_peer", &self.connections_per_peer)
-            .field("connect_timeout_ms", &self.connect_timeout_ms)
-            .field("io_timeout_ms", &self.io_timeout_ms)
-            .field("secret", &self.secret.as_ref().map(|_| "<redacted>"))
-            .field("coalesce_threshold", &self.coalesce_threshold)
-            .field("request_bytes", &self.request_bytes)
-            .field("pipeline_depth", &self.pipeline_depth)
-            .field("max_connections", &self.max_connections)
-            .field("idle_timeout_ms", &self.idle_timeout_ms)
-            .field("request_timeout_ms", &self.request_timeout_ms)
-            .field("force_staging", &self.force_staging)
-            .finish()
-    }
+durations!(
+    connect_timeout: connect_timeout_ms,
+    io_timeout: io_timeout_ms,
+    idle_timeout: idle_timeout_ms,
+    request_timeout: request_timeout_ms,
+);
+
+/// `Debug` of every field in order, with the secret (between the two
+/// lists) redacted.
+macro_rules! debug_redacting_secret {
+    ($($before:ident),*; $($after:ident),*) => {
+        impl fmt::Debug for EngineConfig {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                let mut d = f.debug_struct("EngineConfig");
+                $(d.field(stringify!($before), &self.$before);)*
+                d.field("secret", &self.secret.as_ref().map(|_| "<redacted>"));
+                $(d.field(stringify!($after), &self.$after);)*
+                d.finish()
+            }
+        }
+    };
 }
+
+debug_redacting_secret!(
+    listen_host, advertise_host, port, connections_per_peer, connect_timeout_ms, io_timeout_ms;
+    coalesce_threshold, request_bytes, pipeline_depth, max_connections, idle_timeout_ms,
+    request_timeout_ms, force_staging, ipc, ucx
+);
 
 #[cfg(test)]
 mod tests {
@@ -136,5 +169,21 @@ mod tests {
             serde_json::from_str(&serde_json::to_string(&c).unwrap_or_default())
                 .unwrap_or_default();
         assert_eq!(back, c);
+    }
+
+    #[test]
+    fn transport_sections_parse_next_to_the_flat_settings() {
+        let c: EngineConfig = serde_json::from_str(
+            r#"{"port": 1, "connections_per_peer": 2,
+                "ipc": {"mode": "kernel", "kernel_streams": 1},
+                "ucx": {"settings": {"TLS": "tcp"}}}"#,
+        )
+        .unwrap_or_default();
+        assert_eq!((c.port, c.connections_per_peer), (1, 2));
+        assert_eq!(c.ipc.mode, crate::ipc::CopyMode::Kernel);
+        assert_eq!(c.ipc.kernel_streams, 1);
+        assert_eq!(c.ipc.piece, CopyTuning::default().piece);
+        assert_eq!(c.ucx.settings.get("TLS").map(String::as_str), Some("tcp"));
+        assert!(serde_json::from_str::<EngineConfig>(r#"{"ucx": {"tls": 1}}"#).is_err());
     }
 }

@@ -9,7 +9,7 @@
 
 use crate::ipc::table;
 
-use crate::tcp::wire as tcp_wire;
+use crate::session::wire as tcp_wire;
 
 use tcp_wire::{Ack, Challenge, Header, Hello};
 

@@ -9,6 +9,11 @@
 //! with the `ucx` feature (on by default; libucp is loaded at run time),
 //! `UcxEngine` (RDMA, shared memory or TCP through UCX).
 //!
+//! Every transport builds on one session layer (handshake, cluster-secret
+//! authentication, the engine wire, holds and leases, session ids); none
+//! imports another. [`factory::build`] starts one by [`Transport`] name
+//! from an [`EngineConfig`].
+//!
 //! **Owns:** sessions (`host:port`), memory registration with the engine,
 //! batches of [`Block`]s, the data-plane sockets, the TCP framing,
 //! coalescing, authentication and timeouts, and typed [`TransferError`]s.
@@ -44,18 +49,21 @@
 mod batch;
 mod config;
 mod error;
+pub mod factory;
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod ipc;
 mod loopback;
 pub mod secret;
+mod session;
 pub mod tcp;
 #[cfg(feature = "ucx")]
 pub mod ucx;
 
 pub use batch::BatchHandle;
-pub use config::EngineConfig;
+pub use config::{EngineConfig, UcxConfig};
 pub use error::{ErrorKind, Side, TransferError};
+pub use factory::{FactoryError, Transport};
 #[cfg(feature = "cuda")]
 pub use ipc::IpcEngine;
 pub use kvbridge_mem::{MemError, MemoryKind, Region};

@@ -47,6 +47,12 @@ impl Default for LoopbackEngine {
     }
 }
 
+impl Drop for LoopbackEngine {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
 impl LoopbackEngine {
     /// A new engine with a fresh session id, reachable by every other loopback engine.
     pub fn new() -> Self {
@@ -68,14 +74,26 @@ impl LoopbackEngine {
 
     fn transfer(&self, session: &str, blocks: &[Block]) -> Result<(), TransferError> {
         let err = |block, kind, detail: String| TransferError::new(session, block, kind, detail);
+        // The memory kind of each block's range on `side`, or the first
+        // block outside the registry's regions.
+        let kinds = |reg: &RegionRegistry, side: Side| {
+            let range = |b: &Block| match side {
+                Side::Local => (b.src, b.len),
+                Side::Remote => (b.dst, b.len),
+            };
+            blocks
+                .iter()
+                .enumerate()
+                .map(|(i, b)| {
+                    let (addr, len) = range(b);
+                    reg.check(addr, len)
+                        .map(|r| r.kind)
+                        .map_err(|e| err(Some(i), ErrorKind::OutOfRegion(side), e.to_string()))
+                })
+                .collect::<Result<Vec<_>, _>>()
+        };
         let local = self.shared.regions.read_recursive();
-        let mut srcs = Vec::with_capacity(blocks.len());
-        for (i, b) in blocks.iter().enumerate() {
-            let r = local
-                .check(b.src, b.len)
-                .map_err(|e| err(Some(i), ErrorKind::OutOfRegion(Side::Local), e.to_string()))?;
-            srcs.push(r.kind);
-        }
+        let srcs = kinds(&local, Side::Local)?;
         let peer = directory()
             .lock()
             .get(session)
@@ -98,13 +116,7 @@ impl LoopbackEngine {
                 ),
             ));
         }
-        let mut dsts = Vec::with_capacity(blocks.len());
-        for (i, b) in blocks.iter().enumerate() {
-            let r = remote
-                .check(b.dst, b.len)
-                .map_err(|e| err(Some(i), ErrorKind::OutOfRegion(Side::Remote), e.to_string()))?;
-            dsts.push(r.kind);
-        }
+        let dsts = kinds(&remote, Side::Remote)?;
         let mut staging = Vec::new();
         for (i, b) in blocks.iter().enumerate() {
             let (sk, dk) = (srcs[i], dsts[i]);
@@ -134,20 +146,14 @@ impl LoopbackEngine {
     }
 }
 
-impl Drop for LoopbackEngine {
-    fn drop(&mut self) {
-        self.shutdown();
-    }
-}
-
 impl TransferEngine for LoopbackEngine {
-    fn session_id(&self) -> &str {
-        &self.shared.session
-    }
-
     unsafe fn batch_register(&self, regions: &[(u64, u64)]) -> Result<(), MemError> {
         // SAFETY: forwarded caller contract.
         unsafe { self.shared.regions.write().register(regions) }.map(|_| ())
+    }
+
+    fn session_id(&self) -> &str {
+        &self.shared.session
     }
 
     fn batch_deregister(&self, addrs: &[u64]) -> Result<(), MemError> {
@@ -190,11 +196,11 @@ impl TransferEngine for LoopbackEngine {
         self.shared.regions.read().regions().copied().collect()
     }
 
-    fn read_local(&self, addr: u64, out: &mut [u8]) -> Result<(), MemError> {
-        self.shared.regions.read_recursive().read_bytes(addr, out)
-    }
-
     fn write_local(&self, addr: u64, data: &[u8]) -> Result<(), MemError> {
         self.shared.regions.read_recursive().write_bytes(addr, data)
+    }
+
+    fn read_local(&self, addr: u64, out: &mut [u8]) -> Result<(), MemError> {
+        self.shared.regions.read_recursive().read_bytes(addr, out)
     }
 }

@@ -11,7 +11,7 @@ mod common;
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 
-use kvbridge_engine::ipc::{Copier, CopyMode, CopyTuning};
+use kvbridge_engine::ipc::{Copies, CopyBench, CopyMode, CopyTuning};
 use kvbridge_engine::{Batch, Block, ErrorKind, IpcEngine, Run, Side, Target, TransferEngine};
 use kvbridge_mem::cuda::{self, DeviceBuffer};
 use kvbridge_mem::{HostBuffer, MemError};
@@ -68,7 +68,7 @@ fn copy_kernel_matches_host_copies_on_random_descriptor_sets() {
     let src = DeviceBuffer::new(0, space as usize).unwrap();
     let dst = DeviceBuffer::new(0, space as usize).unwrap();
     src.write(0, &src_bytes).unwrap();
-    let mut copier = Copier::new(0, CopyTuning::default()).unwrap();
+    let mut copier = CopyBench::new(0, CopyTuning::default()).unwrap();
     let mut rng = StdRng::seed_from_u64(11);
     let mut checked = 0u64;
     let cases = [
@@ -102,8 +102,9 @@ fn copy_kernel_matches_host_copies_on_random_descriptor_sets() {
             mode,
             ..CopyTuning::default()
         });
-        // SAFETY: every range lies inside `src` / `dst`; destinations are disjoint.
-        let stats = unsafe { copier.copy(&abs) }.unwrap();
+        let stats = copier
+            .copy(&Copies::new(&src, &dst, &abs).unwrap())
+            .unwrap();
         let mut got = vec![0u8; space as usize];
         dst.read(0, &mut got).unwrap();
         let first_bad = got.iter().zip(&want).position(|(a, b)| a != b);

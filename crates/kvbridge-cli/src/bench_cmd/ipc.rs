@@ -17,7 +17,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
-use kvbridge_engine::ipc::{Copier, CopyMode, CopyTuning};
+use kvbridge_engine::ipc::{Copies, CopyBench, CopyMode, CopyTuning};
 use kvbridge_engine::{Batch, BatchHandle, Block, EngineConfig, IpcEngine, Run, TransferEngine};
 use kvbridge_mem::cuda::{self, DeviceBuffer, Event, Stream};
 
@@ -284,7 +284,7 @@ fn initiate(args: &IpcArgs) -> Result<()> {
     // SAFETY: `src` is deregistered below before it is dropped.
     unsafe { engine.batch_register(&[src.region()]) }?;
     let memcpy = memcpy_reference(args, &src, &scratch)?;
-    let mut copier = Copier::new(args.device, tuning)?;
+    let mut copier = CopyBench::new(args.device, tuning)?;
     let mut rows = Vec::new();
     for (k, &size) in args.sizes.iter().enumerate() {
         if size == 0 || size > args.bytes {
@@ -329,26 +329,18 @@ fn initiate(args: &IpcArgs) -> Result<()> {
         } else {
             "batched kernel"
         };
-        let kernel_blocks = CopyTuning {
-            mode: CopyMode::Kernel,
-            ..tuning
-        }
-        .split(&local)
-        .kernel;
-        // SAFETY: every range lies in `src` or `scratch`, ours and alive;
-        // destinations are distinct slots.
-        let ms = unsafe { copier.time_kernel(&kernel_blocks, 5) }?;
+        let kernel_pieces = copier.kernel_pieces(&Copies::new(&src, &scratch, &local)?);
+        let ms = copier.time_kernel(&kernel_pieces, 5)?;
         let kernel = gbps(moved, ms / 1e3);
         let some = &local[..local.len().min(args.per_block_limit.max(1) as usize)];
         copier.set_tuning(CopyTuning {
             mode: CopyMode::PerBlock,
             ..tuning
         });
-        // SAFETY: as above.
-        unsafe { copier.copy(some) }?;
+        let checked = Copies::new(&src, &scratch, some)?;
+        copier.copy(&checked)?;
         let t = Instant::now();
-        // SAFETY: as above.
-        unsafe { copier.copy(some) }?;
+        copier.copy(&checked)?;
         let per_block = gbps(some.len() as u64 * size, t.elapsed().as_secs_f64());
         copier.set_tuning(tuning);
         rows.push(Row {
@@ -394,9 +386,7 @@ fn initiate(args: &IpcArgs) -> Result<()> {
         // (copies longer than a piece are not the run kernel's).
         let kernel = if size <= tuning.piece {
             let local = head_slice_runs(src.addr(), scratch.addr(), n, size, copies, mult, add);
-            // SAFETY: every copy lies in `src` or `scratch`, ours and alive;
-            // destinations are distinct.
-            let ms = unsafe { copier.time_runs(&local, 5) }?;
+            let ms = copier.time_runs(&src, &scratch, &local, 5)?;
             Some(gbps(moved, ms / 1e3))
         } else {
             None
@@ -475,7 +465,7 @@ fn kernel_sweep(args: &IpcArgs) -> Result<()> {
     let len = usize::try_from(args.bytes)?;
     let src = DeviceBuffer::new(args.device, len)?;
     let dst = DeviceBuffer::new(args.device, len)?;
-    let mut copier = Copier::new(args.device, tuning)?;
+    let mut copier = CopyBench::new(args.device, tuning)?;
     let sms = copier.multiprocessors();
     println!("| block | threads per block | CTAs per SM | kernel alone GB/s |");
     println!("|---:|---:|---:|---:|");
@@ -492,21 +482,14 @@ fn kernel_sweep(args: &IpcArgs) -> Result<()> {
                 len: size,
             })
             .collect();
-        let pieces = CopyTuning {
-            mode: CopyMode::Kernel,
-            ..tuning
-        }
-        .split(&blocks)
-        .kernel;
+        let pieces = copier.kernel_pieces(&Copies::new(&src, &dst, &blocks)?);
         let moved = n * size;
-        let base = kvbridge_engine::ipc::plan::group_shift(&pieces);
+        let base = pieces.group_shift();
         for shift in base.saturating_sub(2).max(2)..=(base + 2).min(10) {
             for per_sm in [4u32, 8, 16, 32] {
                 let threads = (pieces.len() as u64) << shift;
                 let ctas = threads.div_ceil(256).clamp(1, u64::from(sms * per_sm)) as u32;
-                // SAFETY: every range lies in `src` or `dst`, ours and
-                // alive; destinations are distinct slots.
-                let ms = unsafe { copier.time_kernel_with(&pieces, 5, shift, ctas) }?;
+                let ms = copier.time_kernel_with(&pieces, 5, shift, ctas)?;
                 println!(
                     "| {} | {} | {per_sm} | {:.1} |",
                     human(size),

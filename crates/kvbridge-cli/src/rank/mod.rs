@@ -16,7 +16,7 @@ use std::sync::Arc;
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
-use kvbridge_engine::{EngineConfig, TcpEngine, TransferEngine};
+use kvbridge_engine::{EngineConfig, TransferEngine, Transport};
 use kvbridge_roles::synthetic::{ModelSpec, Placement, RankSpec};
 use kvbridge_roles::{DecodeConfig, PrefillConfig};
 use serde::{Deserialize, Serialize};
@@ -120,25 +120,12 @@ impl RankFile {
 
     /// The transfer engine this rank uses.
     pub fn engine(&self) -> Result<Arc<dyn TransferEngine>> {
-        match self.engine_kind {
-            EngineKind::Tcp => Ok(Arc::new(
-                TcpEngine::new(self.engine.clone()).context("starting the TCP engine")?,
-            )),
-            #[cfg(feature = "cuda")]
-            EngineKind::Ipc => Ok(Arc::new(
-                kvbridge_engine::IpcEngine::new(self.engine.clone(), Default::default())
-                    .context("starting the CUDA IPC engine")?,
-            )),
-            #[cfg(not(feature = "cuda"))]
-            EngineKind::Ipc => bail!("the ipc engine needs the `cuda` feature"),
-            #[cfg(feature = "ucx")]
-            EngineKind::Ucx => Ok(Arc::new(
-                kvbridge_engine::UcxEngine::new(self.engine.clone())
-                    .context("starting the UCX engine")?,
-            )),
-            #[cfg(not(feature = "ucx"))]
-            EngineKind::Ucx => bail!("the ucx engine needs the `ucx` feature"),
-        }
+        let transport = match self.engine_kind {
+            EngineKind::Tcp => Transport::Tcp,
+            EngineKind::Ipc => Transport::Ipc,
+            EngineKind::Ucx => Transport::Ucx,
+        };
+        Ok(kvbridge_engine::factory::build(transport, &self.engine)?)
     }
 }
 

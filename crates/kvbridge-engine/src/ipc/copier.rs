@@ -3,7 +3,7 @@
 //! and [`Slot`]s: the descriptor buffers of one batch (pinned host and
 //! device, grown on demand and reused) with its events.
 //!
-//! A batch's descriptors are prepared ([`plan::prepare`]: checked,
+//! A batch's descriptors are prepared ([`schedule::prepare`]: checked,
 //! translated and packed in one pass, on the [`prep_pool`]'s threads for
 //! large batches) straight into its slot's pinned buffer; each thread's
 //! share is uploaded on the upload stream as soon as it is written
@@ -18,7 +18,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use kvbridge_mem::cuda::{self, CudaError, DeviceBuffer, Event, Kernel, PinnedBuffer, Stream};
 
 use super::kernel;
-use super::plan::{self, CopyTuning, Prepared, RangeMap};
+use super::schedule::{self, Context, CopyTuning, Prepared, RangeMap};
 use crate::{Block, Run};
 
 /// The compiled block-copy kernel of GPU `ordinal` (compiled once per process).
@@ -241,11 +241,6 @@ impl Copier {
         self.tuning = tuning;
     }
 
-    /// The kernel stream (for timing with events).
-    pub fn stream(&self) -> &Stream {
-        &self.stream
-    }
-
     /// Make the copier's context current on this thread.
     pub fn make_current(&self) -> Result<(), CudaError> {
         self.stream.context().make_current()
@@ -287,8 +282,8 @@ impl Copier {
     /// # Safety
     /// As for [`Copier::copy`].
     pub unsafe fn time_kernel(&mut self, blocks: &[Block], reps: u32) -> Result<f64, CudaError> {
-        let shift = plan::group_shift(blocks);
-        let grid = plan::grid_size(blocks.len(), shift, self.sms);
+        let shift = schedule::group_shift(blocks);
+        let grid = schedule::grid_size(blocks.len(), shift, self.sms);
         // SAFETY: forwarded caller contract.
         unsafe { self.time_kernel_with(blocks, reps, shift, grid) }
     }
@@ -307,7 +302,7 @@ impl Copier {
     ) -> Result<f64, CudaError> {
         self.stream.context().make_current()?;
         let mut words = vec![[0u64; 2]; blocks.len()];
-        plan::pack_par(blocks, &mut words, self.threads);
+        schedule::pack_par(blocks, &mut words, self.threads);
         let bytes: &[u8] = bytemuck::cast_slice(&words);
         let dev = DeviceBuffer::new(self.ordinal, bytes.len().max(16))?;
         dev.write(0, bytes)?;
@@ -329,12 +324,21 @@ impl Copier {
         self.stream.context().make_current()?;
         let all = RangeMap::new(vec![(0, u64::MAX, 0)]);
         let pool = prep_pool();
-        let split = plan::RunSplit::new(runs, &self.tuning, pool);
+        let split = schedule::RunSplit::new(runs, &self.tuning, pool);
         let mut words = vec![[0u64; 2]; split.entries()];
         let mut acc = Prepared::default();
         let tuning = self.tuning;
-        plan::prepare_runs(
-            runs, &split, &all, &all, &tuning, pool, &mut words, &mut acc,
+        schedule::prepare_runs(
+            runs,
+            &split,
+            Context {
+                local: &all,
+                remote: &all,
+                tuning: &tuning,
+                pool,
+            },
+            &mut words,
+            &mut acc,
         )
         .map_err(|(i, m)| cuda_err("time_runs", format!("run {i}: {m:?}")))?;
         if !acc.pieces.is_empty() || !acc.memcpy.is_empty() {
@@ -344,7 +348,7 @@ impl Copier {
         let dev = DeviceBuffer::new(self.ordinal, bytes.len().max(16))?;
         dev.write(0, bytes)?;
         let k = compiled(self.ordinal, kernel::RUN_ENTRY)?;
-        let shifts = plan::run_shifts(&acc);
+        let shifts = schedule::run_shifts(&acc);
         self.time_launches(reps, || {
             // SAFETY: as in `time_kernel_with`, for the run descriptors.
             unsafe { self.launch_runs(&k, &self.stream, dev.addr(), acc.runs as u64, shifts) }
@@ -393,13 +397,13 @@ impl Copier {
         // kernel declares; the descriptors' ranges are the caller's contract.
         unsafe {
             self.kernel
-                .launch(stream, grid, plan::BLOCK_THREADS, &mut params)
+                .launch(stream, grid, schedule::BLOCK_THREADS, &mut params)
         }
     }
 
     /// Launch the run kernel `k` on `stream` over the `n` run descriptors
     /// at device address `descs`, shaped by `(kshift, shift)`
-    /// ([`plan::run_shifts`]).
+    /// ([`schedule::run_shifts`]).
     ///
     /// # Safety
     /// As for [`Copier::launch_blocks`], for every copy of every run.
@@ -411,7 +415,7 @@ impl Copier {
         n: u64,
         (kshift, shift): (u32, u32),
     ) -> Result<(), CudaError> {
-        let grid = plan::grid_size((n as usize) << kshift, shift, self.sms);
+        let grid = schedule::grid_size((n as usize) << kshift, shift, self.sms);
         let (mut p_descs, mut p_n, mut p_kshift, mut p_shift) = (descs, n, kshift, shift);
         let mut params: [*mut c_void; 4] = [
             (&raw mut p_descs).cast(),
@@ -421,7 +425,7 @@ impl Copier {
         ];
         // SAFETY: the parameters are (const ulonglong2*, u64, u32, u32) as
         // the run kernel declares; the ranges are the caller's contract.
-        unsafe { k.launch(stream, grid, plan::BLOCK_THREADS, &mut params) }
+        unsafe { k.launch(stream, grid, schedule::BLOCK_THREADS, &mut params) }
     }
 
     /// Copy every block (addresses valid in this process) and wait for it.
@@ -441,12 +445,14 @@ impl Copier {
         let all = RangeMap::new(vec![(0, u64::MAX, 0)]);
         let mut acc = Prepared::default();
         let tuning = self.tuning;
-        plan::prepare(
+        schedule::prepare::<true>(
             blocks,
-            &all,
-            &all,
-            &tuning,
-            prep_pool(),
+            Context {
+                local: &all,
+                remote: &all,
+                tuning: &tuning,
+                pool: prep_pool(),
+            },
             slot.descs_mut(),
             &mut acc,
             &|_, _| {},
@@ -544,13 +550,13 @@ impl Copier {
             let n = (run_entries / 2) as u64;
             // SAFETY: the run descriptors were uploaded before (ordered by
             // the event) and name ranges the caller guarantees valid.
-            unsafe { self.launch_runs(&k, stream, slot.dev.addr(), n, plan::run_shifts(acc)) }?;
+            unsafe { self.launch_runs(&k, stream, slot.dev.addr(), n, schedule::run_shifts(acc)) }?;
             stats.launches += 1;
         }
         if descs > run_entries {
             let n = descs - run_entries;
-            let shift = plan::shift_for(acc.kernel_bytes - acc.run_bytes, n);
-            let grid = plan::grid_size(n, shift, self.sms);
+            let shift = schedule::shift_for(acc.kernel_bytes - acc.run_bytes, n);
+            let grid = schedule::grid_size(n, shift, self.sms);
             let at = slot.dev.addr() + run_entries as u64 * 16;
             // SAFETY: as for the runs above, for the block descriptors.
             unsafe { self.launch_blocks(stream, at, n as u64, shift, grid) }?;

@@ -27,9 +27,10 @@ use parking_lot::Mutex;
 
 use super::copier::Slot;
 use super::peer::PeerState;
-use super::plan::CopyTuning;
+use super::schedule::CopyTuning;
 use super::table::{self, Export};
 use crate::batch::Completer;
+use crate::session::control::ControlHost;
 use crate::{
     Batch, BatchHandle, EngineConfig, ErrorKind, Target, TcpEngine, TransferEngine, TransferError,
 };

@@ -2,7 +2,7 @@
 //!
 //! One launch copies a whole descriptor array: each descriptor `(src, dst,
 //! len)` is packed into 16 bytes (48-bit addresses, the length's two 16-bit
-//! halves in the top bits, see [`super::plan::pack`]). A group of
+//! halves in the top bits, see [`super::schedule::pack`]). A group of
 //! `1 << shift` threads copies one descriptor; groups stride over the array.
 //! Within a descriptor the widest word that the source and destination
 //! share an alignment for (16, 8, 4, 2 bytes) is used for the body, eight
@@ -16,7 +16,7 @@ pub const ENTRY: &str = "kvb_batch_copy";
 
 /// Name of the strided-run kernel's entry point: a run descriptor is two
 /// 16-byte entries, `[src, dst]` and `[len | count << 32, src_stride |
-/// dst_stride << 32]` (see [`super::plan::pack_run`]); work item `w` is
+/// dst_stride << 32]` (see [`super::schedule::pack_run`]); work item `w` is
 /// copy `w % 2^kshift` of descriptor `w >> kshift` (items past a
 /// descriptor's count do nothing), a group of `1 << shift` threads each.
 pub const RUN_ENTRY: &str = "kvb_run_copy";

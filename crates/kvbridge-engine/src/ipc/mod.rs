@@ -4,7 +4,8 @@
 //!
 //! * Control plane: an embedded [`TcpEngine`] gives the listening port,
 //!   session id, authenticated handshake (cluster secret), incarnation and
-//!   registry. On top of its framing: `Exports` (the receiver's table of
+//!   registry; the IPC engine reaches it only through the session layer's
+//!   control protocol (`session::control`). On the engine wire: `Exports` (the receiver's table of
 //!   registered device regions with the CUDA IPC handle of the allocation
 //!   holding each), `Lease` / `Release` / `Revoke`: a session *holds* the
 //!   peer's regions it copies into across batches; a deregistration on the
@@ -20,19 +21,32 @@
 //!   everything is dropped and fetched again) and at teardown.
 //! * A batch is checked (sources in our device regions, destinations in
 //!   the peer's table), translated into this process's view of the peer's
-//!   memory and packed in one pass ([`plan::prepare`], on several threads
+//!   memory and packed in one pass (`schedule::prepare`, on several threads
 //!   for large batches), uploaded as it is packed and launched on the
 //!   session's streams once all of it checked out: large blocks with
-//!   `cuMemcpyAsync`, the others with one batched copy kernel ([`plan`]
-//!   decides, [`kernel`] holds the source). Submission returns while the
+//!   `cuMemcpyAsync`, the others with one batched copy kernel (`schedule`
+//!   decides, `kernel` holds the source). Submission returns while the
 //!   copy runs; several batches can be in flight.
+//! * Measurement: [`CopyBench`] times the copy paths alone on one GPU
+//!   (for `kvbridge bench ipc` and the GPU tests), on device buffers it
+//!   checks every block against; the copy machinery itself stays private.
+//!
+//! **Never:** registers host memory, copies into a peer's region it does
+//! not hold, or imports another transport's internals (its control plane
+//! is reached through the session layer).
 //!
 //! [`TcpEngine`]: crate::TcpEngine
 
-pub mod kernel;
-pub mod plan;
-pub mod table;
+// The copy planning and the kernel source are pure (no CUDA): built and
+// tested everywhere, used only by the engine the `cuda` feature builds.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) mod kernel;
+#[cfg_attr(not(feature = "cuda"), allow(dead_code, unused_imports))]
+pub(crate) mod schedule;
+pub(crate) mod table;
 
+#[cfg(feature = "cuda")]
+mod bench;
 #[cfg(feature = "cuda")]
 mod copier;
 #[cfg(feature = "cuda")]
@@ -41,7 +55,9 @@ mod engine;
 mod peer;
 
 #[cfg(feature = "cuda")]
-pub use copier::{Copier, CopyStats, copy_kernel};
+pub use bench::{BenchError, Copies, CopyBench, KernelPieces};
+#[cfg(feature = "cuda")]
+pub use copier::CopyStats;
 #[cfg(feature = "cuda")]
 pub use engine::IpcEngine;
-pub use plan::{CopyMode, CopyTuning};
+pub use schedule::{CopyMode, CopyTuning};

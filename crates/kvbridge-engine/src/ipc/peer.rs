@@ -11,9 +11,9 @@ use kvbridge_mem::cuda::{CudaError, IpcHandle, IpcMapping};
 
 use super::copier::{self, Copier, Slot};
 use super::engine::{FREE_SLOTS, IDLE_RELEASE, MAX_ATTEMPTS, Pipe, Shared};
-use super::plan::{self, Batch, CopyTuning, Miss, Prepared, RangeMap, RunSplit};
+use super::schedule::{self, Batch, Context, CopyTuning, Miss, Prepared, RangeMap, RunSplit};
 use super::table::{self, Export};
-use crate::tcp::control::Control;
+use crate::session::control::{Control, ControlHost};
 use crate::{ErrorKind, Side, TransferError};
 
 /// An opened peer allocation and the handle it was opened from.
@@ -381,15 +381,19 @@ impl PeerState {
             Batch::Runs(runs) => {
                 // Few descriptors (two per up to 64 copies): prepared (on
                 // the preparation threads for large batches), uploaded at launch.
-                return plan::prepare_runs(
+                let (split, remote, acc) = (&self.split, &self.remote, &mut self.acc);
+                let (pool, out) = (copier::prep_pool(), slot.descs_mut());
+                return schedule::prepare_runs(
                     runs,
-                    &self.split,
-                    local,
-                    &self.remote,
-                    tuning,
-                    copier::prep_pool(),
-                    slot.descs_mut(),
-                    &mut self.acc,
+                    split,
+                    Context {
+                        local,
+                        remote,
+                        tuning,
+                        pool,
+                    },
+                    out,
+                    acc,
                 );
             }
         };
@@ -405,12 +409,14 @@ impl PeerState {
                 failed.store(true, Ordering::Relaxed);
             }
         };
-        plan::prepare(
+        schedule::prepare::<true>(
             blocks,
-            local,
-            &self.remote,
-            tuning,
-            copier::prep_pool(),
+            Context {
+                local,
+                remote: &self.remote,
+                tuning,
+                pool: copier::prep_pool(),
+            },
             slot.descs_mut(),
             &mut self.acc,
             &written,

@@ -11,8 +11,9 @@ use std::time::Instant;
 
 use super::request::{Item, Work};
 use super::send::{LaneBufs, SendError, send_item};
-use super::wire::{self, Ack, Header, Op, Status};
-use super::{Inner, PeerInfo, handshake, io};
+use super::{Inner, PeerInfo, handshake};
+use crate::session::io;
+use crate::session::wire::{self, Ack, Header, Op, Status};
 use crate::{ErrorKind, Side, TransferError};
 use crossbeam_channel::Receiver;
 
@@ -32,10 +33,10 @@ impl Conn {
         self.stream.as_raw_fd()
     }
 
-    /// The incarnation of the peer process this connection reached.
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-    pub(crate) fn incarnation(&self) -> u64 {
-        self.incarnation
+    /// The socket and the incarnation of the peer process it reached.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn into_parts(self) -> (TcpStream, u64) {
+        (self.stream, self.incarnation)
     }
 }
 
@@ -139,6 +140,11 @@ fn fail_all(inflight: &mut VecDeque<(u64, Item)>, e: &TransferError) {
 }
 
 /// Drop a connection, forgetting its shutdown clone.
+/// The error of an item that finds its lane without a connection.
+fn no_connection(info: &PeerInfo) -> TransferError {
+    TransferError::new(&info.session, None, ErrorKind::Io, "no connection")
+}
+
 fn close(info: &PeerInfo, conn: &mut Option<Conn>) {
     if let Some(c) = conn.take() {
         info.live.lock().remove(&c.id);
@@ -232,12 +238,7 @@ pub(crate) fn lane(inner: Arc<Inner>, info: Arc<PeerInfo>, rx: Receiver<Item>) {
                 continue;
             }
             let Some(c) = conn.as_mut() else {
-                item.finish(Err(TransferError::new(
-                    &info.session,
-                    None,
-                    ErrorKind::Io,
-                    "no connection",
-                )));
+                item.finish(Err(no_connection(&info)));
                 continue;
             };
             if item.batch.expected != 0 && c.incarnation != item.batch.expected {
@@ -268,12 +269,7 @@ pub(crate) fn lane(inner: Arc<Inner>, info: Arc<PeerInfo>, rx: Receiver<Item>) {
             continue;
         };
         let Some(c) = conn.as_ref() else {
-            item.finish(Err(TransferError::new(
-                &info.session,
-                None,
-                ErrorKind::Io,
-                "no connection",
-            )));
+            item.finish(Err(no_connection(&info)));
             continue;
         };
         match read_ack(c.fd()) {

@@ -8,12 +8,21 @@
 use std::os::fd::RawFd;
 use std::time::Instant;
 
-use super::auth::{self, Announce};
-use super::io::{self, Budget};
 use super::stats::bump;
-use super::wire::{self, Challenge, Hello};
 use super::{Inner, TransferError};
 use crate::ErrorKind;
+use crate::session::auth::{self, Announce};
+use crate::session::handshake::{self, Proto};
+use crate::session::io::{self, Budget};
+use crate::session::wire::{self, Hello};
+
+/// The engine wire's handshake.
+const ENGINE: Proto = Proto {
+    magic: wire::MAGIC,
+    version: wire::VERSION,
+    peer: "tcp engine",
+    versioned: "protocol",
+};
 
 /// The peer at the other end of an accepted connection, as it announced
 /// itself (covered by its proof in secret mode).
@@ -64,24 +73,7 @@ pub(crate) fn server(inner: &Inner, fd: RawFd, deadline: Instant) -> Result<Peer
         return Err(bad_hello(inner, "no kvbridge magic"));
     };
     let secret = inner.secret.as_deref();
-    let nonce = auth::nonce();
-    let proof = match secret {
-        Some(s) if flags & wire::FLAG_SECRET != 0 => {
-            auth::server_proof(s, &client_nonce, &nonce, inner.incarnation)
-        }
-        _ => [0u8; wire::NONCE_LEN],
-    };
-    let ch = Challenge {
-        version: wire::VERSION,
-        flags: if secret.is_some() {
-            wire::FLAG_SECRET
-        } else {
-            0
-        },
-        incarnation: inner.incarnation,
-        nonce,
-        proof,
-    };
+    let ch = handshake::challenge(ENGINE, secret, inner.incarnation, flags, &client_nonce);
     if version != wire::VERSION {
         // Its hello may be laid out differently: answer with our version
         // (the client reports the mismatch) and read nothing more.
@@ -106,14 +98,7 @@ pub(crate) fn server(inner: &Inner, fd: RawFd, deadline: Instant) -> Result<Peer
         session: &session,
     };
     if let Some(s) = secret
-        && !auth::verify_client_announced(
-            s,
-            &nonce,
-            &client_nonce,
-            inner.incarnation,
-            announce,
-            &rb,
-        )
+        && !handshake::verify(s, &ch, &client_nonce, Some(announce), &rb)
     {
         bump(&inner.stats.auth_failures);
         if let Some(suppressed) = inner.stats.log_auth.hit() {
@@ -165,11 +150,7 @@ pub(crate) fn client(inner: &Inner, session: &str, fd: RawFd) -> Result<u64, Tra
     let secret = inner.secret.as_deref();
     let hello = Hello {
         version: wire::VERSION,
-        flags: if secret.is_some() {
-            wire::FLAG_SECRET
-        } else {
-            0
-        },
+        flags: handshake::flags(secret),
         nonce: auth::nonce(),
         incarnation: inner.incarnation,
         session: inner.session.clone(),
@@ -177,41 +158,12 @@ pub(crate) fn client(inner: &Inner, session: &str, fd: RawFd) -> Result<u64, Tra
     io::write_all_by(fd, &hello.encode(), &mut b).map_err(io_err)?;
     let mut cb = [0u8; wire::CHALLENGE_LEN];
     io::read_exact_by(fd, &mut cb, &mut b).map_err(io_err)?;
-    let ch = Challenge::decode(&cb).ok_or_else(|| {
-        err(
-            ErrorKind::Refused,
-            "peer is not a kvbridge tcp engine".into(),
-        )
-    })?;
-    if ch.version != wire::VERSION {
-        return Err(err(
-            ErrorKind::Refused,
-            format!(
-                "peer speaks protocol version {}, we speak {}",
-                ch.version,
-                wire::VERSION
-            ),
-        ));
-    }
     let announce = Announce {
         incarnation: inner.incarnation,
         session: &inner.session,
     };
-    let proof = match secret {
-        Some(s) => {
-            if ch.flags & wire::FLAG_SECRET == 0 {
-                return Err(err(ErrorKind::Auth, "peer has no cluster secret".into()));
-            }
-            if !auth::verify_server(s, &hello.nonce, &ch.nonce, ch.incarnation, &ch.proof) {
-                return Err(err(
-                    ErrorKind::Auth,
-                    "peer failed to prove the cluster secret".into(),
-                ));
-            }
-            auth::client_proof_announced(s, &ch.nonce, &hello.nonce, ch.incarnation, announce)
-        }
-        None => [0u8; wire::NONCE_LEN],
-    };
+    let (ch, proof) =
+        handshake::respond(ENGINE, session, secret, &hello.nonce, &cb, Some(announce))?;
     io::write_all_by(fd, &proof, &mut b).map_err(io_err)?;
     let mut vb = [0u8; wire::VERDICT_LEN];
     io::read_exact_by(fd, &mut vb, &mut b).map_err(|e| {

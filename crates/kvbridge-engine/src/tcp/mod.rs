@@ -24,23 +24,17 @@
 //!
 //! See `docs/engines.md` for the framing and the reasoning.
 
-pub(crate) mod auth;
 mod conn;
-#[cfg(feature = "cuda")]
-pub(crate) mod control;
 mod fence;
 mod handshake;
-mod holds;
-mod io;
 mod request;
 mod scatter;
 mod send;
 mod server;
 mod stats;
-pub(crate) mod wire;
 
 use std::collections::HashMap;
-use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -50,6 +44,7 @@ use crossbeam_channel::Sender;
 use kvbridge_mem::{MemError, Region, RegionRegistry};
 use parking_lot::{Mutex, RwLock};
 
+use crate::session::{self, holds, resolve, shutdown_error};
 use crate::{
     Batch, BatchHandle, Block, EngineConfig, ErrorKind, Side, Target, TransferEngine, TransferError,
 };
@@ -147,24 +142,6 @@ impl Inner {
     }
 }
 
-fn shutdown_error(session: &str) -> TransferError {
-    TransferError::new(session, None, ErrorKind::Shutdown, "engine is shut down")
-}
-
-/// Parse and resolve a `host:port` session id.
-fn resolve(session: &str) -> Result<SocketAddr, TransferError> {
-    let bad = |d: String| TransferError::new(session, None, ErrorKind::InvalidArgument, d);
-    if !session.contains(':') {
-        return Err(bad("session id is not host:port".into()));
-    }
-    let mut addrs = session
-        .to_socket_addrs()
-        .map_err(|e| TransferError::new(session, None, ErrorKind::Unreachable, e.to_string()))?;
-    addrs
-        .next()
-        .ok_or_else(|| bad("session id resolves to no address".into()))
-}
-
 /// The TCP transfer engine. Dropping it (or [`TcpEngine::shutdown`]) closes
 /// its port and every connection; pending batches fail with `Shutdown`.
 #[derive(Debug)]
@@ -182,24 +159,7 @@ impl TcpEngine {
     pub fn new(cfg: EngineConfig) -> std::io::Result<Self> {
         let listener = TcpListener::bind((cfg.listen_host.as_str(), cfg.port))?;
         let local = listener.local_addr()?;
-        let host = cfg
-            .advertise_host
-            .clone()
-            .unwrap_or_else(|| cfg.listen_host.clone());
-        if host
-            .parse::<std::net::IpAddr>()
-            .is_ok_and(|ip| ip.is_unspecified())
-        {
-            return Err(std::io::Error::new(
-                std::io::ErrorKind::InvalidInput,
-                "listening on an unspecified address needs advertise_host",
-            ));
-        }
-        let session = if host.contains(':') {
-            format!("[{host}]:{}", local.port())
-        } else {
-            format!("{host}:{}", local.port())
-        };
+        let session = session::session_id(&cfg, local.port())?;
         let secret = cfg.secret.as_ref().map(|s| s.as_bytes().to_vec());
         let inner = Arc::new(Inner {
             cfg,
@@ -292,6 +252,26 @@ impl TcpEngine {
         dst_and_data: &[(u64, &[u8])],
     ) -> Result<(), TransferError> {
         conn::raw_write(&self.inner, session, dst_and_data)
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl session::control::ControlHost for TcpEngine {
+    fn control(&self, session: &str) -> Result<session::control::Control, TransferError> {
+        if self.inner.is_shutdown() {
+            return Err(shutdown_error(session));
+        }
+        let addr: SocketAddr = resolve(session)?;
+        let (stream, incarnation) = conn::connect(&self.inner, session, addr)?.into_parts();
+        Ok(session::control::Control::new(session, stream, incarnation))
+    }
+
+    fn set_exports(&self, table: Vec<u8>) {
+        *self.inner.exports.write() = table;
+    }
+
+    fn registry(&self) -> &RwLock<RegionRegistry> {
+        &self.inner.regions
     }
 }
 

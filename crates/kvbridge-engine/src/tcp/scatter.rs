@@ -15,9 +15,9 @@ use std::io;
 use kvbridge_mem::{MemoryKind, RegionRegistry, access_for};
 use parking_lot::RwLockReadGuard;
 
-use super::io::{Budget, READABLE};
 use super::server::{BOUNCE_CAP, ServerConn};
-use super::wire::{self, Header, Status};
+use crate::session::io::{Budget, READABLE};
+use crate::session::wire::{self, Header, Status};
 
 /// Bytes of a request waiting in the bounce buffer: `(dst, kind, offset, len)`.
 type Pending = Vec<(u64, MemoryKind, usize, usize)>;
@@ -31,7 +31,7 @@ impl ServerConn<'_> {
     ) -> io::Result<Option<(Status, u32)>> {
         let n = h.count as usize;
         self.descs.resize(n * wire::DESC_LEN, 0);
-        super::io::read_exact_by(self.fd, &mut self.descs, b)?;
+        crate::session::io::read_exact_by(self.fd, &mut self.descs, b)?;
         let mut sum: u64 = 0;
         for i in 0..n {
             let (_, len) = wire::desc_at(&self.descs, i);
@@ -58,7 +58,7 @@ impl ServerConn<'_> {
                         "write outside our registered regions refused; request discarded",
                         i,
                     );
-                    super::io::discard_by(self.fd, h.payload, &mut self.bounce, b)?;
+                    crate::session::io::discard_by(self.fd, h.payload, &mut self.bounce, b)?;
                     return Ok(Some((Status::OutOfRegion, i as u32)));
                 }
             }
@@ -96,7 +96,7 @@ impl ServerConn<'_> {
     ) -> io::Result<RwLockReadGuard<'_, RegionRegistry>> {
         let g = self.inner.regions.read_recursive();
         if b.stopped() {
-            return Err(super::io::aborted());
+            return Err(crate::session::io::aborted());
         }
         if g.generation() != *generation {
             for (i, &kind) in kinds.iter().enumerate() {
@@ -141,8 +141,8 @@ impl ServerConn<'_> {
             }
             if kind.is_host_accessible() && !force_copy && len64 >= threshold {
                 let p = std::ptr::with_exposed_provenance_mut::<u8>(dst as usize);
-                iovs.push(super::io::iov(p, len));
-                if iovs.len() >= super::io::MAX_IOV {
+                iovs.push(crate::session::io::iov(p, len));
+                if iovs.len() >= crate::session::io::MAX_IOV {
                     self.flush(&mut st, b, &mut iovs, &mut pending, i as u32)?;
                     used = 0;
                 }
@@ -163,12 +163,12 @@ impl ServerConn<'_> {
                     {
                         last.iov_len += k;
                     }
-                    _ => iovs.push(super::io::iov(start, k)),
+                    _ => iovs.push(crate::session::io::iov(start, k)),
                 }
                 pending.push((dst + off as u64, kind, used, k));
                 used += k;
                 off += k;
-                if iovs.len() >= super::io::MAX_IOV {
+                if iovs.len() >= crate::session::io::MAX_IOV {
                     self.flush(&mut st, b, &mut iovs, &mut pending, i as u32)?;
                     used = 0;
                 }
@@ -209,12 +209,12 @@ impl ServerConn<'_> {
                 // across this call keeps them registered. The registration
                 // contract makes them valid, writable and untouched by
                 // others meanwhile.
-                unsafe { super::io::recv_some(fd, rest) }?
+                unsafe { crate::session::io::recv_some(fd, rest) }?
             };
             match got {
                 Some(n) => {
                     b.progressed();
-                    rest = super::io::advance(rest, n);
+                    rest = crate::session::io::advance(rest, n);
                     while rest.first().is_some_and(|v| v.iov_len == 0) {
                         rest = &mut rest[1..];
                     }

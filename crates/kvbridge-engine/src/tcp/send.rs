@@ -10,9 +10,9 @@ use parking_lot::RwLockReadGuard;
 
 use super::Inner;
 use super::conn::Conn;
-use super::io::{self, Budget, WRITABLE};
 use super::request::{Item, Piece, Work};
-use super::wire::{self, Header, Op};
+use crate::session::io::{self, Budget, WRITABLE};
+use crate::session::wire::{self, Header, Op};
 use crate::{ErrorKind, Side, TransferError};
 
 /// Size of a lane's frame buffer, into which short blocks are coalesced.

@@ -12,16 +12,17 @@
 //! (set when its peer is fenced).
 
 use std::net::{TcpListener, TcpStream};
-use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, RawFd};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
+use super::Inner;
 use super::handshake::{self, PeerId, Refusal};
-use super::io::{self, Budget};
 use super::stats::bump;
-use super::wire::{self, Ack, Header, Op, Status};
-use super::{Inner, holds};
+use crate::session::control::Holder;
+use crate::session::io::{self, Budget};
+use crate::session::wire::{self, Ack, Header, Op, Status};
 
 /// Size of a connection's bounce buffer for short (or staged) blocks.
 pub(super) const BOUNCE_CAP: usize = 1 << 20;
@@ -195,8 +196,7 @@ fn serve(inner: Arc<Inner>, stream: TcpStream, id: u64, accepted_at: Instant) {
         idle_since: Instant::now(),
         descs: Vec::new(),
         bounce: Vec::new(),
-        wake: None,
-        revoke_sent: false,
+        holder: Holder::default(),
     };
     match conn.run() {
         Ok(()) => tracing::debug!(%from, "data connection closed"),
@@ -217,11 +217,8 @@ pub(super) struct ServerConn<'a> {
     idle_since: Instant,
     pub(super) descs: Vec<u8>,
     pub(super) bounce: Vec<u8>,
-    /// Wakes this thread when a hold of the connection is revoked (made at
-    /// the first lease).
-    wake: Option<Arc<OwnedFd>>,
-    /// A `Revoke` was sent and its `Release` is still to come.
-    revoke_sent: bool,
+    /// The connection's leases (CUDA IPC control requests).
+    holder: Holder,
 }
 
 impl ServerConn<'_> {
@@ -296,15 +293,7 @@ impl ServerConn<'_> {
                     return self.bad_frame("exports request with a body", Some(h.seq), &mut b);
                 }
                 let table = self.inner.exports.read().clone();
-                let ack = Ack {
-                    seq: h.seq,
-                    status: Status::Ok,
-                    index: 0,
-                };
-                let mut out = ack.encode().to_vec();
-                out.extend_from_slice(&(table.len() as u64).to_le_bytes());
-                out.extend_from_slice(&table);
-                io::write_all_by(self.fd, &out, &mut b)?;
+                Holder::exports(self.fd, h.seq, &table, &mut b)?;
                 return Ok(true);
             }
             Op::Lease => {
@@ -317,8 +306,7 @@ impl ServerConn<'_> {
                 if h.count != 0 || h.payload != 0 {
                     return self.bad_frame("release request with a body", Some(h.seq), &mut b);
                 }
-                self.inner.holds.release(self.id);
-                self.revoke_sent = false;
+                self.holder.release(&self.inner.holds, self.id);
                 (Status::Ok, 0)
             }
             Op::Check => {
@@ -372,24 +360,17 @@ impl ServerConn<'_> {
                 }
                 return Ok(false);
             }
-            let Some(wake) = self.wake.clone() else {
+            let Some(wake) = self.holder.wake() else {
                 if io::wait_readable(self.fd, IDLE_TICK_MS)? {
                     return Ok(true);
                 }
                 continue;
             };
-            if !self.revoke_sent && self.inner.holds.revoking(self.id) {
-                let revoke = Ack {
-                    seq: 0,
-                    status: Status::Revoked,
-                    index: 0,
-                };
-                io::write_all(self.fd, &revoke.encode())?;
-                self.revoke_sent = true;
-            }
+            self.holder
+                .revoke_if_due(self.fd, &self.inner.holds, self.id)?;
             let (request, woken) = io::wait_readable2(self.fd, wake.as_raw_fd(), IDLE_TICK_MS)?;
             if woken {
-                holds::drain(wake.as_raw_fd());
+                Holder::drained(&wake);
             }
             if request {
                 return Ok(true);
@@ -420,36 +401,26 @@ impl ServerConn<'_> {
         Ok(false)
     }
 
-    /// A lease: check that every named region is registered and add them
-    /// to the connection's hold (see [`holds`]) before the read guard is
-    /// dropped, so a deregistration racing with it sees the hold. Linear in
-    /// the number of regions (one `O(log r)` lookup and one hashed insert
-    /// each), whatever the connection held before.
+    /// A lease (see [`Holder::lease`]); a region not registered is
+    /// counted and logged as a refusal.
     fn lease(&mut self, count: u32, b: &mut Budget<'_>) -> std::io::Result<(Status, u32)> {
-        let n = count as usize;
-        self.descs.resize(n * wire::DESC_LEN, 0);
-        io::read_exact_by(self.fd, &mut self.descs, b)?;
-        let wake = match &self.wake {
-            Some(w) => w.clone(),
-            None => {
-                let w = holds::eventfd()?;
-                self.wake = Some(w.clone());
-                w
+        let inner = self.inner;
+        let leased = self.holder.lease(
+            self.fd,
+            count,
+            &mut self.descs,
+            &inner.regions,
+            &inner.holds,
+            self.id,
+            b,
+        )?;
+        Ok(match leased {
+            Ok(()) => (Status::Ok, 0),
+            Err(bad) => {
+                self.refused("lease of a range outside our regions refused", bad);
+                (Status::OutOfRegion, bad as u32)
             }
-        };
-        let leased: Vec<(u64, u64)> = (0..n).map(|i| wire::desc_at(&self.descs, i)).collect();
-        let regions = self.inner.regions.read_recursive();
-        if let Some(bad) = leased
-            .iter()
-            .position(|&(start, len)| regions.find(start, len).is_none())
-        {
-            drop(regions);
-            self.refused("lease of a range outside our regions refused", bad);
-            return Ok((Status::OutOfRegion, bad as u32));
-        }
-        self.inner.holds.add(self.id, &wake, &leased);
-        drop(regions);
-        Ok((Status::Ok, 0))
+        })
     }
 
     /// Count and log (rate-limited) a request refused for a destination

@@ -15,7 +15,7 @@ use kvbridge_mem::MemoryKind;
 use super::sys::{self, Ucp, ucp};
 
 /// A failed UCX call (or UCX missing altogether).
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 #[non_exhaustive]
 pub enum UcxError {
     /// libucp could not be loaded; the text says why and what to install.
@@ -31,9 +31,42 @@ pub enum UcxError {
         /// UCX's description of the status.
         text: String,
     },
+    /// A UCX setting that UCX refused (or that cannot be passed to it).
+    #[error("bad UCX setting {key}={value}")]
+    BadSetting {
+        /// The setting's name (without the `UCX_` prefix).
+        key: String,
+        /// The value given.
+        value: String,
+        /// UCX's refusal, when it got that far.
+        #[source]
+        source: Option<Box<UcxError>>,
+    },
     /// Something around UCX failed (threads, the side-channel port).
-    #[error("{0}")]
-    Other(String),
+    #[error("{what}: {source}")]
+    Io {
+        /// What was being done.
+        what: String,
+        /// The OS error.
+        #[source]
+        source: std::sync::Arc<std::io::Error>,
+    },
+    /// The engine shut down before the request was carried out.
+    #[error("engine shut down")]
+    Shutdown,
+    /// The thread that owns the UCX worker died while starting.
+    #[error("the UCX progress thread died")]
+    ProgressDied,
+}
+
+impl UcxError {
+    /// An OS error met while `what`.
+    pub(crate) fn io(what: impl Into<String>, source: std::io::Error) -> Self {
+        UcxError::Io {
+            what: what.into(),
+            source: std::sync::Arc::new(source),
+        }
+    }
 }
 
 /// The description UCX gives a status code.
@@ -105,13 +138,23 @@ impl Context {
             for (k, v) in overrides {
                 let (ck, cv) = match (CString::new(k.as_str()), CString::new(v.as_str())) {
                     (Ok(a), Ok(b)) => (a, b),
-                    _ => return Err(UcxError::Other(format!("bad UCX setting {k}={v}"))),
+                    _ => {
+                        return Err(UcxError::BadSetting {
+                            key: k.clone(),
+                            value: v.clone(),
+                            source: None,
+                        });
+                    }
                 };
                 // SAFETY: `cfg` is the live config read above; both strings are NUL-terminated.
                 check(lib, "ucp_config_modify", unsafe {
                     (lib.config_modify)(cfg, ck.as_ptr(), cv.as_ptr())
                 })
-                .map_err(|e| UcxError::Other(format!("UCX setting {k}={v}: {e}")))?;
+                .map_err(|e| UcxError::BadSetting {
+                    key: k.clone(),
+                    value: v.clone(),
+                    source: Some(Box::new(e)),
+                })?;
             }
             let params = sys::ucp_params_t {
                 field_mask: sys::UCP_PARAM_FIELD_FEATURES

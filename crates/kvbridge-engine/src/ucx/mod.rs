@@ -4,13 +4,13 @@
 //! anywhere. UCX's own environment (`UCX_TLS`, `UCX_NET_DEVICES`, ...) picks
 //! the transports.
 //!
-//! * libucp is loaded at run time ([`sys`]); without it [`UcxEngine::new`]
+//! * libucp is loaded at run time (`sys`); without it [`UcxEngine::new`]
 //!   fails with "UCX is not available on this machine".
 //! * One UCP context and worker per engine, owned by one progress thread
-//!   ([`progress`]); callers submit over a channel and wait on
+//!   (`progress`); callers submit over a channel and wait on
 //!   [`BatchHandle`]s, so a blocked caller never stalls other sessions.
 //! * Peers find each other by session id (`host:port`) through a small
-//!   authenticated side channel ([`side`]): the target's worker address, the
+//!   authenticated side channel (`side`): the target's worker address, the
 //!   packed remote keys of its registered regions and its incarnation.
 //! * A batch is checked whole before anything is issued (sources against our
 //!   regions, destinations against the peer's published regions), then
@@ -25,7 +25,7 @@ pub(crate) mod side;
 mod sys;
 
 use std::collections::HashMap;
-use std::net::{SocketAddr, TcpListener, ToSocketAddrs};
+use std::net::{SocketAddr, TcpListener};
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -39,6 +39,7 @@ pub use api::UcxError;
 use progress::{BatchCmd, Cmd, Put, Wake};
 use side::{Ask, PeerInfo, Published, RemoteRegion};
 
+use crate::session::{self, resolve, shutdown_error};
 use crate::{
     Batch, BatchHandle, Block, EngineConfig, ErrorKind, Side, Target, TransferEngine, TransferError,
 };
@@ -136,51 +137,41 @@ pub struct UcxEngine {
 
 impl UcxEngine {
     /// Start an engine: UCX configured from its environment (`UCX_TLS`,
-    /// `UCX_NET_DEVICES`, ...); the side channel listens on
+    /// `UCX_NET_DEVICES`, ...) with `cfg.ucx.settings` over it; the side channel listens on
     /// `cfg.listen_host:cfg.port`, which is the session id.
     pub fn new(cfg: EngineConfig) -> Result<Self, UcxError> {
         Self::with_ucx_config(cfg, &[])
     }
 
     /// Like [`UcxEngine::new`], with UCX settings applied over the
-    /// environment: `("TLS", "tcp")` is `UCX_TLS=tcp` for this engine only.
+    /// environment and `cfg.ucx.settings`: `("TLS", "tcp")` is
+    /// `UCX_TLS=tcp` for this engine only.
     pub fn with_ucx_config(cfg: EngineConfig, ucx: &[(&str, &str)]) -> Result<Self, UcxError> {
         let version = available()?;
-        let other = |e: std::io::Error| UcxError::Other(e.to_string());
-        let listener = TcpListener::bind((cfg.listen_host.as_str(), cfg.port)).map_err(|e| {
-            UcxError::Other(format!("binding {}:{}: {e}", cfg.listen_host, cfg.port))
-        })?;
-        let port = listener.local_addr().map_err(other)?.port();
-        let host = cfg
-            .advertise_host
-            .clone()
-            .unwrap_or_else(|| cfg.listen_host.clone());
-        if host
-            .parse::<std::net::IpAddr>()
-            .is_ok_and(|ip| ip.is_unspecified())
-        {
-            return Err(UcxError::Other(
-                "listening on an unspecified address needs advertise_host".into(),
-            ));
-        }
-        let session = if host.contains(':') {
-            format!("[{host}]:{port}")
-        } else {
-            format!("{host}:{port}")
-        };
+        let listener = TcpListener::bind((cfg.listen_host.as_str(), cfg.port))
+            .map_err(|e| UcxError::io(format!("binding {}:{}", cfg.listen_host, cfg.port), e))?;
+        let port = listener
+            .local_addr()
+            .map_err(|e| UcxError::io("reading the side channel's port", e))?
+            .port();
+        let session = session::session_id(&cfg, port)
+            .map_err(|e| UcxError::io("deriving the session id", e))?;
         let shared = Arc::new(Shared::default());
-        let wake = Arc::new(Wake::new().map_err(other)?);
+        let wake = Arc::new(Wake::new().map_err(|e| UcxError::io("creating the wake-up fd", e))?);
         let (tx, rx) = crossbeam_channel::unbounded();
         let (ready_tx, ready_rx) = crossbeam_channel::bounded(1);
-        let overrides: Vec<(String, String)> = ucx
+        let overrides: Vec<(String, String)> = cfg
+            .ucx
+            .settings
             .iter()
-            .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .chain(ucx.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())))
             .collect();
         let (s2, w2) = (shared.clone(), wake.clone());
         let progress = std::thread::Builder::new()
             .name("kvb-ucx-progress".into())
             .spawn(move || progress::run(overrides, s2, rx, w2, ready_tx))
-            .map_err(other)?;
+            .map_err(|e| UcxError::io("spawning the progress thread", e))?;
         let worker = match ready_rx.recv() {
             Ok(Ok(w)) => w,
             Ok(Err(e)) => {
@@ -189,7 +180,7 @@ impl UcxEngine {
             }
             Err(_) => {
                 let _ = progress.join();
-                return Err(UcxError::Other("the UCX progress thread died".into()));
+                return Err(UcxError::ProgressDied);
             }
         };
         let secret = cfg.secret.as_ref().map(|s| s.as_bytes().to_vec());
@@ -204,7 +195,9 @@ impl UcxEngine {
             served: AtomicU64::new(0),
             auth_failures: AtomicU64::new(0),
         });
-        let l2 = listener.try_clone().map_err(other)?;
+        let l2 = listener
+            .try_clone()
+            .map_err(|e| UcxError::io("cloning the side channel's socket", e))?;
         let p2 = published.clone();
         let engine = Self {
             cfg,
@@ -223,7 +216,7 @@ impl UcxEngine {
         let accept = std::thread::Builder::new()
             .name("kvb-ucx-accept".into())
             .spawn(move || side::accept_loop(p2, l2))
-            .map_err(other)?;
+            .map_err(|e| UcxError::io("spawning the side channel's thread", e))?;
         engine.threads.lock().push(accept);
         tracing::info!(session = %engine.session, ucx = %engine.version, "ucx engine listening");
         Ok(engine)
@@ -280,15 +273,20 @@ impl UcxEngine {
         ok
     }
 
+    /// Ask the peer at `session` (`addr`) over the side channel.
+    fn query(
+        &self,
+        session: &str,
+        addr: SocketAddr,
+        ask: Ask,
+    ) -> Result<(u64, Option<PeerInfo>), TransferError> {
+        let (secret, timeout) = (self.secret.as_deref(), self.cfg.connect_timeout());
+        side::query(session, addr, secret, timeout, ask)
+    }
+
     /// Handshake with `session` and cache what it published.
     fn fetch(&self, session: &str, addr: SocketAddr) -> Result<Arc<PeerInfo>, TransferError> {
-        let (_, info) = side::query(
-            session,
-            addr,
-            self.secret.as_deref(),
-            self.cfg.connect_timeout(),
-            Ask::Info,
-        )?;
+        let (_, info) = self.query(session, addr, Ask::Info)?;
         self.shared.stats.handshakes.fetch_add(1, Ordering::Relaxed);
         info.map(Arc::new).ok_or_else(|| {
             TransferError::new(session, None, ErrorKind::Refused, "peer sent no info")
@@ -324,12 +322,7 @@ impl UcxEngine {
     }
 
     /// Check the whole batch, merge contiguous runs and queue it.
-    fn plan(
-        &self,
-        session: &str,
-        expected: u64,
-        blocks: &[Block],
-    ) -> Result<Option<BatchHandle>, TransferError> {
+    fn plan(&self, session: &str, expected: u64, blocks: &[Block]) -> Planned {
         if self.is_shutdown() {
             return Err(shutdown_error(session));
         }
@@ -435,6 +428,9 @@ impl UcxEngine {
     }
 }
 
+/// A batch checked and queued (`Some`), with nothing to move (`None`), or refused.
+type Planned = Result<Option<BatchHandle>, TransferError>;
+
 /// The start of the published region holding each block's destination
 /// (0 for empty blocks), or the index of the first block outside them.
 fn remote_regions(info: &PeerInfo, blocks: &[Block]) -> Result<Vec<u64>, usize> {
@@ -465,23 +461,6 @@ impl Drop for UcxEngine {
     }
 }
 
-fn shutdown_error(session: &str) -> TransferError {
-    TransferError::new(session, None, ErrorKind::Shutdown, "engine is shut down")
-}
-
-/// Parse and resolve a `host:port` session id.
-fn resolve(session: &str) -> Result<SocketAddr, TransferError> {
-    let bad = |d: &str| TransferError::new(session, None, ErrorKind::InvalidArgument, d);
-    if !session.contains(':') {
-        return Err(bad("session id is not host:port"));
-    }
-    session
-        .to_socket_addrs()
-        .map_err(|e| TransferError::new(session, None, ErrorKind::Unreachable, e.to_string()))?
-        .next()
-        .ok_or_else(|| bad("session id resolves to no address"))
-}
-
 impl TransferEngine for UcxEngine {
     fn session_id(&self) -> &str {
         &self.session
@@ -505,10 +484,9 @@ impl TransferEngine for UcxEngine {
             regions: fresh.clone(),
             reply: tx,
         }) {
-            rx.recv()
-                .unwrap_or_else(|_| Err(UcxError::Other("engine shut down".into())))
+            rx.recv().unwrap_or(Err(UcxError::Shutdown))
         } else {
-            Err(UcxError::Other("engine shut down".into()))
+            Err(UcxError::Shutdown)
         };
         match mapped {
             Ok(keys) => {
@@ -587,13 +565,7 @@ impl TransferEngine for UcxEngine {
             return Err(shutdown_error(session));
         }
         let addr = resolve(session)?;
-        let (incarnation, _) = side::query(
-            session,
-            addr,
-            self.secret.as_deref(),
-            self.cfg.connect_timeout(),
-            Ask::Ping,
-        )?;
+        let (incarnation, _) = self.query(session, addr, Ask::Ping)?;
         let slot = self.shared.slot(session);
         let mut cached = slot.info.lock();
         if cached

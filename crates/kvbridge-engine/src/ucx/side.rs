@@ -3,10 +3,11 @@
 //! worker address and the packed remote keys of the regions it registered —
 //! plus its incarnation, so a restarted peer is told apart.
 //!
-//! One short TCP connection per question, authenticated with the TCP
-//! engine's optional cluster secret (mutual HMAC challenge-response,
-//! [`crate::tcp::auth`]); the server proves itself first, and a client that
-//! did not prove the secret never receives the worker address or a key.
+//! One short TCP connection per question, authenticated with the optional
+//! cluster secret through the session layer's handshake (mutual HMAC
+//! challenge-response, [`crate::session::handshake`]); the server proves
+//! itself first, and a client that did not prove the secret never receives
+//! the worker address or a key.
 //!
 //! ```text
 //! C->S Hello      "KVBU" | version u16 | flags u16 | client nonce [32]
@@ -28,15 +29,22 @@ use std::time::Duration;
 
 use parking_lot::RwLock;
 
-use crate::tcp::auth;
+use crate::session::auth;
+use crate::session::handshake::{self, Proto};
+use crate::session::wire::{CHALLENGE_LEN, HELLO_LEN, Hello, NONCE_LEN as NONCE, u32_at, u64_at};
 use crate::{ErrorKind, TransferError};
 
 const MAGIC: [u8; 4] = *b"KVBU";
 const VERSION: u16 = 1;
-const FLAG_SECRET: u16 = 1;
-const NONCE: usize = 32;
-const HELLO_LEN: usize = 8 + NONCE;
-const CHALLENGE_LEN: usize = 16 + 2 * NONCE;
+#[cfg(test)]
+const FLAG_SECRET: u16 = crate::session::wire::FLAG_SECRET;
+/// The side channel's handshake.
+const SIDE: Proto = Proto {
+    magic: MAGIC,
+    version: VERSION,
+    peer: "ucx engine",
+    versioned: "side-channel",
+};
 const RESPONSE_LEN: usize = NONCE + 8;
 const VERDICT_LEN: usize = 8;
 const VERDICT_OK: u32 = 0;
@@ -135,29 +143,17 @@ fn serve(p: &Published, mut s: TcpStream) -> std::io::Result<()> {
     s.set_write_timeout(Some(p.io_timeout))?;
     let mut hello = [0u8; HELLO_LEN];
     s.read_exact(&mut hello)?;
-    if hello[..4] != MAGIC {
+    let Some((_, flags, client_nonce)) = Hello::decode_prefix_as(MAGIC, &hello) else {
         return Err(std::io::Error::other("not a kvbridge ucx client"));
-    }
-    let client_nonce: [u8; NONCE] = arr(&hello[8..]);
-    let nonce = auth::nonce();
-    let proof = match &p.secret {
-        Some(sec) => auth::server_proof(sec, &client_nonce, &nonce, p.incarnation),
-        None => [0u8; NONCE],
     };
-    let mut ch = Vec::with_capacity(CHALLENGE_LEN);
-    ch.extend_from_slice(&MAGIC);
-    ch.extend_from_slice(&VERSION.to_le_bytes());
-    let flags = if p.secret.is_some() { FLAG_SECRET } else { 0 };
-    ch.extend_from_slice(&flags.to_le_bytes());
-    ch.extend_from_slice(&p.incarnation.to_le_bytes());
-    ch.extend_from_slice(&nonce);
-    ch.extend_from_slice(&proof);
-    s.write_all(&ch)?;
+    let secret = p.secret.as_deref();
+    let ch = handshake::challenge(SIDE, secret, p.incarnation, flags, &client_nonce);
+    s.write_all(&ch.encode_as(MAGIC))?;
     let mut resp = [0u8; RESPONSE_LEN];
     s.read_exact(&mut resp)?;
     let client_proof: [u8; NONCE] = arr(&resp);
-    if let Some(sec) = &p.secret
-        && !auth::verify_client(sec, &nonce, &client_nonce, p.incarnation, &client_proof)
+    if let Some(sec) = secret
+        && !handshake::verify(sec, &ch, &client_nonce, None, &client_proof)
     {
         p.auth_failures.fetch_add(1, Ordering::Relaxed);
         tracing::warn!(peer = ?s.peer_addr().ok(), "ucx side channel: client failed authentication");
@@ -213,14 +209,6 @@ fn arr<const N: usize>(b: &[u8]) -> [u8; N] {
     let mut a = [0u8; N];
     a.copy_from_slice(&b[..N]);
     a
-}
-
-fn u32_at(b: &[u8], at: usize) -> u32 {
-    u32::from_le_bytes(arr(&b[at..]))
-}
-
-fn u64_at(b: &[u8], at: usize) -> u64 {
-    u64::from_le_bytes(arr(&b[at..]))
 }
 
 /// Strict decoder of an info body: every length is checked before use.
@@ -293,47 +281,12 @@ pub(crate) fn query(
     s.set_read_timeout(Some(timeout)).map_err(io)?;
     s.set_write_timeout(Some(timeout)).map_err(io)?;
     let my_nonce = auth::nonce();
-    let mut hello = Vec::with_capacity(HELLO_LEN);
-    hello.extend_from_slice(&MAGIC);
-    hello.extend_from_slice(&VERSION.to_le_bytes());
-    let flags = if secret.is_some() { FLAG_SECRET } else { 0 };
-    hello.extend_from_slice(&flags.to_le_bytes());
-    hello.extend_from_slice(&my_nonce);
+    let hello = Hello::encode_prefix_as(MAGIC, VERSION, handshake::flags(secret), &my_nonce);
     s.write_all(&hello).map_err(io)?;
     let mut ch = [0u8; CHALLENGE_LEN];
     s.read_exact(&mut ch).map_err(io)?;
-    if ch[..4] != MAGIC {
-        return Err(err(
-            ErrorKind::Refused,
-            "peer is not a kvbridge ucx engine".into(),
-        ));
-    }
-    let version = u16::from_le_bytes([ch[4], ch[5]]);
-    if version != VERSION {
-        return Err(err(
-            ErrorKind::Refused,
-            format!("peer speaks side-channel version {version}, we speak {VERSION}"),
-        ));
-    }
-    let peer_flags = u16::from_le_bytes([ch[6], ch[7]]);
-    let incarnation = u64_at(&ch, 8);
-    let server_nonce: [u8; NONCE] = arr(&ch[16..]);
-    let server_proof: [u8; NONCE] = arr(&ch[16 + NONCE..]);
-    let proof = match secret {
-        Some(sec) => {
-            if peer_flags & FLAG_SECRET == 0 {
-                return Err(err(ErrorKind::Auth, "peer has no cluster secret".into()));
-            }
-            if !auth::verify_server(sec, &my_nonce, &server_nonce, incarnation, &server_proof) {
-                return Err(err(
-                    ErrorKind::Auth,
-                    "peer failed to prove the cluster secret".into(),
-                ));
-            }
-            auth::client_proof(sec, &server_nonce, &my_nonce, incarnation)
-        }
-        None => [0u8; NONCE],
-    };
+    let (ch, proof) = handshake::respond(SIDE, session, secret, &my_nonce, &ch, None)?;
+    let incarnation = ch.incarnation;
     let mut resp = Vec::with_capacity(RESPONSE_LEN);
     resp.extend_from_slice(&proof);
     resp.extend_from_slice(&ask.code().to_le_bytes());

@@ -427,7 +427,7 @@ impl Progress {
                     "engine shut down",
                 ))),
                 Cmd::Map { reply, .. } => {
-                    let _ = reply.send(Err(UcxError::Other("engine shut down".into())));
+                    let _ = reply.send(Err(UcxError::Shutdown));
                 }
                 Cmd::Unmap { addrs, reply } => self.unmaps.push(PendingUnmap {
                     upto: 0,

@@ -2,7 +2,7 @@
 //! descriptors, checking and translating a run's whole spans, and the
 //! launch shape of the run kernel.
 
-use super::{Cursor, Miss, Prepared, RangeMap, group_for_words, memcpy_from};
+use super::{Context, Cursor, Miss, Prepared, RangeMap, group_for_words, memcpy_from};
 use crate::Run;
 use crate::ipc::CopyTuning;
 
@@ -19,6 +19,7 @@ pub fn pack_run(r: &Run) -> [[u64; 2]; 2] {
 }
 
 /// The inverse of [`pack_run`].
+#[cfg(test)]
 pub fn unpack_run(d: [[u64; 2]; 2]) -> Run {
     let lo = |x: u64| x & 0xffff_ffff;
     Run {
@@ -116,18 +117,15 @@ impl RunSplit {
 /// (run 0 with [`Miss::Shape`] when `split` is not the split of `runs`).
 ///
 /// [`prepare`]: super::prepare
-#[allow(clippy::too_many_arguments)]
 pub fn prepare_runs(
     runs: &[Run],
     split: &RunSplit,
-    local: &RangeMap,
-    remote: &RangeMap,
-    tuning: &CopyTuning,
-    pool: Option<&rayon::ThreadPool>,
+    cx: Context<'_>,
     out: &mut [[u64; 2]],
     acc: &mut Prepared,
 ) -> Result<(), (usize, Miss)> {
     use rayon::prelude::*;
+    let (local, remote, tuning, pool) = (cx.local, cx.remote, cx.tuning, cx.pool);
     if split.chunk == 0 || split.entries.len() != runs.len().div_ceil(split.chunk) {
         return Err((0, Miss::Shape));
     }
@@ -258,7 +256,7 @@ pub fn run_shifts(acc: &Prepared) -> (u32, u32) {
 mod tests {
     use super::*;
     use crate::Block;
-    use crate::ipc::plan::unpack;
+    use crate::ipc::schedule::unpack;
 
     fn b(src: u64, dst: u64, len: u64) -> Block {
         Block { src, dst, len }
@@ -286,7 +284,18 @@ mod tests {
         let mut acc = Prepared::default();
         let split = RunSplit::new(runs, t, None);
         assert_eq!(split.entries(), out.len());
-        prepare_runs(runs, &split, local, remote, t, None, &mut out, &mut acc)?;
+        prepare_runs(
+            runs,
+            &split,
+            Context {
+                local,
+                remote,
+                tuning: t,
+                pool: None,
+            },
+            &mut out,
+            &mut acc,
+        )?;
         assert_eq!(2 * acc.runs, out.len(), "run_entries is exact");
         let descs = out
             .chunks_exact(2)
@@ -332,7 +341,19 @@ mod tests {
             acc.clear();
             let t0 = std::time::Instant::now();
             let split = RunSplit::new(&runs, &t, pool);
-            prepare_runs(&runs, &split, &local, &remote, &t, pool, &mut out, &mut acc).unwrap();
+            prepare_runs(
+                &runs,
+                &split,
+                Context {
+                    local: &local,
+                    remote: &remote,
+                    tuning: &t,
+                    pool,
+                },
+                &mut out,
+                &mut acc,
+            )
+            .unwrap();
             let dt = t0.elapsed();
             println!(
                 "prepare {n} runs, pool {}: {:.1} us, {:.2} ns/run",
@@ -395,7 +416,16 @@ mod tests {
             let split = RunSplit::new(&runs, &t, None);
             assert_eq!(split.entries(), n);
             let seq = prepare_runs(
-                &runs, &split, &local, &remote, &t, None, &mut one.0, &mut one.1,
+                &runs,
+                &split,
+                Context {
+                    local: &local,
+                    remote: &remote,
+                    tuning: &t,
+                    pool: None,
+                },
+                &mut one.0,
+                &mut one.1,
             );
             for chunk in [1, 7, 64] {
                 let mut par = (vec![[0u64; 2]; n], Prepared::default());
@@ -404,10 +434,12 @@ mod tests {
                 let got = prepare_runs(
                     &runs,
                     &split,
-                    &local,
-                    &remote,
-                    &t,
-                    Some(&pool),
+                    Context {
+                        local: &local,
+                        remote: &remote,
+                        tuning: &t,
+                        pool: Some(&pool),
+                    },
                     &mut par.0,
                     &mut par.1,
                 );
@@ -418,7 +450,16 @@ mod tests {
                     let other = &runs[..runs.len() - 1];
                     let wrong = RunSplit::with_chunk(other, &t, None, chunk);
                     let got = prepare_runs(
-                        &runs, &wrong, &local, &remote, &t, None, &mut par.0, &mut acc,
+                        &runs,
+                        &wrong,
+                        Context {
+                            local: &local,
+                            remote: &remote,
+                            tuning: &t,
+                            pool: None,
+                        },
+                        &mut par.0,
+                        &mut acc,
                     );
                     let same = RunSplit::with_chunk(&runs, &t, None, chunk);
                     if seq.is_ok() && wrong.entries != same.entries {

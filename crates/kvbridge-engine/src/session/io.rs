@@ -304,38 +304,49 @@ pub(crate) unsafe fn send_some(fd: RawFd, iovs: &mut [libc::iovec]) -> io::Resul
     }
 }
 
-/// Fill all of `buf` within `budget`.
-pub(crate) fn read_exact_by(fd: RawFd, buf: &mut [u8], budget: &mut Budget<'_>) -> io::Result<()> {
-    let mut v = [iov(buf.as_mut_ptr(), buf.len())];
+/// Move every byte `v` covers within `budget`: `step` receives or sends
+/// (`recv_some` / `send_some`), `ready` is the readiness it waits for.
+///
+/// # Safety
+/// As `step` requires of `v` (readable for sending, writable and not
+/// otherwise touched for receiving) for the whole call.
+unsafe fn all_by(
+    fd: RawFd,
+    v: libc::iovec,
+    budget: &mut Budget<'_>,
+    ready: libc::c_short,
+    step: unsafe fn(RawFd, &mut [libc::iovec]) -> io::Result<Option<usize>>,
+) -> io::Result<()> {
+    let mut v = [v];
     let mut rest: &mut [libc::iovec] = &mut v;
     while rest.first().is_some_and(|v| v.iov_len > 0) {
-        // SAFETY: the iovec covers (the unfilled tail of) `buf`, mutably borrowed.
-        match unsafe { recv_some(fd, rest) }? {
+        // SAFETY: `rest` is the untouched tail of `v`: forwarded caller contract.
+        match unsafe { step(fd, rest) }? {
             Some(n) => {
                 budget.progressed();
                 rest = advance(rest, n);
             }
-            None => budget.wait(fd, READABLE)?,
+            None => budget.wait(fd, ready)?,
         }
     }
     Ok(())
 }
 
+/// Fill all of `buf` within `budget`.
+pub(crate) fn read_exact_by(fd: RawFd, buf: &mut [u8], budget: &mut Budget<'_>) -> io::Result<()> {
+    if buf.is_empty() {
+        return Ok(()); // nothing to wait for
+    }
+    let v = iov(buf.as_mut_ptr(), buf.len());
+    // SAFETY: `v` covers `buf`, mutably borrowed for the call.
+    unsafe { all_by(fd, v, budget, READABLE, recv_some) }
+}
+
 /// Send all of `buf` within `budget`.
 pub(crate) fn write_all_by(fd: RawFd, buf: &[u8], budget: &mut Budget<'_>) -> io::Result<()> {
-    let mut v = [iov(buf.as_ptr(), buf.len())];
-    let mut rest: &mut [libc::iovec] = &mut v;
-    while rest.first().is_some_and(|v| v.iov_len > 0) {
-        // SAFETY: the iovec covers (the unsent tail of) `buf`, borrowed for the call.
-        match unsafe { send_some(fd, rest) }? {
-            Some(n) => {
-                budget.progressed();
-                rest = advance(rest, n);
-            }
-            None => budget.wait(fd, WRITABLE)?,
-        }
-    }
-    Ok(())
+    let v = iov(buf.as_ptr(), buf.len());
+    // SAFETY: `v` covers `buf`, borrowed (and only read) for the call.
+    unsafe { all_by(fd, v, budget, WRITABLE, send_some) }
 }
 
 /// Read and discard `n` bytes into `scratch`, within `budget`.

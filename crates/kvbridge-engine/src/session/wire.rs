@@ -1,5 +1,7 @@
-//! The TCP engine's framing: handshake messages, request headers,
-//! descriptors and acks. Little-endian, fixed sizes, strictly decoded.
+//! The engine wire (TCP engine data connections and CUDA IPC control
+//! connections): handshake messages, request headers, descriptors and
+//! acks. Little-endian, fixed sizes, strictly decoded. The UCX side channel
+//! opens with the same hello prefix and challenge under its own magic.
 //!
 //! ```text
 //! connection set-up (client = the side that sends data)
@@ -66,11 +68,17 @@ pub(crate) const VERDICT_FENCED: u32 = 3;
 /// Request opcodes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Op {
+    /// Write the payload at the descriptors' destinations.
     Write = 1,
+    /// Check a whole batch's destinations.
     Check = 2,
+    /// Answer Ok (alive, authenticated).
     Ping = 3,
+    /// Send the export table.
     Exports = 4,
+    /// Hold the named regions.
     Lease = 5,
+    /// Drop every hold of the connection.
     Release = 6,
 }
 
@@ -83,13 +91,16 @@ pub(crate) const MAX_LEASE_REGIONS: u32 = 1 << 16;
 /// Ack statuses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Status {
+    // On the wire as these values: 0, 1, 2, ... in order.
     Ok = 0,
-    OutOfRegion = 1,
-    BadRequest = 2,
-    Memory = 3,
-    ShuttingDown = 4,
+    /// A destination (`index`) is outside the receiver's regions.
+    OutOfRegion,
+    BadRequest,
+    /// The receiver could not access its memory.
+    Memory,
+    ShuttingDown,
     /// Unprompted (seq 0): the receiver revokes the connection's holds.
-    Revoked = 5,
+    Revoked,
 }
 
 impl Status {
@@ -112,13 +123,15 @@ fn u16_at(b: &[u8], at: usize) -> u16 {
     u16::from_le_bytes(a)
 }
 
-fn u32_at(b: &[u8], at: usize) -> u32 {
+/// The little-endian `u32` at `at` (the caller checked the length).
+pub(crate) fn u32_at(b: &[u8], at: usize) -> u32 {
     let mut a = [0u8; 4];
     a.copy_from_slice(&b[at..at + 4]);
     u32::from_le_bytes(a)
 }
 
-fn u64_at(b: &[u8], at: usize) -> u64 {
+/// The little-endian `u64` at `at` (the caller checked the length).
+pub(crate) fn u64_at(b: &[u8], at: usize) -> u64 {
     let mut a = [0u8; 8];
     a.copy_from_slice(&b[at..at + 8]);
     u64::from_le_bytes(a)
@@ -146,10 +159,12 @@ impl Hello {
     /// The whole message: prefix, announcement and session id.
     pub(crate) fn encode(&self) -> Vec<u8> {
         let mut b = Vec::with_capacity(HELLO_LEN + ANNOUNCE_LEN + self.session.len());
-        b.extend_from_slice(&MAGIC);
-        b.extend_from_slice(&self.version.to_le_bytes());
-        b.extend_from_slice(&self.flags.to_le_bytes());
-        b.extend_from_slice(&self.nonce);
+        b.extend_from_slice(&Self::encode_prefix_as(
+            MAGIC,
+            self.version,
+            self.flags,
+            &self.nonce,
+        ));
         b.extend_from_slice(&self.incarnation.to_le_bytes());
         let len = u16::try_from(self.session.len()).unwrap_or(u16::MAX);
         b.extend_from_slice(&len.to_le_bytes());
@@ -159,7 +174,30 @@ impl Hello {
 
     /// The fixed prefix, `(version, flags, nonce)`; `None` without the magic.
     pub(crate) fn decode_prefix(b: &[u8; HELLO_LEN]) -> Option<(u16, u16, [u8; NONCE_LEN])> {
-        (b[..4] == MAGIC).then(|| (u16_at(b, 4), u16_at(b, 6), nonce_at(b, 8)))
+        Self::decode_prefix_as(MAGIC, b)
+    }
+
+    /// [`Hello::decode_prefix`] of a protocol opening with `magic`.
+    pub(crate) fn decode_prefix_as(
+        magic: [u8; 4],
+        b: &[u8; HELLO_LEN],
+    ) -> Option<(u16, u16, [u8; NONCE_LEN])> {
+        (b[..4] == magic).then(|| (u16_at(b, 4), u16_at(b, 6), nonce_at(b, 8)))
+    }
+
+    /// The fixed prefix alone, of a protocol opening with `magic`.
+    pub(crate) fn encode_prefix_as(
+        magic: [u8; 4],
+        version: u16,
+        flags: u16,
+        nonce: &[u8; NONCE_LEN],
+    ) -> [u8; HELLO_LEN] {
+        let mut b = [0u8; HELLO_LEN];
+        b[..4].copy_from_slice(&magic);
+        b[4..6].copy_from_slice(&version.to_le_bytes());
+        b[6..8].copy_from_slice(&flags.to_le_bytes());
+        b[8..].copy_from_slice(nonce);
+        b
     }
 
     /// The announcement after the prefix: `(incarnation, session id length)`;
@@ -183,9 +221,20 @@ pub(crate) struct Challenge {
 }
 
 impl Challenge {
+    /// The engine wire's challenge.
     pub(crate) fn encode(&self) -> [u8; CHALLENGE_LEN] {
+        self.encode_as(MAGIC)
+    }
+
+    /// Strict decode of the engine wire's challenge; `None` without the magic.
+    pub(crate) fn decode(b: &[u8; CHALLENGE_LEN]) -> Option<Self> {
+        Self::decode_as(MAGIC, b)
+    }
+
+    /// The challenge of a protocol opening with `magic`.
+    pub(crate) fn encode_as(&self, magic: [u8; 4]) -> [u8; CHALLENGE_LEN] {
         let mut b = [0u8; CHALLENGE_LEN];
-        b[..4].copy_from_slice(&MAGIC);
+        b[..4].copy_from_slice(&magic);
         b[4..6].copy_from_slice(&self.version.to_le_bytes());
         b[6..8].copy_from_slice(&self.flags.to_le_bytes());
         b[8..16].copy_from_slice(&self.incarnation.to_le_bytes());
@@ -194,8 +243,9 @@ impl Challenge {
         b
     }
 
-    pub(crate) fn decode(b: &[u8; CHALLENGE_LEN]) -> Option<Self> {
-        (b[..4] == MAGIC).then(|| Self {
+    /// [`Challenge::decode`] of a protocol opening with `magic`.
+    pub(crate) fn decode_as(magic: [u8; 4], b: &[u8; CHALLENGE_LEN]) -> Option<Self> {
+        (b[..4] == magic).then(|| Self {
             version: u16_at(b, 4),
             flags: u16_at(b, 6),
             incarnation: u64_at(b, 8),
@@ -346,6 +396,22 @@ mod tests {
         push_desc(&mut d, 0xbeef, 13);
         assert_eq!(desc_at(&d, 1), (0xbeef, 13));
         assert_eq!(decode_verdict(&encode_verdict(VERDICT_AUTH)), VERDICT_AUTH);
+    }
+
+    #[test]
+    fn status_values_are_fixed() {
+        let all = [
+            Status::Ok,
+            Status::OutOfRegion,
+            Status::BadRequest,
+            Status::Memory,
+            Status::ShuttingDown,
+            Status::Revoked,
+        ];
+        for (v, s) in all.into_iter().enumerate() {
+            assert_eq!(s as u32, v as u32);
+            assert_eq!(Status::from_u32(v as u32), Some(s));
+        }
     }
 
     #[test]
