@@ -217,6 +217,24 @@ pub(crate) fn batch_blocks<'a>(
     batch.to_blocks().map_err(|i| malformed_run(session, i))
 }
 
+/// [`TransferEngine::submit`] for engines that move blocks: `plan` gets the
+/// session, the expected incarnation (0: any) and the batch as blocks, and
+/// returns the batch's handle, or `None` when there is nothing to move.
+pub(crate) fn submit_as_blocks(
+    target: Target<'_>,
+    batch: Batch<'_>,
+    plan: impl FnOnce(&str, u64, &[Block]) -> Result<Option<BatchHandle>, TransferError>,
+) -> BatchHandle {
+    let expected = target.incarnation.unwrap_or(0);
+    let planned =
+        batch_blocks(target.session, batch).and_then(|b| plan(target.session, expected, &b));
+    match planned {
+        Ok(Some(h)) => h,
+        Ok(None) => BatchHandle::ready(Ok(())),
+        Err(e) => BatchHandle::ready(Err(e)),
+    }
+}
+
 /// The error for run `i` of a batch that is not [`Run::is_well_formed`].
 pub(crate) fn malformed_run(session: &str, i: usize) -> TransferError {
     TransferError::new(

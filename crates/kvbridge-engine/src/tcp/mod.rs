@@ -352,13 +352,9 @@ impl TransferEngine for TcpEngine {
     }
 
     fn submit(&self, target: Target<'_>, batch: Batch<'_>) -> BatchHandle {
-        let planned = crate::batch_blocks(target.session, batch)
-            .and_then(|blocks| self.plan(target.session, target.incarnation.unwrap_or(0), &blocks));
-        match planned {
-            Ok(Some(h)) => h,
-            Ok(None) => BatchHandle::ready(Ok(())),
-            Err(e) => BatchHandle::ready(Err(e)),
-        }
+        crate::submit_as_blocks(target, batch, |session, expected, blocks| {
+            self.plan(session, expected, blocks)
+        })
     }
 
     fn probe(&self, session: &str) -> Result<(), TransferError> {
