@@ -17,7 +17,7 @@ fuzz_target!(|data: &[u8]| {
             .collect();
         // Encoding is canonical: what decodes re-encodes to frames that
         // decode and re-encode to themselves (absent optionals become the
-        // seed's defaults on the first encode).
+        // reference's defaults on the first encode).
         let again =
             ToDecode::decode(&encoded, &Limits::DEFAULT).expect("re-encoded message decodes");
         let twice: Vec<Vec<u8>> = again.encode().into_iter().map(|f| f.into_owned()).collect();
