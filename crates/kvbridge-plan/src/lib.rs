@@ -62,6 +62,7 @@ mod layout;
 mod pairing;
 mod peer;
 mod plan;
+mod slots;
 mod state;
 
 #[cfg(feature = "scenario")]
@@ -69,6 +70,7 @@ pub mod scenario;
 #[cfg(feature = "scenario")]
 pub mod synthetic;
 
+pub use aux::aux_slot;
 pub use block::{Block, Run, canonicalize, expand_runs, total_bytes};
 pub use error::{DsaTailError, PlanError};
 pub use layout::{
@@ -77,6 +79,7 @@ pub use layout::{
 };
 pub use peer::{KvPath, PreparedPeer};
 pub use plan::{KvBatches, KvRunBatches, Planner, TransferPlan, plan_once};
+pub use slots::{SlotFamily, SlotSpan};
 
 #[cfg(feature = "scenario")]
 pub use scenario::{Scenario, ScenarioError, ScenarioResult, plan_scenario};
