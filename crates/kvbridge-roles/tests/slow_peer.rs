@@ -238,9 +238,9 @@ fn a_hung_last_chunk_delays_only_its_own_room() {
     t.shutdown();
 }
 
-/// A room's status never precedes its bytes: the room's first chunk is
-/// written, then the decode freezes and the last chunk (its second page and
-/// the aux slot) is held. Once a later room on the same worker has
+/// A room's status never precedes its bytes: the decode freezes right
+/// after the room's first chunk is written, so the last chunk (its second
+/// page and the aux slot) is held. Once a later room on the same worker has
 /// succeeded (so the worker is past the held last chunk), the room is still
 /// not concluded on either side and its last bytes are missing; thawed, it
 /// succeeds with every byte in place.
@@ -248,6 +248,9 @@ fn a_hung_last_chunk_delays_only_its_own_room() {
 fn a_rooms_status_never_precedes_its_bytes() {
     let mut t = TwoDecodes::start();
     let (mut rx1, mut tx1) = t.open(true, 1, &[3, 4]);
+    // Frozen by the engine itself once the first request is written (a
+    // freeze set from here could miss a connection already waiting).
+    t.hung.debug_freeze_after(1);
     tx1.send(&[3], None, None).unwrap();
     let written = |t: &TwoDecodes| t.pools_a.verify_kv(1, &[3]).mismatched == 0;
     let deadline = std::time::Instant::now() + Duration::from_secs(20);
@@ -255,7 +258,6 @@ fn a_rooms_status_never_precedes_its_bytes() {
         std::thread::sleep(Duration::from_millis(2));
     }
     assert!(written(&t), "the first chunk never arrived");
-    t.hung.debug_freeze(true);
     tx1.send(&[4], None, None).unwrap();
 
     t.fast_rooms_succeed(2..=3);
@@ -263,6 +265,7 @@ fn a_rooms_status_never_precedes_its_bytes() {
     assert!(!rx1.poll().is_terminal(), "status before the bytes");
     assert!(t.pools_a.verify(1, &[3, 4], 1).mismatched > 0);
 
+    t.hung.debug_freeze_after(u64::MAX);
     t.hung.debug_freeze(false);
     assert_eq!(
         wait_terminal(Duration::from_secs(60), || rx1.poll()),
@@ -271,6 +274,48 @@ fn a_rooms_status_never_precedes_its_bytes() {
     let v = t.pools_a.verify(1, &[3, 4], 1);
     assert!(v.bytes > 0 && v.mismatched == 0, "{v:?}");
     assert_eq!(tx1.poll(), KvPoll::Success);
+    rx1.clear();
+    tx1.clear();
+    t.shutdown();
+}
+
+/// The decode aborts the hung room while its last chunk is in flight: the
+/// prefill marks it `Failed` at once, keeps serving the other rooms of the
+/// worker, and acknowledges the abort only once the room's writes drained
+/// (after the thaw); the room never reports `Success`.
+#[test]
+fn an_abort_of_a_hung_last_chunk_is_acknowledged_after_the_drain() {
+    let mut t = TwoDecodes::start();
+    let (mut rx1, mut tx1) = t.open(true, 1, &[1, 2]);
+    t.hung.debug_freeze(true);
+    tx1.send(&[1, 2], None, None).unwrap();
+    // A later room's success means the worker is past the hung room's
+    // chunk: its batches are in flight (an abort before that would skip
+    // the chunk and be acknowledged at once, rightly).
+    t.fast_rooms_succeed(2..=2);
+    rx1.abort();
+    let prefill_status = |t: &TwoDecodes| t.prefill.room_status(1).unwrap_or(KvPoll::Success);
+    assert_eq!(
+        wait_for(Duration::from_secs(10), KvPoll::Failed, || prefill_status(
+            &t
+        )),
+        KvPoll::Failed
+    );
+
+    t.fast_rooms_succeed(3..=4);
+    assert!(
+        !rx1.abort_acknowledged(),
+        "ABORT_ACK before the room's writes drained"
+    );
+
+    t.hung.debug_freeze(false);
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while !rx1.abort_acknowledged() {
+        assert!(std::time::Instant::now() < deadline, "no ABORT_ACK");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    assert_eq!(tx1.poll(), KvPoll::Failed);
+    assert_eq!(rx1.poll(), KvPoll::Failed);
     rx1.clear();
     tx1.clear();
     t.shutdown();

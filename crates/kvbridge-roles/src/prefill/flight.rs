@@ -73,11 +73,15 @@ impl Flight {
         batch: Batch<'_>,
         submitted: Submitted,
     ) {
-        let to = kvbridge_engine::Target::exact(&submitted.dest.session, incarnation);
-        let handle = engine.submit(to, batch);
-        if let Some(id) = self.pipe.submitted(ticket, submitted) {
-            self.handles.push((id, handle));
-        }
+        let dest = submitted.dest.clone();
+        // Recorded first: a batch the pipeline would not track (a closed
+        // chunk) never reaches the engine, so no write goes unaccounted.
+        let Some(id) = self.pipe.submitted(ticket, submitted) else {
+            tracing::error!(ticket, "batch for a chunk that is not open; not submitted");
+            return;
+        };
+        let to = kvbridge_engine::Target::exact(&dest.session, incarnation);
+        self.handles.push((id, engine.submit(to, batch)));
     }
 
     /// Feeds every finished batch to the pipeline; whether there was one.
