@@ -1,6 +1,10 @@
 //! Which slots of our own buffers a byte range covers: the inverse of the
 //! planner's address rules, for a decode rank that checks where a peer's
 //! control-plane write (`STATE_DATA`, `AUX_DATA`) lands.
+//!
+//! **Owns:** the mapping from an address range to a buffer family and slot
+//! indices. **Never:** decides whether those slots may be written (the
+//! caller knows its rooms), or wraps an address.
 
 use crate::layout::PrefillLayout;
 
