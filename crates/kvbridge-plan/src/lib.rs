@@ -64,6 +64,7 @@ mod pairing;
 mod peer;
 mod plan;
 pub mod rng;
+mod slots;
 mod state;
 
 #[cfg(feature = "scenario")]
@@ -71,6 +72,7 @@ pub mod scenario;
 #[cfg(feature = "scenario")]
 pub mod synthetic;
 
+pub use aux::aux_slot;
 pub use block::{Block, Run, canonicalize, expand_runs, total_bytes};
 pub use error::{DsaTailError, PlanError};
 pub use layout::{
@@ -79,6 +81,7 @@ pub use layout::{
 };
 pub use peer::{KvPath, PreparedPeer};
 pub use plan::{KvBatches, KvRunBatches, Planner, TransferPlan, plan_once};
+pub use slots::{SlotFamily, SlotSpan};
 
 #[cfg(feature = "scenario")]
 pub use scenario::{Scenario, ScenarioError, ScenarioResult, plan_scenario};

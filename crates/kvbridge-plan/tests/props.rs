@@ -558,3 +558,49 @@ proptest! {
         let _ = plan_once(&layout, reg, &req, &ch);
     }
 }
+
+proptest! {
+    /// `aux_slot` is `base + index * item_len` exactly when that range fits
+    /// in `u64`, an error otherwise; the layout's form agrees with it, and
+    /// `slots_at` maps the slot back to its index.
+    #[test]
+    fn aux_slot_is_checked_and_inverted_by_slots_at(
+        base in prop_oneof![0u64..1 << 40, (u64::MAX - (1 << 20))..=u64::MAX],
+        item in prop_oneof![Just(0u64), 1u64..4096, (u64::MAX >> 8)..=u64::MAX],
+        index in prop_oneof![0u64..1024, (u64::MAX >> 12)..=u64::MAX],
+    ) {
+        let exact = u128::from(base) + u128::from(index) * u128::from(item);
+        let fits = exact + u128::from(item) <= u128::from(u64::MAX);
+        match kvbridge_plan::aux_slot(base, item, index) {
+            Ok((addr, len)) => {
+                prop_assert!(fits);
+                prop_assert_eq!(u128::from(addr), exact);
+                prop_assert_eq!(len, item);
+            }
+            Err(e) => {
+                prop_assert!(!fits);
+                prop_assert_eq!(e, kvbridge_plan::PlanError::AddressOverflow);
+            }
+        }
+        let layout = PrefillLayout {
+            aux_data_ptrs: vec![base],
+            aux_item_lens: vec![item],
+            ..PrefillLayout::default()
+        };
+        prop_assert_eq!(layout.aux_slot(0, index), kvbridge_plan::aux_slot(base, item, index));
+        prop_assert!(layout.aux_slot(1, index).is_err(), "no second aux buffer");
+        if let Ok((addr, len)) = layout.aux_slot(0, index)
+            && item > 0
+        {
+            let span = layout.slots_at(addr, len);
+            prop_assert_eq!(
+                span,
+                Some(kvbridge_plan::SlotSpan {
+                    family: kvbridge_plan::SlotFamily::Aux,
+                    first: index,
+                    last: index,
+                })
+            );
+        }
+    }
+}

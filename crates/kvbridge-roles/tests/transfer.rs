@@ -179,3 +179,105 @@ fn intra_node_mode_ships_host_blocks_over_zmq() {
     prefill.teardown();
     decode.teardown();
 }
+
+/// A room with a state component (one mamba slot) sent in three chunks,
+/// through the engine or, with the intra-node transport and host pools,
+/// as `STATE_DATA` after the KV: KV pages, the state slot and the aux slot
+/// all land byte-exact by the time either side reports `Success`.
+fn state_slot_lands(intra: bool) {
+    use kvbridge_mem::HostBuffer;
+    use kvbridge_plan::{StateComponent, StateType};
+    const SLOT: usize = 192;
+    let bs = bootstrap();
+    let mut p_pools = Pools::new(2, 32, 1024, 4, 64);
+    let d_pools = Pools::new(2, 64, 1024, 8, 64);
+    let mut p_state = HostBuffer::new(8 * SLOT).unwrap();
+    let d_state = HostBuffer::new(16 * SLOT).unwrap();
+    for (i, byte) in p_state.as_mut_slice()[3 * SLOT..4 * SLOT]
+        .iter_mut()
+        .enumerate()
+    {
+        *byte = pattern(77, 5, i as u64);
+    }
+    let with_state = |mut args: kvbridge_roles::KvArgs, buf: &HostBuffer| {
+        args.layout.states.push(StateComponent::new(
+            StateType::Mamba,
+            vec![buf.addr()],
+            vec![SLOT as u64],
+        ));
+        args.state_data_lens.push(vec![buf.len() as u64]);
+        args
+    };
+    let src_pages: Vec<i32> = vec![1, 2, 3, 7, 8];
+    let dst_pages: Vec<i32> = vec![30, 31, 5, 6, 50];
+    for &p in &src_pages {
+        p_pools.fill_page(p as u64 + 100, p as usize);
+    }
+    p_pools.fill_aux(9, 1);
+    let prefill = start_prefill(
+        kvbridge_roles::PrefillConfig {
+            nvlink_intra: intra,
+            ..prefill_config(bs.local_addr(), 1, 0)
+        },
+        with_state(p_pools.kv_args(16, 1, 0, 8), &p_state),
+        tcp_engine(),
+    );
+    let decode = start_decode(
+        kvbridge_roles::DecodeConfig {
+            nvlink_intra: intra,
+            ..decode_config(1)
+        },
+        with_state(d_pools.kv_args(16, 1, 0, 8), &d_state),
+        tcp_engine(),
+    );
+    let room = 0x57a7e;
+    let mut rx = decode.receiver(&bs.local_addr().to_string(), room);
+    assert_eq!(rx.init(0), KvPoll::WaitingForInput);
+    rx.send_metadata(&dst_pages, 3, &[vec![11]], None);
+    let mut tx = prefill.sender(room);
+    tx.init(src_pages.len() as u64, Some(1));
+    assert_eq!(
+        wait_for(T, KvPoll::WaitingForInput, || tx.poll()),
+        KvPoll::WaitingForInput
+    );
+    let chunks: Vec<&[i32]> = src_pages.chunks(2).collect();
+    for (i, chunk) in chunks.iter().enumerate() {
+        let states = (i + 1 == chunks.len()).then(|| vec![Some(vec![3i64])]);
+        tx.send(chunk, states, None).unwrap();
+    }
+    assert_eq!(wait_terminal(T, || rx.poll()), KvPoll::Success);
+    // Checked the moment the decode sees Success.
+    assert_eq!(
+        &d_state.as_slice()[11 * SLOT..12 * SLOT],
+        &p_state.as_slice()[3 * SLOT..4 * SLOT],
+        "state slot"
+    );
+    let item = 1024usize;
+    for (s, d) in src_pages.iter().zip(&dst_pages) {
+        for b in 0..4 {
+            assert_eq!(
+                &d_pools.kv[b].as_slice()[*d as usize * item..(*d as usize + 1) * item],
+                &p_pools.kv[b].as_slice()[*s as usize * item..(*s as usize + 1) * item]
+            );
+        }
+    }
+    assert_eq!(
+        &d_pools.aux.as_slice()[3 * 64..4 * 64],
+        &p_pools.aux.as_slice()[64..2 * 64]
+    );
+    assert_eq!(wait_terminal(T, || tx.poll()), KvPoll::Success);
+    rx.clear();
+    tx.clear();
+    prefill.teardown();
+    decode.teardown();
+}
+
+#[test]
+fn a_state_slot_lands_through_the_engine() {
+    state_slot_lands(false);
+}
+
+#[test]
+fn a_state_slot_lands_over_zmq_after_the_kv_in_intra_node_mode() {
+    state_slot_lands(true);
+}

@@ -190,14 +190,9 @@ fn room_takes(shared: &Shared, room: u64, dst: u64, len: u64) -> bool {
 
 fn on_aux(shared: &Shared, a: &AuxData<'_>) {
     let layout = &shared.kv_args.layout;
-    let slot = usize::try_from(a.buffer_index).ok().and_then(|i| {
-        let ptr = *layout.aux_data_ptrs.get(i)?;
-        let item = *layout.aux_item_lens.get(i)?;
-        let addr = item
-            .checked_mul(a.aux_index)
-            .and_then(|o| ptr.checked_add(o))?;
-        Some((addr, item))
-    });
+    let slot = usize::try_from(a.buffer_index)
+        .ok()
+        .and_then(|i| layout.aux_slot(i, a.aux_index).ok());
     let Some((addr, item)) = slot else {
         shared.metrics.dropped("aux_data");
         tracing::error!(

@@ -5,7 +5,7 @@
 
 use std::collections::{HashMap, HashSet};
 
-use kvbridge_plan::PrefillLayout;
+use kvbridge_plan::{PrefillLayout, SlotFamily};
 
 /// The prefill ranks of a room, by their unique rank number (what they put
 /// in status and ABORT_ACK frames).
@@ -27,14 +27,6 @@ pub(crate) struct RoomSlots {
     aux: u64,
 }
 
-/// A buffer family of our layout and which of a room's indices it takes.
-#[derive(Clone, Copy)]
-enum Family {
-    Kv,
-    State(usize),
-    Aux,
-}
-
 impl RoomSlots {
     /// The slots named by a transfer request we sent.
     pub fn new(kv_indices: &[i32], aux_index: u64, state_indices: &[Vec<i32>]) -> Self {
@@ -49,34 +41,31 @@ impl RoomSlots {
         }
     }
 
-    fn indices(&self, family: Family) -> Option<SlotSet<'_>> {
+    fn indices(&self, family: SlotFamily) -> Option<SlotSet<'_>> {
         match family {
-            Family::Kv => Some(SlotSet::Many(&self.pages)),
-            Family::State(c) => self.states.get(c).map(SlotSet::Many),
-            Family::Aux => Some(SlotSet::One(self.aux)),
+            SlotFamily::Kv => Some(SlotSet::Many(&self.pages)),
+            SlotFamily::State(c) => self.states.get(c).map(SlotSet::Many),
+            SlotFamily::Aux => Some(SlotSet::One(self.aux)),
         }
     }
 
     /// Whether `[dst, dst + len)` lies wholly inside slots of this room in
-    /// one buffer of `layout` (pages, state slots or the aux slot).
+    /// one buffer of `layout` (pages, state slots or the aux slot); which
+    /// slots a range covers is the planner's rule (`slots_at`).
     pub fn allows(&self, layout: &PrefillLayout, dst: u64, len: u64) -> bool {
-        let Some(last) = dst.checked_add(len.max(1) - 1) else {
+        let Some(span) = layout.slots_at(dst, len) else {
             return false;
         };
-        let Some((base, item, family)) = buffer_at(layout, dst) else {
+        let Some(set) = self.indices(span.family) else {
             return false;
         };
-        let (Some(set), true) = (self.indices(family), item > 0) else {
-            return false;
-        };
-        let (first, end) = ((dst - base) / item, (last - base) / item);
         // A block can span consecutive slots (a merged run); each must be
         // the room's. Bounded: no legitimate block spans more slots than
         // the room has.
-        if end - first >= set.len() as u64 {
+        if span.last - span.first >= set.len() as u64 {
             return false;
         }
-        (first..=end).all(|i| set.contains(i))
+        (span.first..=span.last).all(|i| set.contains(i))
     }
 }
 
@@ -99,35 +88,6 @@ impl SlotSet<'_> {
             SlotSet::One(one) => *one == i,
         }
     }
-}
-
-/// The buffer of `layout` with the highest start at or below `addr`:
-/// `(start, item length, family)`.
-fn buffer_at(layout: &PrefillLayout, addr: u64) -> Option<(u64, u64, Family)> {
-    let kv = layout.kv_data_ptrs.iter().enumerate().map(|(i, &p)| {
-        let item = layout
-            .kv_item_lens
-            .get(i)
-            .or(layout.kv_item_lens.first())
-            .copied()
-            .unwrap_or(0);
-        (p, item, Family::Kv)
-    });
-    let states = layout.states.iter().enumerate().flat_map(|(c, comp)| {
-        comp.data_ptrs
-            .iter()
-            .zip(&comp.item_lens)
-            .map(move |(&p, &item)| (p, item, Family::State(c)))
-    });
-    let aux = layout
-        .aux_data_ptrs
-        .iter()
-        .zip(&layout.aux_item_lens)
-        .map(|(&p, &item)| (p, item, Family::Aux));
-    kv.chain(states)
-        .chain(aux)
-        .filter(|(p, _, _)| *p <= addr)
-        .max_by_key(|(p, _, _)| *p)
 }
 
 /// Slots of every live room, for messages that name only a room.

@@ -6,10 +6,12 @@
 //! queue (chunks of one room stay in order on one shard), one probe thread
 //! for blacklisted sessions, and optionally a metrics endpoint.
 
+mod flight;
 mod inbox;
 mod pipeline;
 mod probe;
 mod sender;
+mod ship;
 pub(crate) mod state;
 mod worker;
 
