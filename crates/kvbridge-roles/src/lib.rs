@@ -3,6 +3,9 @@
 //! The working system around the lower layers: the bootstrap server, the
 //! prefill and decode role managers (sglang's `MooncakeKVManager`), and the
 //! per-request `KvSender` / `KvReceiver` with their `KVPoll` state machine.
+//! Where these docs say "the reference", they mean sglang's Mooncake
+//! connector (`sglang/srt/disaggregation/mooncake/conn.py`), whose behaviour
+//! and zmq frames the roles match.
 //!
 //! **Owns:** control-plane sockets (zmq), threads, room state, timeouts,
 //! heartbeats, abort, failure recovery and teardown.

@@ -8,7 +8,7 @@
 //! With the intra-node transport active (sglang's `MC_INTRANODE_NVLINK`,
 //! `MC_INTRA_NVLINK`, `MOONCAKE_PROTOCOL=nvlink_intra`, our
 //! `nvlink_intra` setting, or an engine that moves device memory only)
-//! only device regions are registered with the engine, as the seed's
+//! only device regions are registered with the engine, as the reference's
 //! `_registerable_regions` does; host regions stay local.
 
 use kvbridge_mem::{MemError, RegionRegistry, probe_kind};
@@ -16,7 +16,7 @@ use kvbridge_mem::{MemError, RegionRegistry, probe_kind};
 use crate::kv_args::KvArgs;
 
 /// Whether sglang's environment selects the intra-node NVLink transport
-/// (the seed's `_nvlink_intra_transport_active`: either variable set to
+/// (the reference's `_nvlink_intra_transport_active`: either variable set to
 /// anything non-empty, or the protocol named).
 pub fn nvlink_intra_env() -> bool {
     let set = |name: &str| std::env::var_os(name).is_some_and(|v| !v.is_empty());

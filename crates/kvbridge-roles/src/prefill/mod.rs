@@ -158,7 +158,7 @@ impl Shared {
     }
 
     /// One ABORT_ACK: the ranked form (with the generation when the abort
-    /// carried one) under deferred release, the seed's 2-frame form otherwise.
+    /// carried one) under deferred release, the reference's 2-frame form otherwise.
     pub fn send_abort_ack(&self, room: u64, target: &AckTarget) {
         let ack = if self.config.deferred_release || target.generation.is_some() {
             AbortAck {
