@@ -4,10 +4,15 @@
 //! * what every transport shares: where it listens and what it announces
 //!   (`listen_host`, `advertise_host`, `port`), the connect and I/O
 //!   timeouts and the cluster secret (the session layer's handshake);
-//! * the TCP engine's settings (also those of the CUDA IPC engine's
-//!   control server): connections, framing, limits against hostile peers;
-//!   flat, as they always were, so existing files and code keep working;
-//! * per-transport sections: `ipc` (copy tuning) and `ucx` (UCX settings).
+//! * [`TcpConfig`], the `tcp` section: the TCP engine's settings (also
+//!   those of the CUDA IPC engine's control server): connections, framing,
+//!   limits against hostile peers;
+//! * the other per-transport sections: `ipc` (copy tuning) and `ucx`
+//!   (UCX settings).
+//!
+//! Files written before the `tcp` section existed keep parsing: its fields
+//! are also accepted flat, at the top of the `engine` section (naming one
+//! both ways is refused).
 //!
 //! **Never:** holds anything but plain settings (no sockets, no secrets
 //! other than the configured one, which `Debug` redacts).
@@ -20,9 +25,9 @@ use crate::ipc::CopyTuning;
 
 /// Configuration of every engine ([`crate::TcpEngine`], the CUDA IPC and
 /// UCX engines); serde-friendly (file or flags), every field optional with
-/// the defaults below. Old files (flat, without sections) parse unchanged.
+/// the defaults below.
 #[derive(Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-#[serde(default, deny_unknown_fields)]
+#[serde(try_from = "file::EngineConfigFile", into = "file::EngineConfigFile")]
 pub struct EngineConfig {
     // Shared by every transport.
     /// Address to listen on (`"127.0.0.1"` by default; the node's IP in production).
@@ -39,7 +44,18 @@ pub struct EngineConfig {
     /// Shared cluster secret: when set, connections must prove knowledge of it
     /// (HMAC challenge-response, never sent on the wire), in both directions.
     pub secret: Option<String>,
-    // The TCP engine (and the CUDA IPC engine's control server).
+    /// The TCP engine's section (also the CUDA IPC engine's control server).
+    pub tcp: TcpConfig,
+    /// The CUDA IPC engine's section: how it copies.
+    pub ipc: CopyTuning,
+    /// The UCX engine's section.
+    pub ucx: UcxConfig,
+}
+
+/// The TCP engine's section of [`EngineConfig`].
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TcpConfig {
     /// Parallel connections (and sender threads) per peer.
     pub connections_per_peer: usize,
     /// Blocks shorter than this are copied into frame buffers (coalesced);
@@ -66,10 +82,6 @@ pub struct EngineConfig {
     /// through host bounce buffers), to exercise the staging path.
     #[doc(hidden)]
     pub force_staging: bool,
-    /// The CUDA IPC engine's section: how it copies.
-    pub ipc: CopyTuning,
-    /// The UCX engine's section.
-    pub ucx: UcxConfig,
 }
 
 /// The UCX engine's section of [`EngineConfig`].
@@ -87,10 +99,20 @@ impl Default for EngineConfig {
             listen_host: "127.0.0.1".into(),
             advertise_host: None,
             port: 0,
-            connections_per_peer: 4,
             connect_timeout_ms: 3_000,
             io_timeout_ms: 30_000,
             secret: None,
+            tcp: TcpConfig::default(),
+            ipc: CopyTuning::default(),
+            ucx: UcxConfig::default(),
+        }
+    }
+}
+
+impl Default for TcpConfig {
+    fn default() -> Self {
+        Self {
+            connections_per_peer: 4,
             coalesce_threshold: 2048,
             request_bytes: 8 << 20,
             pipeline_depth: 2,
@@ -98,54 +120,146 @@ impl Default for EngineConfig {
             idle_timeout_ms: 600_000,
             request_timeout_ms: 60_000,
             force_staging: false,
-            ipc: CopyTuning::default(),
-            ucx: UcxConfig::default(),
         }
     }
 }
 
-/// Accessors that turn `*_ms` settings into durations (at least 1 ms).
-macro_rules! durations {
-    ($($name:ident: $field:ident),* $(,)?) => {
-        impl EngineConfig {
-            $(
-                #[doc = concat!("`", stringify!($field), "` as a duration.")]
-                pub fn $name(&self) -> Duration {
-                    Duration::from_millis(self.$field.max(1))
-                }
-            )*
-        }
-    };
+/// A `*_ms` setting as a duration (at least 1 ms).
+fn ms(v: u64) -> Duration {
+    Duration::from_millis(v.max(1))
 }
 
-durations!(
-    connect_timeout: connect_timeout_ms,
-    io_timeout: io_timeout_ms,
-    idle_timeout: idle_timeout_ms,
-    request_timeout: request_timeout_ms,
-);
+impl EngineConfig {
+    /// `connect_timeout_ms` as a duration.
+    pub fn connect_timeout(&self) -> Duration {
+        ms(self.connect_timeout_ms)
+    }
 
-/// `Debug` of every field in order, with the secret (between the two
-/// lists) redacted.
-macro_rules! debug_redacting_secret {
-    ($($before:ident),*; $($after:ident),*) => {
-        impl fmt::Debug for EngineConfig {
-            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                let mut d = f.debug_struct("EngineConfig");
-                $(d.field(stringify!($before), &self.$before);)*
-                d.field("secret", &self.secret.as_ref().map(|_| "<redacted>"));
-                $(d.field(stringify!($after), &self.$after);)*
-                d.finish()
+    /// `io_timeout_ms` as a duration.
+    pub fn io_timeout(&self) -> Duration {
+        ms(self.io_timeout_ms)
+    }
+
+    /// `tcp.idle_timeout_ms` as a duration.
+    pub fn idle_timeout(&self) -> Duration {
+        ms(self.tcp.idle_timeout_ms)
+    }
+
+    /// `tcp.request_timeout_ms` as a duration.
+    pub fn request_timeout(&self) -> Duration {
+        ms(self.tcp.request_timeout_ms)
+    }
+}
+
+impl fmt::Debug for EngineConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("EngineConfig")
+            .field("listen_host", &self.listen_host)
+            .field("advertise_host", &self.advertise_host)
+            .field("port", &self.port)
+            .field("connect_timeout_ms", &self.connect_timeout_ms)
+            .field("io_timeout_ms", &self.io_timeout_ms)
+            .field("secret", &self.secret.as_ref().map(|_| "<redacted>"))
+            .field("tcp", &self.tcp)
+            .field("ipc", &self.ipc)
+            .field("ucx", &self.ucx)
+            .finish()
+    }
+}
+
+/// The serde form: the sections, plus the TCP settings accepted flat as
+/// files had them before the `tcp` section.
+mod file {
+    use super::{CopyTuning, EngineConfig, TcpConfig, UcxConfig};
+
+    /// Declares the file form with the flat TCP fields and the merge of
+    /// those into the `tcp` section.
+    macro_rules! flat_tcp {
+        ($($field:ident: $ty:ty),* $(,)?) => {
+            /// `EngineConfig` as files write it.
+            #[derive(Clone, Default, serde::Serialize, serde::Deserialize)]
+            #[serde(default, deny_unknown_fields)]
+            pub(super) struct EngineConfigFile {
+                listen_host: Option<String>,
+                #[serde(skip_serializing_if = "Option::is_none")]
+                advertise_host: Option<String>,
+                port: Option<u16>,
+                connect_timeout_ms: Option<u64>,
+                io_timeout_ms: Option<u64>,
+                #[serde(skip_serializing_if = "Option::is_none")]
+                secret: Option<String>,
+                tcp: Option<TcpConfig>,
+                ipc: Option<CopyTuning>,
+                ucx: Option<UcxConfig>,
+                $(
+                    #[serde(skip_serializing)]
+                    $field: Option<$ty>,
+                )*
+            }
+
+            impl TryFrom<EngineConfigFile> for EngineConfig {
+                type Error = String;
+
+                fn try_from(f: EngineConfigFile) -> Result<Self, String> {
+                    let d = EngineConfig::default();
+                    let sectioned = f.tcp.is_some();
+                    let mut tcp = f.tcp.unwrap_or_default();
+                    $(
+                        if let Some(v) = f.$field {
+                            if sectioned {
+                                return Err(format!(
+                                    "`{}` given both flat and in the `tcp` section; \
+                                     use the `tcp` section",
+                                    stringify!($field),
+                                ));
+                            }
+                            tcp.$field = v;
+                        }
+                    )*
+                    Ok(EngineConfig {
+                        listen_host: f.listen_host.unwrap_or(d.listen_host),
+                        advertise_host: f.advertise_host,
+                        port: f.port.unwrap_or(d.port),
+                        connect_timeout_ms: f.connect_timeout_ms.unwrap_or(d.connect_timeout_ms),
+                        io_timeout_ms: f.io_timeout_ms.unwrap_or(d.io_timeout_ms),
+                        secret: f.secret,
+                        tcp,
+                        ipc: f.ipc.unwrap_or(d.ipc),
+                        ucx: f.ucx.unwrap_or(d.ucx),
+                    })
+                }
+            }
+        };
+    }
+
+    flat_tcp!(
+        connections_per_peer: usize,
+        coalesce_threshold: usize,
+        request_bytes: usize,
+        pipeline_depth: usize,
+        max_connections: usize,
+        idle_timeout_ms: u64,
+        request_timeout_ms: u64,
+        force_staging: bool,
+    );
+
+    impl From<EngineConfig> for EngineConfigFile {
+        fn from(c: EngineConfig) -> Self {
+            EngineConfigFile {
+                listen_host: Some(c.listen_host),
+                advertise_host: c.advertise_host,
+                port: Some(c.port),
+                connect_timeout_ms: Some(c.connect_timeout_ms),
+                io_timeout_ms: Some(c.io_timeout_ms),
+                secret: c.secret,
+                tcp: Some(c.tcp),
+                ipc: Some(c.ipc),
+                ucx: Some(c.ucx),
+                ..EngineConfigFile::default()
             }
         }
-    };
+    }
 }
-
-debug_redacting_secret!(
-    listen_host, advertise_host, port, connections_per_peer, connect_timeout_ms, io_timeout_ms;
-    coalesce_threshold, request_bytes, pipeline_depth, max_connections, idle_timeout_ms,
-    request_timeout_ms, force_staging, ipc, ucx
-);
 
 #[cfg(test)]
 mod tests {
@@ -156,30 +270,49 @@ mod tests {
         let c: EngineConfig =
             serde_json::from_str(r#"{"port": 15001, "secret": "s3cret"}"#).unwrap_or_default();
         assert_eq!(c.port, 15001);
-        assert_eq!(
-            c.connections_per_peer,
-            EngineConfig::default().connections_per_peer
-        );
-        assert_eq!(c.max_connections, 1024);
+        assert_eq!(c.tcp, TcpConfig::default());
+        assert_eq!(c.tcp.max_connections, 1024);
         assert_eq!(c.idle_timeout(), Duration::from_secs(600));
         assert_eq!(c.request_timeout(), Duration::from_secs(60));
         assert!(!format!("{c:?}").contains("s3cret"));
         assert!(serde_json::from_str::<EngineConfig>(r#"{"prot": 1}"#).is_err());
-        let back: EngineConfig =
-            serde_json::from_str(&serde_json::to_string(&c).unwrap_or_default())
-                .unwrap_or_default();
+        let text = serde_json::to_string(&c).unwrap_or_default();
+        assert!(text.contains(r#""tcp":{"#), "{text}");
+        let back: EngineConfig = serde_json::from_str(&text).unwrap_or_default();
         assert_eq!(back, c);
     }
 
     #[test]
-    fn transport_sections_parse_next_to_the_flat_settings() {
+    fn flat_tcp_settings_still_parse_but_not_twice() {
+        let flat: EngineConfig =
+            serde_json::from_str(r#"{"port": 1, "connections_per_peer": 2, "pipeline_depth": 3}"#)
+                .unwrap_or_default();
+        let sectioned: EngineConfig = serde_json::from_str(
+            r#"{"port": 1, "tcp": {"connections_per_peer": 2, "pipeline_depth": 3}}"#,
+        )
+        .unwrap_or_default();
+        assert_eq!(flat, sectioned);
+        assert_eq!(
+            (flat.tcp.connections_per_peer, flat.tcp.pipeline_depth),
+            (2, 3)
+        );
+        let both = serde_json::from_str::<EngineConfig>(
+            r#"{"connections_per_peer": 2, "tcp": {"pipeline_depth": 3}}"#,
+        );
+        let err = both.err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(err.contains("connections_per_peer"), "{err}");
+        assert!(serde_json::from_str::<EngineConfig>(r#"{"tcp": {"conections": 1}}"#).is_err());
+    }
+
+    #[test]
+    fn transport_sections_parse() {
         let c: EngineConfig = serde_json::from_str(
-            r#"{"port": 1, "connections_per_peer": 2,
+            r#"{"port": 1, "tcp": {"connections_per_peer": 2},
                 "ipc": {"mode": "kernel", "kernel_streams": 1},
                 "ucx": {"settings": {"TLS": "tcp"}}}"#,
         )
         .unwrap_or_default();
-        assert_eq!((c.port, c.connections_per_peer), (1, 2));
+        assert_eq!((c.port, c.tcp.connections_per_peer), (1, 2));
         assert_eq!(c.ipc.mode, crate::ipc::CopyMode::Kernel);
         assert_eq!(c.ipc.kernel_streams, 1);
         assert_eq!(c.ipc.piece, CopyTuning::default().piece);

@@ -61,7 +61,7 @@ pub mod tcp;
 pub mod ucx;
 
 pub use batch::BatchHandle;
-pub use config::{EngineConfig, UcxConfig};
+pub use config::{EngineConfig, TcpConfig, UcxConfig};
 pub use error::{ErrorKind, Side, TransferError};
 pub use factory::{FactoryError, Transport};
 #[cfg(feature = "cuda")]

@@ -7,7 +7,9 @@ use std::io::{Read, Write};
 use std::sync::Arc;
 
 use common::*;
-use kvbridge_engine::{Batch, Block, EngineConfig, ErrorKind, Side, Target, TransferEngine};
+use kvbridge_engine::{
+    Batch, Block, EngineConfig, ErrorKind, Side, Target, TcpConfig, TransferEngine,
+};
 use kvbridge_mem::HostBuffer;
 use rand::{SeedableRng, rngs::StdRng};
 
@@ -55,10 +57,13 @@ fn random_block_sets_arrive_byte_exact_staged_and_split() {
     // Every byte through the frame / bounce buffers (the device-staging
     // path), small requests (multi-request batches, batch check), one lane.
     let c = EngineConfig {
-        force_staging: true,
-        request_bytes: 300_000,
-        connections_per_peer: 1,
-        pipeline_depth: 3,
+        tcp: TcpConfig {
+            force_staging: true,
+            request_bytes: 300_000,
+            connections_per_peer: 1,
+            pipeline_depth: 3,
+            ..TcpConfig::default()
+        },
         ..cfg()
     };
     random_sets_to_many_sessions(c, 12);
@@ -67,7 +72,10 @@ fn random_block_sets_arrive_byte_exact_staged_and_split() {
 #[test]
 fn tiny_blocks_coalesce() {
     let c = EngineConfig {
-        coalesce_threshold: 4096,
+        tcp: TcpConfig {
+            coalesce_threshold: 4096,
+            ..TcpConfig::default()
+        },
         ..cfg()
     };
     let (a, b) = (tcp(c.clone()), tcp(c));
@@ -133,7 +141,10 @@ fn writes_outside_regions_are_refused_single_request() {
 fn writes_outside_regions_are_refused_whole_batch() {
     // 512 x 4 KiB = 2 MiB over 64 KiB requests: the batch check refuses it whole.
     let c = EngineConfig {
-        request_bytes: 64 << 10,
+        tcp: TcpConfig {
+            request_bytes: 64 << 10,
+            ..TcpConfig::default()
+        },
         ..cfg()
     };
     let (a, b) = (tcp(c.clone()), tcp(c));

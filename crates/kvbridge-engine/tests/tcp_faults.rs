@@ -6,7 +6,9 @@ mod common;
 use std::time::{Duration, Instant};
 
 use common::*;
-use kvbridge_engine::{Batch, Block, EngineConfig, ErrorKind, Target, TcpEngine, TransferEngine};
+use kvbridge_engine::{
+    Batch, Block, EngineConfig, ErrorKind, Target, TcpConfig, TcpEngine, TransferEngine,
+};
 use kvbridge_mem::HostBuffer;
 use rand::{Rng, SeedableRng, rngs::StdRng};
 
@@ -141,13 +143,19 @@ fn probe_sees_death_and_restart_as_a_new_incarnation() {
 #[test]
 fn a_thousand_batches_across_eight_peers_in_parallel() {
     let a = tcp(EngineConfig {
-        connections_per_peer: 2,
+        tcp: TcpConfig {
+            connections_per_peer: 2,
+            ..TcpConfig::default()
+        },
         ..cfg()
     });
     let peers: Vec<TcpEngine> = (0..8)
         .map(|_| {
             tcp(EngineConfig {
-                connections_per_peer: 2,
+                tcp: TcpConfig {
+                    connections_per_peer: 2,
+                    ..TcpConfig::default()
+                },
                 ..cfg()
             })
         })

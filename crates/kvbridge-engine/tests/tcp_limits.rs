@@ -13,15 +13,18 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use common::*;
-use kvbridge_engine::{Block, EngineConfig, ErrorKind, Side, TcpEngine, TransferEngine};
+use kvbridge_engine::{Block, EngineConfig, ErrorKind, Side, TcpConfig, TcpEngine, TransferEngine};
 use kvbridge_mem::HostBuffer;
 use raw::*;
 
 #[test]
 fn connections_beyond_the_cap_are_closed_at_once() {
     let e = tcp(EngineConfig {
-        max_connections: 2,
         connect_timeout_ms: 30_000,
+        tcp: TcpConfig {
+            max_connections: 2,
+            ..TcpConfig::default()
+        },
         ..cfg()
     });
     // Two connections that say nothing yet: both count as open.
@@ -76,7 +79,10 @@ fn a_trickled_hello_is_dropped_at_the_handshake_deadline() {
 #[test]
 fn an_idle_connection_is_closed_and_senders_reconnect() {
     let c = EngineConfig {
-        idle_timeout_ms: 300,
+        tcp: TcpConfig {
+            idle_timeout_ms: 300,
+            ..TcpConfig::default()
+        },
         ..cfg()
     };
     let e = tcp(c.clone());
@@ -231,7 +237,10 @@ fn a_trickled_payload_does_not_hold_up_shutdown() {
 #[test]
 fn refused_batches_of_many_requests_do_not_leak() {
     let a = tcp(EngineConfig {
-        request_bytes: 4096,
+        tcp: TcpConfig {
+            request_bytes: 4096,
+            ..TcpConfig::default()
+        },
         ..cfg()
     });
     let b = tcp(cfg());

@@ -13,7 +13,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
-use kvbridge_engine::{Batch, Block, EngineConfig, TcpEngine, TransferEngine};
+use kvbridge_engine::{Batch, Block, EngineConfig, TcpConfig, TcpEngine, TransferEngine};
 use kvbridge_mem::HostBuffer;
 use kvbridge_plan::rng::{GOLDEN, splitmix};
 
@@ -70,10 +70,13 @@ impl TcpArgs {
         let d = EngineConfig::default();
         EngineConfig {
             listen_host: "127.0.0.1".into(),
-            connections_per_peer: self.connections.unwrap_or(d.connections_per_peer),
-            coalesce_threshold: self.coalesce_threshold.unwrap_or(d.coalesce_threshold),
-            request_bytes: self.request_bytes.unwrap_or(d.request_bytes),
-            pipeline_depth: self.pipeline_depth.unwrap_or(d.pipeline_depth),
+            tcp: TcpConfig {
+                connections_per_peer: self.connections.unwrap_or(d.tcp.connections_per_peer),
+                coalesce_threshold: self.coalesce_threshold.unwrap_or(d.tcp.coalesce_threshold),
+                request_bytes: self.request_bytes.unwrap_or(d.tcp.request_bytes),
+                pipeline_depth: self.pipeline_depth.unwrap_or(d.tcp.pipeline_depth),
+                ..d.tcp.clone()
+            },
             secret: super::bench_secret(self.auth),
             ..d
         }
@@ -158,7 +161,7 @@ pub(super) fn serve_buffer(engine: &impl TransferEngine, bytes: u64) -> Result<(
 
 /// Spawns the target of `args` (`bench tcp --serve`).
 fn spawn_target(args: &TcpArgs) -> Result<Target> {
-    let threshold = args.engine_config().coalesce_threshold.to_string();
+    let threshold = args.engine_config().tcp.coalesce_threshold.to_string();
     let extra = ["--coalesce-threshold".to_owned(), threshold];
     Target::spawn("tcp", args.bytes, &extra, super::bench_secret(args.auth))
 }

@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
-use kvbridge_engine::EngineConfig;
+use kvbridge_engine::{EngineConfig, TcpConfig};
 use kvbridge_roles::bootstrap::{BootstrapConfig, BootstrapServer, DEFAULT_ENTRY_CLEANUP_INTERVAL};
 use kvbridge_roles::synthetic::{ModelSpec, Placement, RankSpec};
 use kvbridge_roles::{DecodeConfig, PrefillConfig};
@@ -208,7 +208,10 @@ fn plan(args: &DemoArgs, bootstrap: SocketAddr) -> Result<Plan> {
     let engine = EngineConfig {
         // Chunks of a few MiB: 2 MiB requests spread one chunk's batch over
         // the engine's connections (measured best on loopback).
-        request_bytes: 2 << 20,
+        tcp: TcpConfig {
+            request_bytes: 2 << 20,
+            ..TcpConfig::default()
+        },
         ..EngineConfig::default()
     };
     // A killed decode can take a room's transfer request down with it (sent

@@ -201,7 +201,7 @@ fn release_deferred(inner: &Inner, item: &Item) {
 
 /// A lane: one connection's worth of sending for one peer.
 pub(crate) fn lane(inner: Arc<Inner>, info: Arc<PeerInfo>, rx: Receiver<Item>) {
-    let depth = inner.cfg.pipeline_depth.max(1);
+    let depth = inner.cfg.tcp.pipeline_depth.max(1);
     let mut conn: Option<Conn> = None;
     let mut inflight: VecDeque<(u64, Item)> = VecDeque::new();
     let mut bufs = LaneBufs {

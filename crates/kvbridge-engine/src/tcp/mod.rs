@@ -122,7 +122,7 @@ impl Inner {
             incarnation: AtomicU64::new(0),
             live: Mutex::new(HashMap::new()),
         });
-        for lane in 0..self.cfg.connections_per_peer.max(1) {
+        for lane in 0..self.cfg.tcp.connections_per_peer.max(1) {
             let (inner, info, rx) = (self.clone(), info.clone(), rx.clone());
             let spawned = std::thread::Builder::new()
                 .name(format!("kvb-tcp-lane{lane}"))
@@ -426,8 +426,8 @@ impl TcpEngine {
         // Requests of at most `request_bytes`, but small enough that one
         // batch spreads over all of the peer's connections.
         let total: u64 = blocks.iter().map(|b| b.len).sum();
-        let lanes = self.inner.cfg.connections_per_peer.max(1) as u64;
-        let cap = self.inner.cfg.request_bytes.max(1) as u64;
+        let lanes = self.inner.cfg.tcp.connections_per_peer.max(1) as u64;
+        let cap = self.inner.cfg.tcp.request_bytes.max(1) as u64;
         let step = total.div_ceil(lanes).clamp(cap.min(MIN_REQUEST_BYTES), cap);
         let mut requests: Vec<Vec<Piece>> = Vec::new();
         let mut cur: Vec<Piece> = Vec::new();

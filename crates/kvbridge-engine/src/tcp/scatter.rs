@@ -121,8 +121,8 @@ impl ServerConn<'_> {
         kinds: &[MemoryKind],
         b: &mut Budget<'_>,
     ) -> io::Result<(Status, u32)> {
-        let threshold = self.inner.cfg.coalesce_threshold as u64;
-        let force_copy = self.inner.cfg.force_staging;
+        let threshold = self.inner.cfg.tcp.coalesce_threshold as u64;
+        let force_copy = self.inner.cfg.tcp.force_staging;
         let bounce = self.bounce.as_mut_ptr();
         let mut iovs: Vec<libc::iovec> = Vec::with_capacity(64);
         let mut pending: Pending = Vec::new();

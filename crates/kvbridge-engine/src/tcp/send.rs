@@ -174,8 +174,8 @@ pub(super) fn send_item(
             generation: regions.generation(),
         }
     };
-    let threshold = inner.cfg.coalesce_threshold as u64;
-    let force_copy = inner.cfg.force_staging;
+    let threshold = inner.cfg.tcp.coalesce_threshold as u64;
+    let force_copy = inner.cfg.tcp.force_staging;
     if bufs.frame.len() < FRAME_CAP {
         bufs.frame.resize(FRAME_CAP, 0);
     }

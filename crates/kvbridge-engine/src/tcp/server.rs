@@ -68,13 +68,13 @@ pub(super) fn accept_loop(inner: Arc<Inner>, listener: TcpListener) {
                 }
                 let stats = &inner.stats;
                 let open = stats.connections_open.load(Ordering::Acquire);
-                if open >= inner.cfg.max_connections as u64 {
+                if open >= inner.cfg.tcp.max_connections as u64 {
                     bump(&stats.connections_rejected);
                     if let Some(suppressed) = stats.log_rejected.hit() {
                         tracing::warn!(
                             %from,
                             open,
-                            max = inner.cfg.max_connections,
+                            max = inner.cfg.tcp.max_connections,
                             suppressed,
                             "connection limit reached; closing new connections at once"
                         );
