@@ -268,7 +268,7 @@ impl Worker<'_> {
                     failure,
                 } => {
                     tracing::debug!(room, ticket, part = ?failure.part, "batch failed");
-                    engine_failure(shared, &failure.dest.session, &failure.error);
+                    engine_failure(shared, &failure.dest, &failure.error);
                     let reason = failure_reason(room, &failure);
                     shared.conclude(room, KvPoll::Failed, None, Some(reason));
                 }
@@ -464,8 +464,17 @@ fn room_failed(shared: &Shared, room: u64) -> bool {
 /// session-level evidence: a restarted peer is alive, and a block outside
 /// the peer's regions (one bad transfer request) or a malformed call is the
 /// room's own fault, so neither blacklists the session and other rooms to
-/// it go on.
-pub(crate) fn engine_failure(shared: &Shared, session: &str, error: &TransferError) {
+/// it go on. A failure of a batch planned for an older registration of the
+/// session (it registered again since: a restarted decode) says nothing
+/// about the new one and never blacklists it.
+pub(crate) fn engine_failure(shared: &Shared, dest: &TransferInfo, error: &TransferError) {
+    let session = dest.session.as_str();
+    let current = shared.peers.read().get(session).map(|p| p.generation);
+    if current.is_some_and(|g| g != dest.registration) {
+        shared.metrics.failure("stale_registration");
+        tracing::debug!(%session, error = %error, "late failure of a batch for an older registration");
+        return;
+    }
     match error.kind {
         ErrorKind::PeerRestarted => {
             // The session is alive (a new incarnation answers); only rooms
