@@ -165,8 +165,7 @@ fn on_status(shared: &Shared, s: &Status<'_>) {
                 rooms.table.first_failure(s.room, reason);
                 return;
             }
-            rooms.table.record_failure(s.room, reason);
-            rooms.table.update(s.room, KvPoll::Failed);
+            rooms.table.fail(s.room, reason);
             drop(rooms);
             shared.metrics.room_concluded(false);
         }

@@ -71,8 +71,7 @@ impl Shared {
             let candidates = rooms.addr_rooms.remove(addr).unwrap_or_default();
             for room in candidates {
                 if rooms.table.get(room).is_some_and(|s| s != KvPoll::Success) {
-                    rooms.table.record_failure(room, reason.clone());
-                    rooms.table.update(room, KvPoll::Failed);
+                    rooms.table.fail(room, reason.clone());
                     affected += 1;
                 }
             }

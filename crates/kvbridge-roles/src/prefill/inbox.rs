@@ -212,10 +212,7 @@ fn on_abort(shared: &Shared, a: &Abort<'_>) {
         let mut rooms = shared.rooms.lock();
         let active = rooms.table.get(room).is_some_and(|s| s != KvPoll::Success);
         if active {
-            rooms
-                .table
-                .record_failure(room, "Aborted by the decode side");
-            rooms.table.update(room, KvPoll::Failed);
+            rooms.table.fail(room, "Aborted by the decode side");
             shared.metrics.failure("aborted");
         }
         let targets = rooms.ack_targets.entry(room).or_default();
