@@ -7,6 +7,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::JoinHandle;
+use std::time::Duration;
 
 use kvbridge_engine::{ClusterSecret, MemError, TransferEngine};
 
@@ -191,10 +192,32 @@ impl Lifecycle {
     }
 }
 
+/// The next message on a role's inbox, waited for up to `wait`; a failed
+/// receive is logged (naming `role`), backed off and reads as none.
+pub(crate) fn next_message(
+    socket: &PullSocket,
+    wait: Duration,
+    role: &str,
+) -> Option<Vec<Vec<u8>>> {
+    match socket.recv_timeout(wait) {
+        Ok(frames) => frames,
+        Err(e) => {
+            tracing::error!(error = %e, "{role} socket receive failed");
+            std::thread::sleep(Duration::from_millis(50));
+            None
+        }
+    }
+}
+
+/// Counts and logs an inbox message of `frames` frames that did not decode.
+pub(crate) fn drop_malformed(metrics: &Metrics, error: &dyn std::fmt::Display, frames: usize) {
+    metrics.dropped("malformed");
+    tracing::warn!(error = %error, frames, "dropping malformed message");
+}
+
 #[cfg(test)]
 mod tests {
     use std::sync::atomic::AtomicBool;
-    use std::time::Duration;
 
     use kvbridge_engine::LoopbackEngine;
     use kvbridge_mem::HostBuffer;
