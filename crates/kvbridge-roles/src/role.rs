@@ -18,10 +18,7 @@ use crate::local::LocalMemory;
 use crate::metrics::{Metrics, MetricsServer};
 use crate::stop::{StopSignal, StopTrigger, stop_pair};
 
-/// Checks `kv_args` and registers its buffers with `engine`: every one in
-/// the role's own registry, the engine's share (device memory only with the
-/// intra-node transport, `nvlink_intra` or an engine that moves no host
-/// memory) with the engine.
+/// Checks `kv_args`, lists all its buffers locally and registers the engine's share.
 ///
 /// # Safety
 /// As for [`TransferEngine::batch_register`]: every buffer `kv_args` names
@@ -67,8 +64,7 @@ impl Registration {
         })
     }
 
-    /// Deregisters now, logging a failure (teardown; a failed start drops
-    /// the registration instead, silently).
+    /// Deregisters now, logging a failure (a failed start drops it silently).
     fn release(mut self) {
         self.registered = false;
         if let Err(e) = self.engine.batch_deregister(&self.addrs) {
@@ -85,11 +81,11 @@ impl Drop for Registration {
     }
 }
 
-/// A role's threads and what they run on, released in teardown order by
-/// [`Lifecycle::shut_down`]. Its fields drop in that order too, so a start
-/// that fails before any thread runs releases them the same way.
+/// A role's threads and what they run on, released by [`Lifecycle::shut_down`].
 #[derive(Debug)]
 pub(crate) struct Lifecycle {
+    // Declared in teardown order: fields drop in that order too, so a start
+    // that fails before any thread runs releases them the same way.
     stop: StopTrigger,
     threads: Vec<JoinHandle<()>>,
     metrics_server: Option<MetricsServer>,
@@ -98,8 +94,7 @@ pub(crate) struct Lifecycle {
 }
 
 impl Lifecycle {
-    /// Takes over `registration`, creates the control context (warning when
-    /// `role` runs in open mode) and the stop signal for the role's threads.
+    /// Takes `registration`; makes the control context (warning in open mode) and stop signal.
     pub(crate) fn new(
         role: &str,
         registration: Registration,
@@ -163,10 +158,7 @@ impl Lifecycle {
         Ok(())
     }
 
-    /// Stops the role: sets `stopped`, fires the stop signal and runs `wake`
-    /// (for threads parked elsewhere), joins every thread, closes the PUSH
-    /// sockets of `push`, stops the metrics endpoint, deregisters the
-    /// memory, and drops the context last.
+    /// Stops and joins every thread (`wake` rouses those parked elsewhere), then releases the rest.
     pub(crate) fn shut_down(self, stopped: &AtomicBool, push: &PushPool, wake: impl FnOnce()) {
         let Self {
             mut stop,
@@ -183,6 +175,8 @@ impl Lifecycle {
         for t in threads {
             let _ = t.join();
         }
+        // Then the PUSH sockets and the metrics endpoint; the memory is
+        // deregistered once nothing of ours can touch it.
         push.close_all();
         drop(metrics_server);
         registration.release();
@@ -192,8 +186,7 @@ impl Lifecycle {
     }
 }
 
-/// The next message on a role's inbox, waited for up to `wait`; a failed
-/// receive is logged (naming `role`), backed off and reads as none.
+/// The next inbox message within `wait`; a failed receive is logged, backed off and reads as none.
 pub(crate) fn next_message(
     socket: &PullSocket,
     wait: Duration,
