@@ -53,6 +53,19 @@ pub struct KvTransferError {
     pub is_from_another_rank: bool,
 }
 
+impl KvTransferError {
+    /// The room's failure from its recorded reason, or a generic one marked
+    /// as coming from another rank when none was recorded here.
+    pub(crate) fn from_recorded(room: u64, reason: Option<String>) -> Self {
+        Self {
+            room,
+            is_from_another_rank: reason.is_none(),
+            reason: reason
+                .unwrap_or_else(|| "Failed due to an unknown reason from another rank".into()),
+        }
+    }
+}
+
 /// Why `KvSender::send` refused a chunk.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 #[non_exhaustive]

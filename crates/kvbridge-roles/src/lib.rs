@@ -27,6 +27,7 @@ pub mod kv_args;
 mod local;
 pub mod metrics;
 pub mod prefill;
+mod role;
 pub mod rooms;
 mod stop;
 

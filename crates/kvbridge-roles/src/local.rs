@@ -75,11 +75,6 @@ impl LocalMemory {
         })
     }
 
-    /// Start addresses of the engine's regions (for deregistration).
-    pub fn engine_addrs(&self) -> Vec<u64> {
-        self.engine_regions.iter().map(|r| r.0).collect()
-    }
-
     /// Whether the block starting at `src` must travel over zmq (intra-node
     /// transport active and its source in host memory).
     pub fn ships_over_zmq(&self, src: u64, len: u64) -> bool {

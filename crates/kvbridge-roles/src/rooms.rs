@@ -56,6 +56,13 @@ impl RoomTable {
         self.failures.insert(room, reason.into());
     }
 
+    /// Records why the room failed (replacing an earlier reason) and marks
+    /// it `Failed`.
+    pub(crate) fn fail(&mut self, room: u64, reason: impl Into<String>) {
+        self.record_failure(room, reason);
+        self.update(room, KvPoll::Failed);
+    }
+
     /// Records a reason only if none is recorded yet; returns the kept one.
     pub fn first_failure(&mut self, room: u64, reason: impl Into<String>) -> String {
         self.failures
@@ -133,6 +140,16 @@ mod tests {
         assert_eq!(t.update(1, KvPoll::Failed), Some(KvPoll::Failed));
         assert_eq!(t.update(1, KvPoll::Success), Some(KvPoll::Failed));
         assert_eq!(t.get(1), Some(KvPoll::Failed));
+    }
+
+    #[test]
+    fn fail_records_the_reason_and_marks_failed() {
+        let mut t = RoomTable::default();
+        t.update(4, KvPoll::Transferring);
+        t.update(4, KvPoll::Bootstrapping);
+        t.fail(4, "why");
+        assert_eq!(t.get(4), Some(KvPoll::Failed));
+        assert_eq!(t.failure(4), Some("why"));
     }
 
     #[test]

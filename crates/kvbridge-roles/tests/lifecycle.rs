@@ -9,10 +9,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::*;
-use kvbridge_engine::{EngineConfig, TcpEngine, TransferEngine};
-use kvbridge_roles::bootstrap::BootstrapServer;
+use kvbridge_engine::{ClusterSecret, EngineConfig, TcpEngine, TransferEngine};
+use kvbridge_roles::bootstrap::{BootstrapConfig, BootstrapServer};
 use kvbridge_roles::synthetic::{ModelSpec, RankPools, RankSpec};
-use kvbridge_roles::{DecodeManager, KvPoll, KvReceiver, KvSender, PrefillManager};
+use kvbridge_roles::{DecodeManager, KvPoll, KvReceiver, KvSender, PrefillManager, StartError};
 
 const T: Duration = Duration::from_secs(30);
 
@@ -292,6 +292,35 @@ fn two_hundred_role_switches_leak_nothing() {
         "threads {threads} -> {threads_after}"
     );
     assert!(fds_after <= fds + 16, "fds {fds} -> {fds_after}");
+}
+
+#[test]
+fn a_start_the_bootstrap_server_refuses_releases_everything() {
+    let secret = ClusterSecret::from_text("a-cluster-secret-of-some-length", "test").unwrap();
+    let config = BootstrapConfig {
+        secret: Some(secret),
+        ..BootstrapConfig::default()
+    };
+    let bs = BootstrapServer::start_with("127.0.0.1:0".parse().unwrap(), config).unwrap();
+    let pools = RankPools::new(tiny_model(false, 1), SINGLE_RANK, 8, 2).unwrap();
+    let engine = tcp_engine();
+    // Our registration is unsigned: refused at once, after every thread started.
+    // SAFETY: the pools outlive the manager.
+    let started = unsafe {
+        PrefillManager::start(
+            prefill_config(bs.local_addr(), 1, 0),
+            pools.kv_args(),
+            engine.clone(),
+        )
+    };
+    assert!(
+        matches!(started, Err(StartError::Bootstrap { .. })),
+        "{started:?}"
+    );
+    assert!(
+        engine.registered_regions().is_empty(),
+        "a failed start deregisters its memory"
+    );
 }
 
 /// A TP1 prefill on a tiny 2-layer model and decode incarnation A on a

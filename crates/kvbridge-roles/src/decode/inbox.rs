@@ -15,6 +15,7 @@ use kvbridge_wire::{
 
 use super::Shared;
 use crate::control::PullSocket;
+use crate::role;
 
 const DEFAULT_PREFILL_FAILURE_REASON: &str =
     "Failed to get kvcache from prefill instance, it might be dead";
@@ -67,20 +68,12 @@ impl StateBatch {
 pub(crate) fn run(shared: &Shared, socket: PullSocket) {
     let mut batch = StateBatch::default();
     while !shared.stopped.load(Ordering::SeqCst) {
+        // Held STATE_DATA is written as soon as the socket goes quiet.
         let wait = if batch.items.is_empty() { 20 } else { 0 };
-        let frames = match socket.recv_timeout(Duration::from_millis(wait)) {
-            Ok(Some(f)) => f,
-            Ok(None) => {
-                batch.flush(shared);
-                continue;
-            }
-            Err(e) => {
-                tracing::error!(error = %e, "decode socket receive failed");
-                std::thread::sleep(Duration::from_millis(50));
-                continue;
-            }
-        };
-        handle(shared, &frames, &mut batch);
+        match role::next_message(&socket, Duration::from_millis(wait), "decode") {
+            Some(frames) => handle(shared, &frames, &mut batch),
+            None => batch.flush(shared),
+        }
     }
 }
 
@@ -103,10 +96,7 @@ pub(crate) fn handle(shared: &Shared, frames: &[Vec<u8>], batch: &mut StateBatch
         Ok(ToDecode::ChunkReady(c)) => on_chunk_ready(shared, &c),
         Ok(ToDecode::StagingReq(r)) => on_staging_req(shared, &r),
         Ok(ToDecode::AbortAck(a)) => on_abort_ack(shared, &a),
-        Err(e) => {
-            shared.metrics.dropped("malformed");
-            tracing::warn!(error = %e, frames = frames.len(), "dropping malformed message");
-        }
+        Err(e) => role::drop_malformed(&shared.metrics, &e, frames.len()),
     }
 }
 
@@ -165,8 +155,7 @@ fn on_status(shared: &Shared, s: &Status<'_>) {
                 rooms.table.first_failure(s.room, reason);
                 return;
             }
-            rooms.table.record_failure(s.room, reason);
-            rooms.table.update(s.room, KvPoll::Failed);
+            rooms.table.fail(s.room, reason);
             drop(rooms);
             shared.metrics.room_concluded(false);
         }

@@ -11,8 +11,7 @@ pub(crate) mod state;
 pub mod topology;
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::thread::JoinHandle;
+use std::sync::atomic::AtomicBool;
 use std::time::Duration;
 
 use kvbridge_engine::TransferEngine;
@@ -20,11 +19,12 @@ use kvbridge_wire::KvPoll;
 use parking_lot::Mutex;
 
 use crate::config::DecodeConfig;
-use crate::control::{ControlContext, ControlSecurity, PullSocket, PushPool};
+use crate::control::PushPool;
 use crate::error::StartError;
 use crate::kv_args::KvArgs;
-use crate::metrics::{Metrics, MetricsServer};
-use crate::stop::{StopSignal, StopTrigger, stop_pair};
+use crate::metrics::Metrics;
+use crate::role::{self, Lifecycle};
+use crate::stop::StopSignal;
 
 pub use receiver::KvReceiver;
 pub use state::BootstrapInfo;
@@ -71,8 +71,7 @@ impl Shared {
             let candidates = rooms.addr_rooms.remove(addr).unwrap_or_default();
             for room in candidates {
                 if rooms.table.get(room).is_some_and(|s| s != KvPoll::Success) {
-                    rooms.table.record_failure(room, reason.clone());
-                    rooms.table.update(room, KvPoll::Failed);
+                    rooms.table.fail(room, reason.clone());
                     affected += 1;
                 }
             }
@@ -85,10 +84,8 @@ impl Shared {
 /// A running decode role.
 pub struct DecodeManager {
     shared: Arc<Shared>,
-    threads: Vec<JoinHandle<()>>,
-    metrics_server: Option<MetricsServer>,
-    stop: StopTrigger,
-    context: Option<ControlContext>,
+    /// The threads and what they run on; `None` once torn down.
+    lifecycle: Option<Lifecycle>,
 }
 
 impl std::fmt::Debug for DecodeManager {
@@ -113,55 +110,21 @@ impl DecodeManager {
         kv_args: KvArgs,
         engine: Arc<dyn TransferEngine>,
     ) -> Result<Self, StartError> {
-        kv_args.validate()?;
-        let intra = config.nvlink_intra || !engine.moves_host_memory();
-        // SAFETY: the caller promises the buffers outlive the manager.
-        let local = unsafe { crate::local::LocalMemory::new(&kv_args, intra)? };
-        let regions = local.engine_regions.clone();
-        // SAFETY: as above; the manager deregisters them in `teardown`.
-        unsafe { engine.batch_register(&regions)? };
-        let deregister = |engine: &Arc<dyn TransferEngine>| {
-            let addrs: Vec<u64> = regions.iter().map(|r| r.0).collect();
-            let _ = engine.batch_deregister(&addrs);
-        };
-        let security = ControlSecurity::from_secret(config.secret.as_ref());
-        if !security.is_secret() {
-            kvbridge_engine::secret::warn_open_mode("decode");
-        }
-        let context = match ControlContext::new(security) {
-            Ok(c) => c,
-            Err(e) => {
-                deregister(&engine);
-                return Err(e.into());
-            }
-        };
-        let pull =
-            match PullSocket::bind(&context, &config.local_ip, 0, config.zmq_max_message_bytes) {
-                Ok(p) => p,
-                Err(e) => {
-                    deregister(&engine);
-                    return Err(e.into());
-                }
-            };
-        let metrics = Arc::new(Metrics::new());
-        let metrics_server = match config.metrics_addr {
-            Some(addr) => match MetricsServer::start(addr, metrics.clone()) {
-                Ok(s) => Some(s),
-                Err(e) => {
-                    deregister(&engine);
-                    return Err(e.into());
-                }
-            },
-            None => None,
-        };
-        let (mut stop, stop_signal) = stop_pair();
+        // SAFETY: the caller promises the buffers outlive the manager; the
+        // manager deregisters them in `teardown` (a failed start at once).
+        let (local, registration) =
+            unsafe { role::register_memory(&kv_args, &engine, config.nvlink_intra)? };
+        let (mut lifecycle, stop_signal) =
+            Lifecycle::new("decode", registration, config.secret.as_ref())?;
+        let pull = lifecycle.bind_inbox(&config.local_ip, config.zmq_max_message_bytes)?;
+        let metrics = lifecycle.serve_metrics(config.metrics_addr)?;
         let shared = Arc::new(Shared {
-            push: PushPool::new(&context, config.zmq_send_timeout),
+            push: PushPool::new(lifecycle.context(), config.zmq_send_timeout),
             rank_port: pull.port(),
             http: crate::http::agent(Duration::from_secs(5)),
             config,
             kv_args,
-            engine: engine.clone(),
+            engine,
             rooms: Mutex::new(DecodeRooms::default()),
             prefills: Mutex::new(Prefills::default()),
             metrics,
@@ -169,36 +132,20 @@ impl DecodeManager {
             stop_signal,
             local,
         });
-        let mut threads = Vec::new();
         let s = shared.clone();
-        let inbox = std::thread::Builder::new()
-            .name("kvb-decode-inbox".into())
-            .spawn(move || inbox::run(&s, pull));
-        let s = shared.clone();
-        let heartbeat = std::thread::Builder::new()
-            .name("kvb-decode-heartbeat".into())
-            .spawn(move || heartbeat::run(&s));
-        for t in [inbox, heartbeat] {
-            match t {
-                Ok(t) => threads.push(t),
-                Err(e) => {
-                    shared.stopped.store(true, Ordering::SeqCst);
-                    stop.trigger();
-                    for t in threads {
-                        let _ = t.join();
-                    }
-                    deregister(&engine);
-                    return Err(e.into());
-                }
-            }
-        }
-        Ok(Self {
+        let started = lifecycle
+            .spawn("kvb-decode-inbox".into(), move || inbox::run(&s, pull))
+            .and_then(|()| {
+                let s = shared.clone();
+                lifecycle.spawn("kvb-decode-heartbeat".into(), move || heartbeat::run(&s))
+            });
+        let manager = Self {
             shared,
-            threads,
-            metrics_server,
-            stop,
-            context: Some(context),
-        })
+            lifecycle: Some(lifecycle),
+        };
+        // A failure drops the manager, which tears down what started.
+        started?;
+        Ok(manager)
     }
 
     /// A receiver for one room whose KV comes from the prefill server whose
@@ -233,7 +180,7 @@ impl DecodeManager {
 
     /// Where the metrics endpoint listens, when enabled.
     pub fn metrics_addr(&self) -> Option<std::net::SocketAddr> {
-        self.metrics_server.as_ref().map(MetricsServer::local_addr)
+        self.lifecycle.as_ref().and_then(Lifecycle::metrics_addr)
     }
 
     /// Stops every thread, closes every socket and deregisters memory.
@@ -242,20 +189,10 @@ impl DecodeManager {
     }
 
     fn stop(&mut self) {
-        if self.shared.stopped.swap(true, Ordering::SeqCst) {
+        let Some(lifecycle) = self.lifecycle.take() else {
             return;
-        }
-        self.stop.trigger();
-        for t in self.threads.drain(..) {
-            let _ = t.join();
-        }
-        self.shared.push.close_all();
-        self.metrics_server = None;
-        let addrs = self.shared.local.engine_addrs();
-        if let Err(e) = self.shared.engine.batch_deregister(&addrs) {
-            tracing::warn!(error = %e, "deregistering memory at teardown");
-        }
-        drop(self.context.take());
+        };
+        lifecycle.shut_down(&self.shared.stopped, &self.shared.push, || {});
         tracing::info!("decode manager torn down");
     }
 }

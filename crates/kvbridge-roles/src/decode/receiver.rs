@@ -71,8 +71,7 @@ impl KvReceiver {
         tracing::warn!(room = self.room, %reason, "room failed");
         {
             let mut rooms = self.shared.rooms.lock();
-            rooms.table.record_failure(self.room, reason);
-            rooms.table.update(self.room, KvPoll::Failed);
+            rooms.table.fail(self.room, reason);
         }
         self.conclude_state = Some(KvPoll::Failed);
         self.stop_writers();
@@ -435,10 +434,7 @@ impl KvReceiver {
     pub fn abort(&mut self) {
         {
             let mut rooms = self.shared.rooms.lock();
-            rooms
-                .table
-                .record_failure(self.room, "Aborted by AbortReq.");
-            rooms.table.update(self.room, KvPoll::Failed);
+            rooms.table.fail(self.room, "Aborted by AbortReq.");
         }
         self.conclude_state = Some(KvPoll::Failed);
         self.stop_writers();
@@ -534,12 +530,7 @@ impl KvReceiver {
         self.conclude_state = Some(KvPoll::Failed);
         let reason = self.shared.rooms.lock().table.take_failure(self.room);
         self.clear();
-        KvTransferError {
-            room: self.room,
-            is_from_another_rank: reason.is_none(),
-            reason: reason
-                .unwrap_or_else(|| "Failed due to an unknown reason from another rank".into()),
-        }
+        KvTransferError::from_recorded(self.room, reason)
     }
 
     /// Forgets the room.

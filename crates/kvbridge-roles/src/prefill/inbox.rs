@@ -12,20 +12,14 @@ use super::Shared;
 use super::state::{AckTarget, Concluded, Peer, PeerEntry, TransferInfo};
 use crate::control::PullSocket;
 use crate::kv_args::peer_registration;
+use crate::role;
 
 /// Receives until the manager stops.
 pub(crate) fn run(shared: &Shared, socket: PullSocket) {
     while !shared.stopped.load(Ordering::SeqCst) {
-        let frames = match socket.recv_timeout(Duration::from_millis(20)) {
-            Ok(Some(f)) => f,
-            Ok(None) => continue,
-            Err(e) => {
-                tracing::error!(error = %e, "prefill socket receive failed");
-                std::thread::sleep(Duration::from_millis(50));
-                continue;
-            }
-        };
-        handle(shared, &frames);
+        if let Some(frames) = role::next_message(&socket, Duration::from_millis(20), "prefill") {
+            handle(shared, &frames);
+        }
     }
 }
 
@@ -37,10 +31,7 @@ pub(crate) fn handle(shared: &Shared, frames: &[Vec<u8>]) {
         Ok(ToPrefill::Abort(a)) => on_abort(shared, &a),
         Ok(ToPrefill::Watermark(w)) => on_watermark(shared, &w),
         Ok(ToPrefill::StagingRsp(s)) => on_staging_rsp(shared, &s),
-        Err(e) => {
-            shared.metrics.dropped("malformed");
-            tracing::warn!(error = %e, frames = frames.len(), "dropping malformed message");
-        }
+        Err(e) => role::drop_malformed(&shared.metrics, &e, frames.len()),
     }
 }
 
@@ -212,10 +203,7 @@ fn on_abort(shared: &Shared, a: &Abort<'_>) {
         let mut rooms = shared.rooms.lock();
         let active = rooms.table.get(room).is_some_and(|s| s != KvPoll::Success);
         if active {
-            rooms
-                .table
-                .record_failure(room, "Aborted by the decode side");
-            rooms.table.update(room, KvPoll::Failed);
+            rooms.table.fail(room, "Aborted by the decode side");
             shared.metrics.failure("aborted");
         }
         let targets = rooms.ack_targets.entry(room).or_default();

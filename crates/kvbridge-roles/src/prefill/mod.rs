@@ -16,8 +16,7 @@ pub(crate) mod state;
 mod worker;
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::thread::JoinHandle;
+use std::sync::atomic::AtomicBool;
 
 use crossbeam_channel::{Receiver, Sender, unbounded};
 use kvbridge_engine::TransferEngine;
@@ -26,12 +25,13 @@ use kvbridge_wire::{AbortAck, KvPoll, Status};
 use parking_lot::{Mutex, RwLock};
 
 use crate::config::PrefillConfig;
-use crate::control::{ControlContext, ControlSecurity, PullSocket, PushPool, tcp_endpoint};
+use crate::control::{PullSocket, PushPool, tcp_endpoint};
 use crate::error::{ConfigError, StartError};
 use crate::health::SessionHealth;
 use crate::kv_args::KvArgs;
-use crate::metrics::{Metrics, MetricsServer};
-use crate::stop::{StopSignal, StopTrigger, stop_pair};
+use crate::metrics::Metrics;
+use crate::role::{self, Lifecycle};
+use crate::stop::StopSignal;
 
 pub use sender::KvSender;
 use state::{AckTarget, PeerEntry, RoomsState};
@@ -190,11 +190,9 @@ impl Shared {
 /// A running prefill role.
 pub struct PrefillManager {
     shared: Arc<Shared>,
-    threads: Vec<JoinHandle<()>>,
     rank_port: u16,
-    metrics_server: Option<MetricsServer>,
-    stop: StopTrigger,
-    context: Option<ControlContext>,
+    /// The threads and what they run on; `None` once torn down.
+    lifecycle: Option<Lifecycle>,
 }
 
 impl std::fmt::Debug for PrefillManager {
@@ -219,83 +217,23 @@ impl PrefillManager {
         kv_args: KvArgs,
         engine: Arc<dyn TransferEngine>,
     ) -> Result<Self, StartError> {
-        kv_args.validate()?;
-        let (queues, in_flight) = config.worker_layout().map_err(ConfigError::Setting)?;
-        let intra = config.nvlink_intra || !engine.moves_host_memory();
+        let (queue_count, in_flight) = config.worker_layout().map_err(ConfigError::Setting)?;
         // SAFETY: the caller promises (this function's contract) that every
-        // buffer in `kv_args` outlives the manager.
-        let local = unsafe { crate::local::LocalMemory::new(&kv_args, intra)? };
-        let regions = local.engine_regions.clone();
-        // SAFETY: as above; the manager deregisters them in `teardown`
-        // before returning.
-        unsafe { engine.batch_register(&regions)? };
-        let security = ControlSecurity::from_secret(config.secret.as_ref());
-        if !security.is_secret() {
-            kvbridge_engine::secret::warn_open_mode("prefill");
-        }
-        let context = match ControlContext::new(security) {
-            Ok(c) => c,
-            Err(e) => {
-                let addrs: Vec<u64> = regions.iter().map(|r| r.0).collect();
-                let _ = engine.batch_deregister(&addrs);
-                return Err(e.into());
-            }
-        };
-        let (mut stop, stop_signal) = stop_pair();
-        let started = Self::start_threads(
-            config,
-            kv_args,
-            local,
-            engine.clone(),
-            &context,
-            (queues, in_flight),
-            (&mut stop, stop_signal),
-        );
-        match started {
-            Ok((shared, threads, rank_port, metrics_server)) => Ok(Self {
-                shared,
-                threads,
-                rank_port,
-                metrics_server,
-                stop,
-                context: Some(context),
-            }),
-            Err(e) => {
-                let addrs: Vec<u64> = regions.iter().map(|r| r.0).collect();
-                let _ = engine.batch_deregister(&addrs);
-                Err(e)
-            }
-        }
-    }
-
-    #[allow(clippy::type_complexity)]
-    fn start_threads(
-        config: PrefillConfig,
-        kv_args: KvArgs,
-        local: crate::local::LocalMemory,
-        engine: Arc<dyn TransferEngine>,
-        context: &ControlContext,
-        (queue_count, in_flight): (usize, usize),
-        (stop, stop_signal): (&mut StopTrigger, StopSignal),
-    ) -> Result<(Arc<Shared>, Vec<JoinHandle<()>>, u16, Option<MetricsServer>), StartError> {
-        let pull = PullSocket::bind(context, &config.local_ip, 0, config.zmq_max_message_bytes)?;
+        // buffer in `kv_args` outlives the manager; the manager deregisters
+        // them in `teardown` before returning (a failed start at once).
+        let (local, registration) =
+            unsafe { role::register_memory(&kv_args, &engine, config.nvlink_intra)? };
+        let (mut lifecycle, stop_signal) =
+            Lifecycle::new("prefill", registration, config.secret.as_ref())?;
+        let pull = lifecycle.bind_inbox(&config.local_ip, config.zmq_max_message_bytes)?;
         let rank_port = pull.port();
-        let mut senders = Vec::with_capacity(queue_count);
-        let mut receivers: Vec<Receiver<Option<QueuedChunk>>> = Vec::with_capacity(queue_count);
-        for _ in 0..queue_count {
-            let (tx, rx) = unbounded();
-            senders.push(tx);
-            receivers.push(rx);
-        }
-        let metrics = Arc::new(Metrics::new());
-        let metrics_server = match config.metrics_addr {
-            Some(addr) => Some(MetricsServer::start(addr, metrics.clone())?),
-            None => None,
-        };
+        let (senders, receivers): (Vec<_>, Vec<Receiver<Option<QueuedChunk>>>) =
+            (0..queue_count).map(|_| unbounded()).unzip();
+        let metrics = lifecycle.serve_metrics(config.metrics_addr)?;
         let probe = config.probe;
         let shared = Arc::new(Shared {
             unique_rank: config.rank.unique_rank(),
-            push: PushPool::new(context, config.zmq_send_timeout),
+            push: PushPool::new(lifecycle.context(), config.zmq_send_timeout),
             health: Mutex::new(SessionHealth::new(
                 probe.interval,
                 probe.max_interval,
@@ -314,50 +252,43 @@ impl PrefillManager {
             in_flight,
             local,
         });
-        let mut threads = Vec::new();
-        let spawn = |name: String, f: Box<dyn FnOnce() + Send>| {
-            std::thread::Builder::new().name(name).spawn(f)
+        let started = Self::spawn_threads(&shared, &mut lifecycle, pull, receivers);
+        let manager = Self {
+            shared,
+            rank_port,
+            lifecycle: Some(lifecycle),
         };
-        let s = shared.clone();
-        threads.push(spawn(
-            "kvb-prefill-inbox".into(),
-            Box::new(move || inbox::run(&s, pull)),
-        )?);
-        for (i, rx) in receivers.into_iter().enumerate() {
-            let s = shared.clone();
-            threads.push(spawn(
-                format!("kvb-prefill-w{i}"),
-                Box::new(move || worker::run(&s, &rx)),
-            )?);
-        }
-        if shared.config.probe.enabled {
-            let s = shared.clone();
-            threads.push(spawn(
-                "kvb-prefill-probe".into(),
-                Box::new(move || probe::run(&s)),
-            )?);
-        }
-        let mut stop_all = |threads: Vec<JoinHandle<()>>| {
-            shared.stopped.store(true, Ordering::SeqCst);
-            stop.trigger();
-            for q in &shared.queues {
-                let _ = q.send(None);
-            }
-            for t in threads {
-                let _ = t.join();
-            }
-        };
-        if let Err(e) = crate::bootstrap::client::register_with_bootstrap(
+        // From here a failure drops the manager, which tears down what started.
+        started?;
+        let shared = &manager.shared;
+        crate::bootstrap::client::register_with_bootstrap(
             &shared.config,
             shared.kv_args.layout.page_size,
             rank_port,
             shared.engine.session_id(),
             &shared.stopped,
-        ) {
-            stop_all(threads);
-            return Err(e);
+        )?;
+        Ok(manager)
+    }
+
+    /// Starts the inbox thread, one worker per shard queue and the probe.
+    fn spawn_threads(
+        shared: &Arc<Shared>,
+        lifecycle: &mut Lifecycle,
+        pull: PullSocket,
+        receivers: Vec<Receiver<Option<QueuedChunk>>>,
+    ) -> std::io::Result<()> {
+        let s = shared.clone();
+        lifecycle.spawn("kvb-prefill-inbox".into(), move || inbox::run(&s, pull))?;
+        for (i, rx) in receivers.into_iter().enumerate() {
+            let s = shared.clone();
+            lifecycle.spawn(format!("kvb-prefill-w{i}"), move || worker::run(&s, &rx))?;
         }
-        Ok((shared, threads, rank_port, metrics_server))
+        if shared.config.probe.enabled {
+            let s = shared.clone();
+            lifecycle.spawn("kvb-prefill-probe".into(), move || probe::run(&s))?;
+        }
+        Ok(())
     }
 
     /// A sender for one request's room (sglang `MooncakeKVSender`).
@@ -389,7 +320,7 @@ impl PrefillManager {
 
     /// Where the metrics endpoint listens, when enabled.
     pub fn metrics_addr(&self) -> Option<std::net::SocketAddr> {
-        self.metrics_server.as_ref().map(MetricsServer::local_addr)
+        self.lifecycle.as_ref().and_then(Lifecycle::metrics_addr)
     }
 
     /// Whether transfers to `session` currently fail fast.
@@ -409,25 +340,16 @@ impl PrefillManager {
     }
 
     fn stop(&mut self) {
-        if self.shared.stopped.swap(true, Ordering::SeqCst) {
+        let Some(lifecycle) = self.lifecycle.take() else {
             return;
-        }
-        self.stop.trigger();
-        for q in &self.shared.queues {
-            let _ = q.send(None);
-        }
-        for t in self.threads.drain(..) {
-            let _ = t.join();
-        }
-        self.shared.push.close_all();
-        self.metrics_server = None;
-        let addrs = self.shared.local.engine_addrs();
-        if let Err(e) = self.shared.engine.batch_deregister(&addrs) {
-            tracing::warn!(error = %e, "deregistering memory at teardown");
-        }
-        // Every socket is closed now (the inbox thread owned the PULL socket),
-        // so terminating the context cannot block.
-        drop(self.context.take());
+        };
+        let shared = &self.shared;
+        // Workers parked on their queues wake on `None`.
+        lifecycle.shut_down(&shared.stopped, &shared.push, || {
+            for q in &shared.queues {
+                let _ = q.send(None);
+            }
+        });
         tracing::info!("prefill manager torn down");
     }
 }

@@ -152,8 +152,7 @@ impl KvSender {
                 self.room,
                 self.init_time.elapsed().as_secs_f64()
             );
-            rooms.table.record_failure(self.room, reason);
-            rooms.table.update(self.room, KvPoll::Failed);
+            rooms.table.fail(self.room, reason);
             KvPoll::Failed
         } else {
             status
@@ -178,10 +177,7 @@ impl KvSender {
     /// Aborts the room from the prefill side.
     pub fn abort(&mut self) {
         let mut rooms = self.shared.rooms.lock();
-        rooms
-            .table
-            .record_failure(self.room, "Aborted by AbortReq.");
-        rooms.table.update(self.room, KvPoll::Failed);
+        rooms.table.fail(self.room, "Aborted by AbortReq.");
         self.conclude_state = Some(KvPoll::Failed);
     }
 
@@ -191,12 +187,7 @@ impl KvSender {
         self.conclude_state = Some(KvPoll::Failed);
         self.clear();
         let reason = self.shared.rooms.lock().table.take_failure(self.room);
-        KvTransferError {
-            room: self.room,
-            is_from_another_rank: reason.is_none(),
-            reason: reason
-                .unwrap_or_else(|| "Failed due to an unknown reason from another rank".into()),
-        }
+        KvTransferError::from_recorded(self.room, reason)
     }
 
     /// Forgets the room (its transfer state is dropped once nothing of it is
