@@ -12,27 +12,42 @@ use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyInt, PyString};
 
-/// One address: an int, or an object with `data_ptr()` or `__array_interface__`.
+/// One address: an int; a numpy array's (`__array_interface__`) or a
+/// tensor's (`data_ptr()`) start address; an integer-like (`__index__`,
+/// such as `numpy.uint64`); another object with `__array_interface__`.
+/// Arrays and tensors come before `__index__`, which a one-element array
+/// or tensor also has (its value, not its address).
 pub fn address(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<u64> {
+    let int = |v: &Bound<'_, PyAny>, source: &str| {
+        int_value(v, what)?
+            .ok_or_else(|| PyTypeError::new_err(format!("{what}: {source} is no int")))
+    };
+    if obj.is_instance_of::<PyInt>() {
+        return int(obj, "the value");
+    }
+    if obj.is_instance_of::<PyUntypedArray>() {
+        return int(&array_data(obj)?, "__array_interface__['data'][0]");
+    }
+    if obj.hasattr("data_ptr")? {
+        return int(&obj.call_method0("data_ptr")?, "data_ptr()");
+    }
     if let Some(v) = int_value(obj, what)? {
         return Ok(v);
     }
-    if obj.hasattr("data_ptr")? {
-        let ptr = obj.call_method0("data_ptr")?;
-        return int_value(&ptr, what)?
-            .ok_or_else(|| PyTypeError::new_err(format!("{what}: data_ptr() returned no int")));
-    }
     if obj.hasattr("__array_interface__")? {
-        let data = obj.getattr("__array_interface__")?.get_item("data")?;
-        let ptr = data.get_item(0)?;
-        return int_value(&ptr, what)?.ok_or_else(|| {
-            PyTypeError::new_err(format!("{what}: __array_interface__['data'][0] is no int"))
-        });
+        return int(&array_data(obj)?, "__array_interface__['data'][0]");
     }
     Err(PyTypeError::new_err(format!(
         "{what} must be an int address (or have data_ptr() or __array_interface__), not {}",
         type_name(obj)
     )))
+}
+
+/// `obj.__array_interface__["data"][0]`: an array's start address.
+fn array_data<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+    obj.getattr("__array_interface__")?
+        .get_item("data")?
+        .get_item(0)
 }
 
 /// One length in bytes: an int in `0..2**64`.
@@ -61,7 +76,10 @@ fn sequence(
     if let Some(v) = numpy_ints(obj, what)? {
         return Ok(v);
     }
-    if obj.is_instance_of::<PyString>() || obj.is_instance_of::<PyBytes>() || is_int(obj) {
+    if obj.is_instance_of::<PyString>()
+        || obj.is_instance_of::<PyBytes>()
+        || obj.is_instance_of::<PyInt>()
+    {
         return Err(PyTypeError::new_err(format!(
             "{what} must be a list, not {}",
             type_name(obj)
@@ -102,12 +120,9 @@ fn numpy_ints(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Option<Vec<u64>>> 
     Ok(None)
 }
 
-fn is_int(obj: &Bound<'_, PyAny>) -> bool {
-    obj.is_instance_of::<PyInt>()
-}
-
 /// The value of an int (or anything with `__index__`, such as a numpy
-/// integer); `None` when `obj` is no integer; `ValueError` outside `0..2**64`.
+/// integer); `None` when `obj` is no integer (`bool` counts as none);
+/// `ValueError` outside `0..2**64`.
 fn int_value(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Option<u64>> {
     if obj.is_instance_of::<pyo3::types::PyBool>() {
         return Ok(None);

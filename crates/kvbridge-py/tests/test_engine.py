@@ -61,6 +61,13 @@ def test_single_write_and_pointer_objects(pair, buffers):
     assert a.batch_transfer_sync_write(session_of(b), srcs, dsts, np.array([10, 20])) == 0
     np.testing.assert_array_equal(dst[1000:1010], src[0:10])
     np.testing.assert_array_equal(dst[2000:2020], src[200:220])
+    # numpy integers are values (e.g. list(array_of_pointers)); a 0-d array
+    # is an array, whose address counts, not its value.
+    assert a.transfer_sync_write(session_of(b), np.uint64(addr(src)), np.int64(addr(dst) + 3000), np.uint32(4)) == 0
+    np.testing.assert_array_equal(dst[3000:3004], src[0:4])
+    assert a.transfer_sync_write(session_of(b), np.array(addr(src) + 4), addr(dst), 4) < 0
+    with pytest.raises(TypeError):
+        a.transfer_sync_write(session_of(b), True, addr(dst), 4)
     assert a.unregister_memory(src) == 0
     assert b.batch_unregister_memory(np.array([addr(dst)], dtype=np.uint64)) == 0
 
