@@ -40,7 +40,7 @@ fn main() -> ExitCode {
         Some("ci") => ci(),
         Some("install-deps") => install_system_packages(),
         Some("wheel") => python::wheel(&workspace_root()),
-        Some("py-test") => python::pytest(&workspace_root()),
+        Some("py-test") => python::pytest(&workspace_root(), false),
         Some("gpu-test") => gpu::gpu_test(&args[1..]),
         Some("fuzz") => fuzz::fuzz(&args[1..]),
         _ => {
@@ -137,7 +137,7 @@ fn ci() -> Result<()> {
         bail!("cargo test --workspace failed with {status}");
     }
     // The Python package, built into a venv, against its pytest suite.
-    python::pytest(&workspace_root())?;
+    python::pytest(&workspace_root(), true)?;
     // Every fuzz target briefly: a decoder that panics on some peer bytes
     // fails CI (`cargo xtask fuzz` runs them longer).
     fuzz::fuzz(&["--seconds".to_owned(), "5".to_owned()])

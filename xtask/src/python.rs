@@ -121,8 +121,9 @@ pub fn wheel(root: &Path) -> Result<()> {
 }
 
 /// The pytest suite of the Python package, against a fresh debug build of
-/// it in `target/py-venv`.
-pub fn pytest(root: &Path) -> Result<()> {
+/// it in `target/py-venv`; with `require_ucx` (CI, where libucx0 is
+/// installed) its UCX test fails instead of skipping when UCX is missing.
+pub fn pytest(root: &Path, require_ucx: bool) -> Result<()> {
     let venv = Venv::ensure(root)?;
     if !venv.imports(&["maturin", "pytest", "numpy"]) {
         venv.pip_install(TOOLS)?;
@@ -144,6 +145,9 @@ pub fn pytest(root: &Path) -> Result<()> {
     let cli = target_dir(root).join("debug").join("kvbridge");
     if cli.exists() {
         pytest.env("KVBRIDGE_CLI", cli);
+    }
+    if require_ucx {
+        pytest.env("KVBRIDGE_REQUIRE_UCX", "1");
     }
     status(&mut pytest, "pytest (kvbridge-py)")
 }

@@ -1,5 +1,6 @@
 """kvbridge.TransferEngine: Mooncake's API as sglang's connector calls it."""
 
+import os
 import socket
 import threading
 
@@ -261,3 +262,37 @@ def test_failures_reach_python_logging(pair, caplog):
     with caplog.at_level("WARNING", logger="kvbridge"):
         assert a.send_probe(f"{HOST}:{dead_port()}") < 0
     assert any("send_probe failed" in r.getMessage() for r in caplog.records)
+
+
+def test_rdma_protocol_runs_the_ucx_engine(monkeypatch, tmp_path, buffers):
+    # UCX over TCP, so that no RDMA NIC is needed.
+    cfg = tmp_path / "engine.json"
+    cfg.write_text('{"ucx": {"settings": {"TLS": "tcp"}}}')
+    monkeypatch.setenv("KVBRIDGE_ENGINE_CONFIG", str(cfg))
+    a = kvbridge.TransferEngine()
+    if a.initialize(HOST, "P2PHANDSHAKE", "rdma", "") != 0:
+        if os.environ.get("KVBRIDGE_REQUIRE_UCX") == "1":
+            pytest.fail("KVBRIDGE_REQUIRE_UCX=1 but the UCX engine does not start")
+        pytest.skip("no UCX here (libucx0)")
+    b = start_engine("rdma")
+    assert a.transport == b.transport == "ucx"
+    src, dst = buffers
+    register(a, src)
+    register(b, dst)
+    assert a.batch_transfer_sync_write(session_of(b), [addr(src) + 7, addr(src)], [addr(dst), addr(dst) + 5000], [1000, 64]) == 0
+    np.testing.assert_array_equal(dst[:1000], src[7:1007])
+    np.testing.assert_array_equal(dst[5000:5064], src[:64])
+    assert a.batch_transfer_sync_write(session_of(b), [addr(src)], [addr(dst) + dst.nbytes], [8]) < 0
+    assert a.send_probe(session_of(b)) == 0
+
+
+def test_nvlink_protocol_is_the_cuda_ipc_engine():
+    e = kvbridge.TransferEngine()
+    rc = e.initialize(HOST, "P2PHANDSHAKE", "nvlink_intra", "")
+    # Without a GPU the CUDA IPC engine cannot start: -1, as Mooncake.
+    assert rc in (0, -1)
+    if rc == 0:
+        assert e.transport == "ipc"
+    else:
+        with pytest.raises(RuntimeError):
+            e.transport
