@@ -56,9 +56,14 @@ def test_plan_matches_the_cli():
     cli = os.environ.get("KVBRIDGE_CLI") or shutil.which("kvbridge")
     if not cli:
         pytest.skip("no kvbridge binary (set KVBRIDGE_CLI)")
-    path = os.path.join(FIXTURES, "plan-examples", "mha_hetero_tp_gqa_scatter.json")
-    out = json.loads(subprocess.run([cli, "plan", path], check=True, capture_output=True).stdout)
-    assert as_rows(kvbridge.plan(read(path))) == [tuple(b) for b in out["blocks"]]
+    for path in SCENARIOS:
+        out = json.loads(subprocess.run([cli, "plan", path], check=True, capture_output=True).stdout)
+        if "error" in out:
+            with pytest.raises(kvbridge.PlanError) as err:
+                kvbridge.plan(read(path))
+            assert str(err.value) == out["error"], path
+        else:
+            assert as_rows(kvbridge.plan(read(path))) == [tuple(b) for b in out["blocks"]], path
 
 
 def test_dict_and_bytes_inputs_and_emission_order():
