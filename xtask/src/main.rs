@@ -2,8 +2,12 @@
 //!
 //! - `cargo xtask ci`: installs the system packages the build needs (when
 //!   missing and running as root), then runs what CI runs: formatting check,
-//!   clippy with warnings denied, the whole test suite, then every fuzz
-//!   target for 5 seconds.
+//!   clippy with warnings denied, the whole test suite, the Python
+//!   package's pytest suite (see `python.rs`), then every fuzz target for
+//!   5 seconds.
+//! - `cargo xtask wheel`: builds the Python package's wheel (`import
+//!   kvbridge`) with maturin into `target/wheels`; `cargo xtask py-test`
+//!   runs only CI's Python step (see `python.rs`).
 //! - `cargo xtask gpu-test [--run] [--bench]`: bundles the GPU-gated tests
 //!   and runs them where a GPU is (see `gpu.rs`).
 //! - `cargo xtask fuzz [--seconds N] [--target NAME]`: runs the fuzz targets
@@ -11,6 +15,7 @@
 
 mod fuzz;
 mod gpu;
+mod python;
 
 use std::path::{Path, PathBuf};
 use std::process::{Command, ExitCode};
@@ -19,18 +24,28 @@ use anyhow::{Context, Result, bail};
 
 /// Debian packages the workspace needs to build and test.
 /// `libucx0`: the UCX engine's tests (loaded at run time, not linked).
-const SYSTEM_PACKAGES: &[&str] = &["build-essential", "pkg-config", "libucx0"];
+/// `python3-dev`: libpython and headers, which `kvbridge-py` links in
+/// `cargo test`; `python3-venv`: `python3 -m venv` for its pytest suite.
+const SYSTEM_PACKAGES: &[&str] = &[
+    "build-essential",
+    "pkg-config",
+    "libucx0",
+    "python3-dev",
+    "python3-venv",
+];
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let result = match args.first().map(String::as_str) {
         Some("ci") => ci(),
         Some("install-deps") => install_system_packages(),
+        Some("wheel") => python::wheel(&workspace_root()),
+        Some("py-test") => python::pytest(&workspace_root(), false),
         Some("gpu-test") => gpu::gpu_test(&args[1..]),
         Some("fuzz") => fuzz::fuzz(&args[1..]),
         _ => {
             eprintln!(
-                "usage: cargo xtask <ci|install-deps|gpu-test [--run] [--bench]|fuzz [--seconds N] [--target NAME]>"
+                "usage: cargo xtask <ci|install-deps|wheel|py-test|gpu-test [--run] [--bench]|fuzz [--seconds N] [--target NAME]>"
             );
             return ExitCode::from(2);
         }
@@ -121,6 +136,8 @@ fn ci() -> Result<()> {
     if !status.success() {
         bail!("cargo test --workspace failed with {status}");
     }
+    // The Python package, built into a venv, against its pytest suite.
+    python::pytest(&workspace_root(), true)?;
     // Every fuzz target briefly: a decoder that panics on some peer bytes
     // fails CI (`cargo xtask fuzz` runs them longer).
     fuzz::fuzz(&["--seconds".to_owned(), "5".to_owned()])
