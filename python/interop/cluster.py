@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -69,6 +70,8 @@ class Spec:
     prefill_tp: int = 1
     prefill_pp: int = 1
     decode_tp: int = 1
+    #: Decode PP: 1, or the prefill's PP (the pairings sglang supports).
+    decode_pp: int = 1
     model: harness.ModelSpec = field(default_factory=harness.ModelSpec)
     workload: harness.Workload = field(default_factory=harness.Workload)
     pages: int = 64
@@ -131,7 +134,7 @@ def _rank_file(spec: Spec, role: str, rank: harness.RankSpec, boot: str, scratch
         "prefill": {"local_ip": "127.0.0.1", "bootstrap_addr": boot},
         "decode": {"local_ip": "127.0.0.1"},
         "bootstrap_addr": boot,
-        "workload": {**spec.workload.to_json(), "abort_fraction": 0.0},
+        "workload": spec.workload.to_json(),
     }
     path = os.path.join(scratch, f"{name}.json")
     with open(path, "w") as f:
@@ -159,24 +162,46 @@ def _kvbridge_result(kind: str, output: str, returncode: int, spec: Spec) -> dic
             mismatched += ev.get("mismatched", 0)
         elif ev.get("event") == "finished":
             finished = True
-    rooms = [r.room for r in spec.workload.plan()]
-    ok = returncode == 0 and finished and mismatched == 0 and sorted(done) == sorted(rooms)
+    rooms = {r.room for r in spec.workload.plan()}
+    # Rooms that must fail, and rooms that may (an abort racing the transfer).
+    must_fail, may_fail = set(), set()
     if kind == "decode":
+        must_fail = spec.workload.aborted_rooms()
+    elif spec.decode == KVBRIDGE:
+        may_fail = spec.workload.aborted_rooms()
+    elif spec.scenario == "abort":
+        must_fail = {spec.workload.plan()[0].room}
+    failed_rooms = {int(r) for r in failed}
+    ok = (returncode == 0 and finished and mismatched == 0 and set(done) | failed_rooms == rooms
+          and must_fail <= failed_rooms <= must_fail | may_fail)
+    if kind == "decode" and rooms - must_fail:
         ok = ok and verified > 0
     return {"ok": ok, "done": sorted(done), "failed": failed, "verified_bytes": verified, "mismatched": mismatched}
 
 
 def run(spec: Spec) -> Outcome:
     """Starts the cluster, waits for every rank to finish (or the deadline),
-    stops the bootstrap server and reports."""
+    stops the bootstrap server and reports. No process it started outlives
+    it, whatever happens (its scratch directory neither)."""
+    procs: Dict[str, Proc] = {}
+    scratch = tempfile.mkdtemp(prefix="kvb-interop-")
+    try:
+        return _run(spec, procs, scratch)
+    finally:
+        for p in procs.values():
+            if p.popen.poll() is None:
+                p.popen.kill()
+                p.popen.communicate()
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _run(spec: Spec, procs: Dict[str, Proc], scratch: str) -> Outcome:
     t0 = time.monotonic()
     bport = free_port()
     boot = f"127.0.0.1:{bport}"
-    scratch = tempfile.mkdtemp(prefix="kvb-interop-")
     env = dict(os.environ, KVB_RDV_DIR=scratch)  # FileGroup rendezvous (PP)
     if spec.scenario == "kill-prefill":
         env.setdefault("SGLANG_DISAGGREGATION_WAITING_TIMEOUT", "5")
-    procs: Dict[str, Proc] = {}
 
     def start(name: str, kind: str, impl: str, argv: List[str]) -> None:
         popen = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=HERE)
@@ -201,7 +226,7 @@ def run(spec: Spec) -> Outcome:
         start("bootstrap", "bootstrap", SGLANG, [py, WORKER, "bootstrap", "--bootstrap-port", str(bport)])
     up = wait_port(bport, 30)
     for kind, tp_size, pp_size, impl in (("prefill", spec.prefill_tp, spec.prefill_pp, spec.prefill),
-                                        ("decode", spec.decode_tp, 1, spec.decode)):
+                                        ("decode", spec.decode_tp, spec.decode_pp, spec.decode)):
         for pp_rank in range(pp_size):
             for tp_rank in range(tp_size):
                 rank = harness.RankSpec(tp_size, tp_rank, pp_size, pp_rank)
@@ -250,9 +275,13 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill-tp", type=int, default=1)
     ap.add_argument("--prefill-pp", type=int, default=1)
     ap.add_argument("--decode-tp", type=int, default=1)
+    ap.add_argument("--decode-pp", type=int, default=1, help="1 or the prefill's PP")
     ap.add_argument("--mla", action="store_true", help="a small MLA model instead of the small MHA one")
     ap.add_argument("--requests", type=int, default=4)
-    ap.add_argument("--scenario", default="ok", choices=["ok", "abort", "kill-decode", "kill-prefill"])
+    ap.add_argument("--scenario", default="ok", choices=["ok", "abort", "kill-decode", "kill-prefill"],
+                    help="what the sglang ranks do (pd_worker.SCENARIOS)")
+    ap.add_argument("--abort-fraction", type=float, default=0.0,
+                    help="kvbridge decode ranks abort this fraction of the requests")
     ap.add_argument("--engine-module", default=None, help="TransferEngine of the sglang ranks (default: Mooncake's)")
     ap.add_argument("--bootstrap", choices=[SGLANG, KVBRIDGE], default=SGLANG)
     ap.add_argument("--prefill", choices=[SGLANG, KVBRIDGE], default=SGLANG)
@@ -261,8 +290,10 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=60.0)
     args = ap.parse_args(argv)
     spec = Spec(prefill_tp=args.prefill_tp, prefill_pp=args.prefill_pp, decode_tp=args.decode_tp,
+                decode_pp=args.decode_pp,
                 model=harness.ModelSpec.tiny_mla() if args.mla else harness.ModelSpec(),
-                workload=harness.Workload(requests=args.requests), scenario=args.scenario,
+                workload=harness.Workload(requests=args.requests, abort_fraction=args.abort_fraction),
+                scenario=args.scenario,
                 engine_module=args.engine_module, bootstrap=args.bootstrap, prefill=args.prefill,
                 decode=args.decode, buffers=args.buffers, timeout=args.timeout)
     outcome = run(spec)

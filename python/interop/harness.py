@@ -165,6 +165,8 @@ class Workload:
     concurrency: int = 4
     seed: int = 7
     room_timeout_s: float = 60.0
+    #: kvbridge decode ranks abort this fraction of the requests (sglang ranks ignore it).
+    abort_fraction: float = 0.0
 
     def plan(self) -> List[Request]:
         """The requests, in order."""
@@ -175,6 +177,17 @@ class Workload:
             tokens = self.prompt_tokens if spread == 0 else self.prompt_tokens - spread // 2 + h % (spread + 1)
             out.append(Request(index=index, room=h >> 1, tokens=max(tokens, 1)))
         return out
+
+    def aborts(self, index: int) -> bool:
+        """Whether a kvbridge decode rank aborts request ``index``
+        (``Workload::aborts``)."""
+        if self.abort_fraction <= 0.0:
+            return False
+        return (mix(self.seed ^ 0xAB0 ^ mix(index)) >> 11) / float(1 << 53) < self.abort_fraction
+
+    def aborted_rooms(self) -> set:
+        """The rooms a kvbridge decode rank aborts."""
+        return {r.room for r in self.plan() if self.aborts(r.index)}
 
     def to_json(self) -> dict:
         """The ``workload`` object of a kvbridge rank file."""
@@ -358,7 +371,7 @@ def publish_server_args(mode: str, *, bootstrap_port: int, rank: RankSpec, http_
     )
     # initialize_model_parallel() would write the process groups; the
     # connector reads only pp_group (PPConsensusStore when pp_size > 1).
-    group = FileGroup(rank.pp_size, rank.pp_rank, name=f"pp-tp{rank.tp_rank}")
+    group = FileGroup(rank.pp_size, rank.pp_rank, name=f"{mode}-pp-tp{rank.tp_rank}")
     get_parallel().override_permanently(pp_group=group)
     return sa
 

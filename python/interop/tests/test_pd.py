@@ -32,6 +32,7 @@ FULL_CASES = {
     "mla-tp2-tp1": {"model": harness.ModelSpec.tiny_mla(), "prefill_tp": 2},
     "mla-pp2xtp2-tp1": {"model": harness.ModelSpec.tiny_mla(), "prefill_pp": 2, "prefill_tp": 2},
     "kill-prefill": {"scenario": "kill-prefill"},
+    "pp2-pp2": {"prefill_pp": 2, "decode_pp": 2},
 }
 FULL = bool(os.environ.get("KVB_INTEROP_FULL"))
 if FULL:
@@ -40,9 +41,10 @@ if FULL:
 
 def expected_bytes(spec: cluster.Spec, rooms) -> int:
     """Bytes one decode rank must verify for ``rooms``: every page of every
-    KV buffer of the whole model (decode PP1) plus the aux rows."""
+    KV buffer of its PP stage (layers split evenly) plus the aux rows."""
     model = spec.model
-    buffers = model.layers * (1 if model.mla else 2)
+    assert model.layers % spec.decode_pp == 0
+    buffers = model.layers // spec.decode_pp * (1 if model.mla else 2)
     tokens = {r.room: r.tokens for r in spec.workload.plan()}
     pages = sum(harness.pages_for(tokens[r], model.page_size) for r in rooms)
     return pages * buffers * model.item_len(spec.decode_tp) + len(rooms) * sum(model.aux_item_lens)

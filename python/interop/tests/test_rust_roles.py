@@ -93,6 +93,43 @@ def test_harness_runs_kvbridge_ranks():
     check(spec, cluster.run(spec))
 
 
+@pytest.mark.parametrize("engine", SGLANG_SIDE)
+def test_kvbridge_decode_aborts_sglang_prefill(engine):
+    """The kvbridge decode aborts a third of the rooms (its workload's
+    choice, predicted by harness.Workload.aborts): those fail on the decode,
+    the sglang prefill acknowledges the aborts (the decode concludes them
+    without its 10 s quarantine), every other room arrives byte-exact."""
+    workload = harness.Workload(requests=6, abort_fraction=0.34)
+    aborted = workload.aborted_rooms()
+    assert 0 < len(aborted) < 6
+    spec = cluster.Spec(engine_module=engine, decode=cluster.KVBRIDGE, workload=workload, timeout=45)
+    out = cluster.run(spec)
+    detail = out.report() + "\n" + out.outputs()
+    assert out.ok, detail
+    decode, prefill = out.procs["decode-tp0"], out.procs["prefill-tp0"]
+    kept = sorted(r.room for r in workload.plan() if r.room not in aborted)
+    assert decode.result["done"] == kept and {int(r) for r in decode.result["failed"]} == aborted, detail
+    assert decode.result["verified_bytes"] == expected_bytes(spec, kept), detail
+    assert "quarantined" not in decode.output, detail
+    assert {int(r) for r in prefill.result["failed"]} <= aborted, detail
+
+
+@pytest.mark.parametrize("engine", SGLANG_SIDE)
+def test_sglang_decode_aborts_kvbridge_prefill(engine):
+    """The sglang decode aborts the first room: the kvbridge prefill fails
+    exactly that room, every other room arrives byte-exact."""
+    spec = cluster.Spec(engine_module=engine, prefill=cluster.KVBRIDGE, bootstrap=cluster.KVBRIDGE,
+                        scenario="abort", timeout=45)
+    out = cluster.run(spec)
+    detail = out.report() + "\n" + out.outputs()
+    assert out.ok, detail
+    rooms = [r.room for r in spec.workload.plan()]
+    decode, prefill = out.procs["decode-tp0"], out.procs["prefill-tp0"]
+    assert list(prefill.result["failed"]) == [str(rooms[0])] and prefill.result["done"] == sorted(rooms[1:]), detail
+    assert decode.result["done"] == sorted(rooms[1:]) and decode.result["bad"] == [], detail
+    assert decode.result["verified_bytes"] == expected_bytes(spec, rooms[1:]), detail
+
+
 @pytest.mark.xfail(strict=True, reason=(
     "kvbridge ranks always publish kv_layer_ids (RankPools::kv_args); stock sglang publishes none for "
     "plain MHA/MLA pools, and with PP > 1 both sides refuse to pair 'layer metadata must be provided by "
@@ -103,4 +140,26 @@ def test_stock_sglang_decode_with_kvbridge_pp_prefill(engine):
     with a plain pool, publishes no layer ids."""
     spec = cluster.Spec(engine_module=engine, prefill=cluster.KVBRIDGE, decode=cluster.SGLANG,
                         bootstrap=cluster.KVBRIDGE, prefill_pp=2, sglang_layer_ids=False, timeout=30)
+    check(spec, cluster.run(spec))
+
+
+@pytest.mark.parametrize("engine", SGLANG_SIDE)
+def test_kvbridge_prefill_pp_to_sglang_decode_pp(engine):
+    """Prefill PP2 -> decode PP2 (stage k to stage k): a kvbridge prefill and
+    sglang decode stages."""
+    spec = cluster.Spec(engine_module=engine, prefill=cluster.KVBRIDGE, bootstrap=cluster.KVBRIDGE,
+                        prefill_pp=2, decode_pp=2, timeout=45)
+    check(spec, cluster.run(spec))
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "kvbridge decode ranks ignore their PP rank: rank/decode.rs::run copies only attn_tp_size into "
+    "DecodeConfig, so a PP-1 decode stage asks every prefill stage for its layers (README.md, "
+    "'What the Rust roles need')"))
+def test_kvbridge_decode_pp():
+    """Prefill PP2 -> decode PP2 with kvbridge on both sides (sglang's own
+    ranks pass the same pairing: test_pd's pp2-pp2)."""
+    spec = cluster.Spec(prefill=cluster.KVBRIDGE, decode=cluster.KVBRIDGE, bootstrap=cluster.KVBRIDGE,
+                        prefill_pp=2, decode_pp=2, workload=harness.Workload(requests=2, room_timeout_s=3),
+                        timeout=10)
     check(spec, cluster.run(spec))
