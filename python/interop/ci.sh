@@ -15,4 +15,9 @@ fi
 "$venv/bin/pip" install -q --disable-pip-version-check --no-deps sglang==0.5.23
 "$venv/bin/pip" install -q --disable-pip-version-check -r python/interop/requirements.txt
 export KVBRIDGE_BIN=${KVBRIDGE_BIN:-$PWD/target/debug/kvbridge}
+# In CI the Rust-role tests must run, not skip.
+if [ ! -x "$KVBRIDGE_BIN" ]; then
+  echo "python/interop/ci.sh: no kvbridge binary at $KVBRIDGE_BIN (cargo build -p kvbridge-cli first)" >&2
+  exit 1
+fi
 exec "$venv/bin/python" -m pytest -q -p no:cacheprovider python/interop/tests "$@"

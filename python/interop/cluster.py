@@ -1,6 +1,6 @@
 """Starts a PD cluster on 127.0.0.1 as separate processes and reports what
 each process saw: a bootstrap server, prefill ranks (TP × PP) and decode ranks
-(TP), each one either sglang's released connector driven by
+(TP × PP), each one either sglang's released connector driven by
 ``pd_worker.py`` or a kvbridge rank (``kvbridge bootstrap`` / ``kvbridge
 prefill`` / ``kvbridge decode``, binary from ``$KVBRIDGE_BIN``, default
 ``target/debug/kvbridge`` in the repository).
@@ -122,7 +122,7 @@ class Outcome:
         return "\n".join(f"===== {n} =====\n{p.output[-tail:]}" for n, p in self.procs.items())
 
 
-def _rank_file(spec: Spec, role: str, rank: harness.RankSpec, boot: str, scratch: str, name: str) -> str:
+def _rank_file(spec: Spec, rank: harness.RankSpec, boot: str, scratch: str, name: str) -> str:
     """A kvbridge rank configuration equivalent to the sglang ranks'."""
     cfg = {
         "model": spec.model.to_json(),
@@ -232,7 +232,7 @@ def _run(spec: Spec, procs: Dict[str, Proc], scratch: str) -> Outcome:
                 rank = harness.RankSpec(tp_size, tp_rank, pp_size, pp_rank)
                 name = f"{kind}-tp{tp_rank}" + (f"-pp{pp_rank}" if pp_size > 1 else "")
                 if impl == KVBRIDGE:
-                    cfg = _rank_file(spec, kind, rank, boot, scratch, name)
+                    cfg = _rank_file(spec, rank, boot, scratch, name)
                     start(name, kind, impl, [kvbridge_bin(), kind, "--config", cfg])
                 else:
                     start(name, kind, impl, [py, WORKER, kind, "--http-port", str(free_port()),
