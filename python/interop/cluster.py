@@ -87,7 +87,7 @@ class Spec:
     buffers: str = "cpu"
     #: Whether sglang ranks publish their KV buffers' layer ids (stock sglang
     #: does not for plain MHA/MLA pools; kvbridge ranks always do). None:
-    #: only when a kvbridge rank takes part (PP stages pair by layer id).
+    #: only where PP > 1 meets a kvbridge rank (README.md, "Layer ids").
     sglang_layer_ids: Optional[bool] = None
     timeout: float = 60.0
 
@@ -216,7 +216,7 @@ def _run(spec: Spec, procs: Dict[str, Proc], scratch: str) -> Outcome:
         common += ["--engine-module", spec.engine_module]
     layer_ids = spec.sglang_layer_ids
     if layer_ids is None:
-        layer_ids = KVBRIDGE in (spec.prefill, spec.decode)
+        layer_ids = KVBRIDGE in (spec.prefill, spec.decode) and max(spec.prefill_pp, spec.decode_pp) > 1
     if layer_ids:
         common += ["--publish-layer-ids"]
     if spec.bootstrap == KVBRIDGE:
