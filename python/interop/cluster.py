@@ -1,0 +1,307 @@
+"""Starts a PD cluster on 127.0.0.1 as separate processes and reports what
+each process saw: a bootstrap server, prefill ranks (TP × PP) and decode ranks
+(TP × PP), each one either sglang's released connector driven by
+``pd_worker.py`` or a kvbridge rank (``kvbridge bootstrap`` / ``kvbridge
+prefill`` / ``kvbridge decode``, binary from ``$KVBRIDGE_BIN``, default
+``target/debug/kvbridge`` in the repository).
+
+    python cluster.py                                  # sglang TP1 -> TP1, Mooncake's TCP engine
+    python cluster.py --prefill-tp 2 --decode-tp 1     # TP2 -> TP1
+    python cluster.py --prefill-pp 2                   # prefill PP2 -> decode PP1
+    python cluster.py --mla --decode-tp 2              # MLA, replicated latent
+    python cluster.py --scenario abort                 # decode aborts the first room
+    python cluster.py --engine-module kvbridge         # sglang on kvbridge.TransferEngine
+    python cluster.py --bootstrap kvbridge             # sglang ranks, kvbridge's bootstrap server
+    python cluster.py --prefill kvbridge --decode kvbridge --bootstrap sglang
+
+Exit status 0 when every process that should survive reported success.
+``KVB_INTEROP_VERBOSE=1`` prints every process's output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import harness
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+WORKER = os.path.join(HERE, "pd_worker.py")
+
+SGLANG, KVBRIDGE = "sglang", "kvbridge"
+
+
+def kvbridge_bin() -> str:
+    """The kvbridge binary: ``$KVBRIDGE_BIN``, else ``target/debug/kvbridge``."""
+    return os.environ.get("KVBRIDGE_BIN") or os.path.join(REPO, "target", "debug", "kvbridge")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_port(port: int, timeout: float) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            return True
+        except OSError:
+            time.sleep(0.1)
+    return False
+
+
+@dataclass
+class Spec:
+    """One cluster run."""
+
+    prefill_tp: int = 1
+    prefill_pp: int = 1
+    decode_tp: int = 1
+    #: Decode PP: 1, or the prefill's PP (the pairings sglang supports).
+    decode_pp: int = 1
+    model: harness.ModelSpec = field(default_factory=harness.ModelSpec)
+    workload: harness.Workload = field(default_factory=harness.Workload)
+    pages: int = 64
+    aux_slots: int = 16
+    scenario: str = "ok"
+    #: Module whose TransferEngine the sglang ranks use (None: Mooncake's).
+    engine_module: Optional[str] = None
+    #: Who runs each part: "sglang" or "kvbridge".
+    bootstrap: str = SGLANG
+    prefill: str = SGLANG
+    decode: str = SGLANG
+    #: Buffers of sglang ranks: "cpu" or "cuda[:N]".
+    buffers: str = "cpu"
+    #: Whether sglang ranks publish their KV buffers' layer ids (stock sglang
+    #: does not for plain MHA/MLA pools; kvbridge ranks always do). None:
+    #: only where PP > 1 meets a kvbridge rank (README.md, "Layer ids").
+    sglang_layer_ids: Optional[bool] = None
+    timeout: float = 60.0
+
+
+@dataclass
+class Proc:
+    """One started process and, once it ended, what it reported."""
+
+    name: str
+    kind: str  # "bootstrap", "prefill", "decode"
+    impl: str
+    popen: subprocess.Popen
+    output: str = ""
+    returncode: Optional[int] = None
+    result: Optional[dict] = None
+
+
+@dataclass
+class Outcome:
+    """What a run produced."""
+
+    ok: bool
+    procs: Dict[str, Proc]
+    seconds: float
+
+    def report(self) -> str:
+        lines = [f"{n}: rc={p.returncode} {json.dumps(p.result)}"
+                 for n, p in self.procs.items() if p.kind != "bootstrap"]
+        return "\n".join(lines + [f"{'PASS' if self.ok else 'FAIL'} in {self.seconds:.2f}s"])
+
+    def outputs(self, tail: int = 6000) -> str:
+        return "\n".join(f"===== {n} =====\n{p.output[-tail:]}" for n, p in self.procs.items())
+
+
+def _rank_file(spec: Spec, rank: harness.RankSpec, boot: str, scratch: str, name: str) -> str:
+    """A kvbridge rank configuration equivalent to the sglang ranks'."""
+    cfg = {
+        "model": spec.model.to_json(),
+        "rank": {"tp_size": rank.tp_size, "tp_rank": rank.tp_rank, "pp_size": rank.pp_size, "pp_rank": rank.pp_rank},
+        "pages": spec.pages,
+        "aux_slots": spec.aux_slots,
+        "engine_kind": "tcp",
+        "engine": {"listen_host": "127.0.0.1"},
+        "prefill": {"local_ip": "127.0.0.1", "bootstrap_addr": boot},
+        "decode": {"local_ip": "127.0.0.1"},
+        "bootstrap_addr": boot,
+        "workload": spec.workload.to_json(),
+    }
+    path = os.path.join(scratch, f"{name}.json")
+    with open(path, "w") as f:
+        json.dump(cfg, f)
+    return path
+
+
+def _kvbridge_result(kind: str, output: str, returncode: int, spec: Spec) -> dict:
+    """Sums a kvbridge rank's JSON events (docs/cli.md, rank events) into the
+    RESULT shape pd_worker prints."""
+    done, failed, verified, mismatched, finished = [], {}, 0, 0, False
+    for line in output.splitlines():
+        if not line.startswith("{"):
+            continue
+        try:
+            ev = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if ev.get("event") == "done":
+            if ev["success"]:
+                done.append(ev["room"])
+            else:
+                failed[str(ev["room"])] = ev.get("reason")
+            verified += ev.get("verified", 0)
+            mismatched += ev.get("mismatched", 0)
+        elif ev.get("event") == "finished":
+            finished = True
+    rooms = {r.room for r in spec.workload.plan()}
+    # Rooms that must fail, and rooms that may (an abort racing the transfer).
+    must_fail, may_fail = set(), set()
+    if kind == "decode":
+        must_fail = spec.workload.aborted_rooms()
+    elif spec.decode == KVBRIDGE:
+        may_fail = spec.workload.aborted_rooms()
+    elif spec.scenario == "abort":
+        must_fail = {spec.workload.plan()[0].room}
+    failed_rooms = {int(r) for r in failed}
+    ok = (returncode == 0 and finished and mismatched == 0 and set(done) | failed_rooms == rooms
+          and must_fail <= failed_rooms <= must_fail | may_fail)
+    if kind == "decode" and rooms - must_fail:
+        ok = ok and verified > 0
+    return {"ok": ok, "done": sorted(done), "failed": failed, "verified_bytes": verified, "mismatched": mismatched}
+
+
+def run(spec: Spec) -> Outcome:
+    """Starts the cluster, waits for every rank to finish (or the deadline),
+    stops the bootstrap server and reports. No process it started outlives
+    it, whatever happens (its scratch directory neither)."""
+    procs: Dict[str, Proc] = {}
+    scratch = tempfile.mkdtemp(prefix="kvb-interop-")
+    try:
+        return _run(spec, procs, scratch)
+    finally:
+        for p in procs.values():
+            if p.popen.poll() is None:
+                p.popen.kill()
+                p.popen.communicate()
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _run(spec: Spec, procs: Dict[str, Proc], scratch: str) -> Outcome:
+    t0 = time.monotonic()
+    bport = free_port()
+    boot = f"127.0.0.1:{bport}"
+    env = dict(os.environ, KVB_RDV_DIR=scratch)  # FileGroup rendezvous (PP)
+    if spec.scenario == "kill-prefill":
+        env.setdefault("SGLANG_DISAGGREGATION_WAITING_TIMEOUT", "5")
+
+    def start(name: str, kind: str, impl: str, argv: List[str]) -> None:
+        popen = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=HERE)
+        procs[name] = Proc(name, kind, impl, popen)
+
+    py = sys.executable
+    common = ["--bootstrap-port", str(bport), "--workload", json.dumps(spec.workload.to_json()),
+              "--pages", str(spec.pages), "--aux-slots", str(spec.aux_slots), "--scenario", spec.scenario,
+              "--timeout", str(spec.timeout), "--buffers", spec.buffers,
+              "--model", json.dumps(spec.model.to_json())]
+    if spec.engine_module:
+        common += ["--engine-module", spec.engine_module]
+    layer_ids = spec.sglang_layer_ids
+    if layer_ids is None:
+        layer_ids = KVBRIDGE in (spec.prefill, spec.decode) and max(spec.prefill_pp, spec.decode_pp) > 1
+    if layer_ids:
+        common += ["--publish-layer-ids"]
+    if spec.bootstrap == KVBRIDGE:
+        start("bootstrap", "bootstrap", KVBRIDGE,
+              [kvbridge_bin(), "bootstrap", "--host", "127.0.0.1", "--port", str(bport)])
+    else:
+        start("bootstrap", "bootstrap", SGLANG, [py, WORKER, "bootstrap", "--bootstrap-port", str(bport)])
+    up = wait_port(bport, 30)
+    for kind, tp_size, pp_size, impl in (("prefill", spec.prefill_tp, spec.prefill_pp, spec.prefill),
+                                        ("decode", spec.decode_tp, spec.decode_pp, spec.decode)):
+        for pp_rank in range(pp_size):
+            for tp_rank in range(tp_size):
+                rank = harness.RankSpec(tp_size, tp_rank, pp_size, pp_rank)
+                name = f"{kind}-tp{tp_rank}" + (f"-pp{pp_rank}" if pp_size > 1 else "")
+                if impl == KVBRIDGE:
+                    cfg = _rank_file(spec, rank, boot, scratch, name)
+                    start(name, kind, impl, [kvbridge_bin(), kind, "--config", cfg])
+                else:
+                    start(name, kind, impl, [py, WORKER, kind, "--http-port", str(free_port()),
+                                             "--tp", str(tp_size), str(tp_rank),
+                                             "--pp", str(pp_size), str(pp_rank),
+                                             "--send-delay", "1.5" if spec.scenario == "kill-decode" else "0"]
+                          + common)
+    deadline = time.monotonic() + spec.timeout + 30
+    for p in procs.values():
+        if p.kind == "bootstrap":
+            continue
+        try:
+            p.output, _ = p.popen.communicate(timeout=max(deadline - time.monotonic(), 1))
+        except subprocess.TimeoutExpired:
+            p.popen.kill()
+            p.output, _ = p.popen.communicate()
+        p.returncode = p.popen.returncode
+        if p.impl == KVBRIDGE:
+            p.result = _kvbridge_result(p.kind, p.output, p.returncode, spec)
+        else:
+            for line in p.output.splitlines():
+                if line.startswith("RESULT "):
+                    p.result = json.loads(line[len("RESULT "):])
+    b = procs["bootstrap"]
+    b.popen.terminate()
+    try:
+        b.output, _ = b.popen.communicate(timeout=10)
+    except subprocess.TimeoutExpired:
+        b.popen.kill()
+        b.output, _ = b.popen.communicate()
+    b.returncode = b.popen.returncode
+    dead = {"kill-decode": "decode", "kill-prefill": "prefill"}.get(spec.scenario)
+    must = [p for p in procs.values() if p.kind not in ("bootstrap", dead)]
+    ok = up and all(p.returncode == 0 and (p.result or {}).get("ok") for p in must)
+    return Outcome(ok, procs, time.monotonic() - t0)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prefill-tp", type=int, default=1)
+    ap.add_argument("--prefill-pp", type=int, default=1)
+    ap.add_argument("--decode-tp", type=int, default=1)
+    ap.add_argument("--decode-pp", type=int, default=1, help="1 or the prefill's PP")
+    ap.add_argument("--mla", action="store_true", help="a small MLA model instead of the small MHA one")
+    ap.add_argument("--requests", type=int, default=4)
+    ap.add_argument("--scenario", default="ok", choices=["ok", "abort", "kill-decode", "kill-prefill"],
+                    help="what the sglang ranks do (pd_worker.SCENARIOS)")
+    ap.add_argument("--abort-fraction", type=float, default=0.0,
+                    help="kvbridge decode ranks abort this fraction of the requests")
+    ap.add_argument("--engine-module", default=None, help="TransferEngine of the sglang ranks (default: Mooncake's)")
+    ap.add_argument("--bootstrap", choices=[SGLANG, KVBRIDGE], default=SGLANG)
+    ap.add_argument("--prefill", choices=[SGLANG, KVBRIDGE], default=SGLANG)
+    ap.add_argument("--decode", choices=[SGLANG, KVBRIDGE], default=SGLANG)
+    ap.add_argument("--buffers", default="cpu", help="sglang ranks' KV buffers: cpu or cuda[:N]")
+    ap.add_argument("--timeout", type=float, default=60.0)
+    args = ap.parse_args(argv)
+    spec = Spec(prefill_tp=args.prefill_tp, prefill_pp=args.prefill_pp, decode_tp=args.decode_tp,
+                decode_pp=args.decode_pp,
+                model=harness.ModelSpec.tiny_mla() if args.mla else harness.ModelSpec(),
+                workload=harness.Workload(requests=args.requests, abort_fraction=args.abort_fraction),
+                scenario=args.scenario,
+                engine_module=args.engine_module, bootstrap=args.bootstrap, prefill=args.prefill,
+                decode=args.decode, buffers=args.buffers, timeout=args.timeout)
+    outcome = run(spec)
+    if not outcome.ok or os.environ.get("KVB_INTEROP_VERBOSE"):
+        print(outcome.outputs())
+    print(outcome.report())
+    return 0 if outcome.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
