@@ -14,6 +14,10 @@ if [ ! -x "$venv/bin/python" ]; then
 fi
 "$venv/bin/pip" install -q --disable-pip-version-check --no-deps sglang==0.5.23
 "$venv/bin/pip" install -q --disable-pip-version-check -r python/interop/requirements.txt
+# kvbridge's Python package (the engine the sglang ranks switch to), built
+# from this checkout with the pinned toolchain.
+"$venv/bin/pip" install -q --disable-pip-version-check "maturin>=1.9,<2"
+(. "$venv/bin/activate" && maturin develop -q -m crates/kvbridge-py/Cargo.toml)
 export KVBRIDGE_BIN=${KVBRIDGE_BIN:-$PWD/target/debug/kvbridge}
 # In CI the Rust-role tests must run, not skip.
 if [ ! -x "$KVBRIDGE_BIN" ]; then

@@ -332,7 +332,7 @@ def setup_process(engine_module: Optional[str] = None) -> None:
     ``<engine_module>.TransferEngine``. None keeps Mooncake's engine."""
     import warnings
 
-    import kvbridge_hook
+    from kvbridge import sglang as kvbridge_hook
     import sgl_stubs
 
     setup_env()

@@ -138,6 +138,9 @@ fn ci() -> Result<()> {
     }
     // The Python package, built into a venv, against its pytest suite.
     python::pytest(&workspace_root(), true)?;
+    // sglang 0.5.23's released Mooncake connector against kvbridge's engine
+    // and Rust roles (python/interop/README.md).
+    python::interop(&workspace_root())?;
     // Every fuzz target briefly: a decoder that panics on some peer bytes
     // fails CI (`cargo xtask fuzz` runs them longer).
     fuzz::fuzz(&["--seconds".to_owned(), "5".to_owned()])

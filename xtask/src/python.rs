@@ -151,3 +151,21 @@ pub fn pytest(root: &Path, require_ucx: bool) -> Result<()> {
     }
     status(&mut pytest, "pytest (kvbridge-py)")
 }
+
+/// The sglang interop suite (`python/interop/ci.sh`): its own venv with
+/// sglang 0.5.23 and the kvbridge package, against `target/debug/kvbridge`
+/// (built by `cargo test --workspace` before this step).
+pub fn interop(root: &Path) -> Result<()> {
+    let bin = target_dir(root).join("debug").join("kvbridge");
+    eprintln!("xtask: running the sglang interop suite (python/interop)");
+    let status = Command::new("bash")
+        .current_dir(root)
+        .arg("python/interop/ci.sh")
+        .env("KVBRIDGE_BIN", &bin)
+        .status()
+        .context("cannot start bash")?;
+    if !status.success() {
+        bail!("the sglang interop suite failed with {status}");
+    }
+    Ok(())
+}

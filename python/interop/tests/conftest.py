@@ -39,6 +39,11 @@ ENGINES = {
 }
 
 
+#: Whether the pure-Python stand-in column runs by default: only while the
+#: real kvbridge package is unavailable (``KVB_INTEROP_FULL=1`` runs it always).
+STANDIN = ENGINES["kvbridge"][1] is not None
+
+
 def engine_param(name, *more):
     """A pytest parameter for engine column ``name`` (skipped with its
     reason when unavailable); ``more`` are further values of the same case."""

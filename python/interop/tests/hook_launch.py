@@ -5,7 +5,7 @@
 
 import sys
 
-import kvbridge_hook
+from kvbridge import sglang as kvbridge_hook
 
 if __name__ == "__main__":
     kvbridge_hook.main(sys.argv[1:], module="hook_probe")

@@ -1,4 +1,4 @@
-"""The engine switch (kvbridge_hook): install/uninstall, the environment
+"""The engine switch (kvbridge.sglang): install/uninstall, the environment
 switch, the package stub when Mooncake is absent, sglang's plugin entry point
 and the launcher, with the pure-Python stand-in engine as the target."""
 
@@ -12,7 +12,7 @@ import textwrap
 
 import pytest
 
-import kvbridge_hook
+from kvbridge import sglang as kvbridge_hook
 from conftest import INTEROP
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -60,7 +60,8 @@ def test_already_imported_engine_is_replaced():
     if importlib.util.find_spec("mooncake") is None:
         pytest.skip("Mooncake is not installed")
     p = run_py(f"""
-        import mooncake.engine, kvbridge_hook
+        import mooncake.engine
+        from kvbridge import sglang as kvbridge_hook
         real = mooncake.engine.TransferEngine
         kvbridge_hook.install({TARGET!r})
         import mooncake.engine as m
@@ -74,12 +75,12 @@ def test_already_imported_engine_is_replaced():
 
 def test_env_switch_and_default_target():
     p = run_py("""
-        import kvbridge_hook
+        from kvbridge import sglang as kvbridge_hook
         print(kvbridge_hook.installed_target())
     """, env={"KVBRIDGE_SGLANG": "1", "KVBRIDGE_SGLANG_TARGET": TARGET})
     assert p.stdout.split() == [TARGET], p.stderr
     p = run_py("""
-        import kvbridge_hook
+        from kvbridge import sglang as kvbridge_hook
         print(kvbridge_hook.installed_target(), kvbridge_hook.install())
     """, env={"KVBRIDGE_SGLANG": "0"})
     assert p.stdout.split() == ["None", "kvbridge"], p.stderr
@@ -87,7 +88,7 @@ def test_env_switch_and_default_target():
 
 def test_missing_target_fails_at_engine_import():
     p = run_py("""
-        import kvbridge_hook
+        from kvbridge import sglang as kvbridge_hook
         kvbridge_hook.install("no_such_engine_module")
         try:
             from mooncake.engine import TransferEngine
@@ -98,13 +99,17 @@ def test_missing_target_fails_at_engine_import():
 
 
 def test_package_stub_without_mooncake():
-    # -S: no site-packages, so no Mooncake; the hook supplies the package.
+    # -S: no site-packages, so no Mooncake (and no installed kvbridge: the
+    # hook, standard library only, is loaded from its file); the hook
+    # supplies the package.
     p = run_py(f"""
         import sys
         sys.path[:0] = {[INTEROP, TESTS]!r}
         import importlib.util
         assert importlib.util.find_spec("mooncake") is None
-        import kvbridge_hook
+        spec = importlib.util.spec_from_file_location("kvbridge_sglang", {kvbridge_hook.__file__!r})
+        kvbridge_hook = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(kvbridge_hook)
         kvbridge_hook.install({TARGET!r})
         import mooncake
         from mooncake.engine import TransferEngine
@@ -127,7 +132,7 @@ def test_sglang_plugin_entry_point(tmp_path):
         harness.setup_process()          # env + stubs; no engine module given
         from sglang.srt.plugins import load_plugins
         load_plugins()
-        import kvbridge_hook
+        from kvbridge import sglang as kvbridge_hook
         eng = harness.init_engine()
         print(kvbridge_hook.installed_target(), type(eng.engine).__module__, eng.get_session_id())
     """, env={"KVBRIDGE_SGLANG": "1", "KVBRIDGE_SGLANG_TARGET": TARGET})

@@ -15,7 +15,7 @@ import pytest
 
 import cluster
 import harness
-from conftest import engine_param
+from conftest import STANDIN, engine_param
 
 #: name -> Spec fields. The CI subset.
 CASES = {
@@ -54,7 +54,7 @@ def expected_bytes(spec: cluster.Spec, rooms) -> int:
 #: kvbridge's; the stand-in (already exercised against the kvbridge ranks in
 #: test_rust_roles.py) runs the plain and the per-token head-slicing paths.
 MATRIX = [engine_param(e, c) for e in ("mooncake", "kvbridge") for c in CASES]
-MATRIX += [engine_param("kvtcp", c) for c in CASES if c in ("tp1-tp1", "tp1-tp2", "abort") or FULL]
+MATRIX += [engine_param("kvtcp", c) for c in CASES if c in ("tp1-tp1", "tp1-tp2", "abort") and STANDIN or FULL]
 
 
 @pytest.mark.parametrize("engine,case", MATRIX)

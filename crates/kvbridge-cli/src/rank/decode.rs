@@ -42,6 +42,8 @@ pub fn run(file: &RankFile) -> Result<bool> {
     .context("allocating KV pools")?;
     let mut config = file.decode.clone();
     config.attn_tp_size = file.rank.tp_size;
+    config.pp_size = file.rank.pp_size;
+    config.pp_rank = file.rank.pp_rank;
     let engine = file.engine()?;
     // SAFETY: `pools` lives until after `manager.teardown()` below.
     let manager = unsafe { DecodeManager::start(config, pools.kv_args(), engine) }

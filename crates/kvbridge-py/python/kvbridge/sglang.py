@@ -32,8 +32,8 @@ they inherit environment variables but not ``sys.modules``):
 ``TransferEngine`` is used; the default is ``kvbridge``. Tests point it at a
 stand-in engine.
 
-This file is self-contained (standard library only) so that it can move into
-the kvbridge package as ``kvbridge/sglang.py`` unchanged.
+The module uses the standard library only; importing it does not load
+sglang. See ``docs/sglang.md``.
 """
 
 from __future__ import annotations
