@@ -264,6 +264,11 @@ pub(crate) async fn serve<A: Acceptor>(
             counters.warn_limit("evicted", name, limits.max_connections, what);
             if let Some(task) = entry.task {
                 task.abort();
+                // Let the runtime drop the aborted task (and close its
+                // socket) before the next accept: under a flood of new
+                // connections the accept loop stays ready, and evicted
+                // sockets must not pile up past the cap meanwhile.
+                tokio::task::yield_now().await;
             }
         }
         let task = tokio::spawn(connection(
