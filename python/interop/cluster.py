@@ -28,6 +28,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
@@ -85,10 +86,10 @@ class Spec:
     decode: str = SGLANG
     #: Buffers of sglang ranks: "cpu" or "cuda[:N]".
     buffers: str = "cpu"
-    #: Whether sglang ranks publish their KV buffers' layer ids (stock sglang
-    #: does not for plain MHA/MLA pools; kvbridge ranks always do). None:
-    #: only where PP > 1 meets a kvbridge rank (README.md, "Layer ids").
-    sglang_layer_ids: Optional[bool] = None
+    #: Whether every rank (sglang and kvbridge) publishes its KV buffers'
+    #: layer ids, as sglang's hybrid pools do; off: none, as stock sglang
+    #: publishes for plain MHA/MLA pools (README.md, "Layer ids").
+    layer_ids: bool = False
     timeout: float = 60.0
 
 
@@ -134,12 +135,50 @@ def _rank_file(spec: Spec, rank: harness.RankSpec, boot: str, scratch: str, name
         "prefill": {"local_ip": "127.0.0.1", "bootstrap_addr": boot},
         "decode": {"local_ip": "127.0.0.1"},
         "bootstrap_addr": boot,
-        "workload": spec.workload.to_json(),
+        "workload": dict(spec.workload.to_json(), forward_s=_send_delay(spec)),
+        "publish_layer_ids": spec.layer_ids,
     }
     path = os.path.join(scratch, f"{name}.json")
     with open(path, "w") as f:
         json.dump(cfg, f)
     return path
+
+
+def _send_delay(spec: Spec) -> float:
+    """The prefill ranks' simulated forward pass: long enough, when a decode
+    is to die after sending its metadata, that it is dead before any KV."""
+    return 1.5 if spec.scenario == "kill-decode" else spec.workload.forward_s
+
+
+def _event(line: str) -> dict:
+    """One JSON event line of a kvbridge rank ({} when it is not one)."""
+    try:
+        ev = json.loads(line)
+    except json.JSONDecodeError:
+        return {}
+    return ev if isinstance(ev, dict) else {}
+
+
+def _kill_after_started(p: "Proc", rooms: int) -> threading.Thread:
+    """Reads a kvbridge decode rank's events as they come and SIGKILLs it
+    once it has sent the destinations of ``rooms`` rooms (``started``
+    events): a decode that dies between its metadata and the KV."""
+    lines: List[str] = []
+
+    def pump() -> None:
+        started = 0
+        for line in p.popen.stdout:
+            lines.append(line)
+            if line.startswith("{") and _event(line).get("event") == "started":
+                started += 1
+                if started == rooms:
+                    p.popen.kill()
+        p.popen.wait()
+        p.output = "".join(lines)
+
+    t = threading.Thread(target=pump, name=f"kill-{p.name}", daemon=True)
+    t.start()
+    return t
 
 
 def _kvbridge_result(kind: str, output: str, returncode: int, spec: Spec) -> dict:
@@ -171,6 +210,8 @@ def _kvbridge_result(kind: str, output: str, returncode: int, spec: Spec) -> dic
         may_fail = spec.workload.aborted_rooms()
     elif spec.scenario == "abort":
         must_fail = {spec.workload.plan()[0].room}
+    elif spec.scenario == "kill-decode":
+        must_fail = rooms
     failed_rooms = {int(r) for r in failed}
     ok = (returncode == 0 and finished and mismatched == 0 and set(done) | failed_rooms == rooms
           and must_fail <= failed_rooms <= must_fail | may_fail)
@@ -214,10 +255,7 @@ def _run(spec: Spec, procs: Dict[str, Proc], scratch: str) -> Outcome:
               "--model", json.dumps(spec.model.to_json())]
     if spec.engine_module:
         common += ["--engine-module", spec.engine_module]
-    layer_ids = spec.sglang_layer_ids
-    if layer_ids is None:
-        layer_ids = KVBRIDGE in (spec.prefill, spec.decode) and max(spec.prefill_pp, spec.decode_pp) > 1
-    if layer_ids:
+    if spec.layer_ids:
         common += ["--publish-layer-ids"]
     if spec.bootstrap == KVBRIDGE:
         start("bootstrap", "bootstrap", KVBRIDGE,
@@ -238,11 +276,23 @@ def _run(spec: Spec, procs: Dict[str, Proc], scratch: str) -> Outcome:
                     start(name, kind, impl, [py, WORKER, kind, "--http-port", str(free_port()),
                                              "--tp", str(tp_size), str(tp_rank),
                                              "--pp", str(pp_size), str(pp_rank),
-                                             "--send-delay", "1.5" if spec.scenario == "kill-decode" else "0"]
+                                             "--send-delay", str(_send_delay(spec))]
                           + common)
+    killers = {}
+    if spec.scenario == "kill-decode" and spec.decode == KVBRIDGE:
+        per_rank = min(spec.workload.requests, spec.workload.concurrency)
+        killers = {n: _kill_after_started(p, per_rank) for n, p in procs.items() if p.kind == "decode"}
     deadline = time.monotonic() + spec.timeout + 30
     for p in procs.values():
         if p.kind == "bootstrap":
+            continue
+        if p.name in killers:
+            killers[p.name].join(timeout=max(deadline - time.monotonic(), 1))
+            if killers[p.name].is_alive():
+                p.popen.kill()
+                killers[p.name].join()
+            p.returncode = p.popen.returncode
+            p.result = _kvbridge_result(p.kind, p.output, p.returncode, spec)
             continue
         try:
             p.output, _ = p.popen.communicate(timeout=max(deadline - time.monotonic(), 1))
@@ -287,6 +337,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill", choices=[SGLANG, KVBRIDGE], default=SGLANG)
     ap.add_argument("--decode", choices=[SGLANG, KVBRIDGE], default=SGLANG)
     ap.add_argument("--buffers", default="cpu", help="sglang ranks' KV buffers: cpu or cuda[:N]")
+    ap.add_argument("--layer-ids", action="store_true",
+                    help="every rank publishes its KV layer ids (as sglang's hybrid pools); default: none")
     ap.add_argument("--timeout", type=float, default=60.0)
     args = ap.parse_args(argv)
     spec = Spec(prefill_tp=args.prefill_tp, prefill_pp=args.prefill_pp, decode_tp=args.decode_tp,
@@ -295,7 +347,8 @@ def main(argv=None) -> int:
                 workload=harness.Workload(requests=args.requests, abort_fraction=args.abort_fraction),
                 scenario=args.scenario,
                 engine_module=args.engine_module, bootstrap=args.bootstrap, prefill=args.prefill,
-                decode=args.decode, buffers=args.buffers, timeout=args.timeout)
+                decode=args.decode, buffers=args.buffers, layer_ids=args.layer_ids,
+                timeout=args.timeout)
     outcome = run(spec)
     if not outcome.ok or os.environ.get("KVB_INTEROP_VERBOSE"):
         print(outcome.outputs())

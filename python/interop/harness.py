@@ -167,6 +167,9 @@ class Workload:
     room_timeout_s: float = 60.0
     #: kvbridge decode ranks abort this fraction of the requests (sglang ranks ignore it).
     abort_fraction: float = 0.0
+    #: kvbridge prefill ranks: simulated forward pass (seconds) before a
+    #: room's first chunk (sglang prefill ranks: ``pd_worker --send-delay``).
+    forward_s: float = 0.0
 
     def plan(self) -> List[Request]:
         """The requests, in order."""

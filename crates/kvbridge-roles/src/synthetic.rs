@@ -366,14 +366,28 @@ impl RankPools {
         }
     }
 
-    /// The registration for these pools (layer ids published, so PP stages
-    /// pair by layer).
+    /// The registration for these pools as sglang publishes a plain MHA/MLA
+    /// pool: no layer ids, so PP stages pair by position (K/V halves or flat
+    /// slicing from the stage's start layer).
     pub fn kv_args(&self) -> KvArgs {
+        self.registration(false)
+    }
+
+    /// The registration with `kv_layer_ids` published (as sglang's hybrid
+    /// pools do), so peers pair buffers by layer id; both sides must publish.
+    pub fn kv_args_with_layer_ids(&self) -> KvArgs {
+        self.registration(true)
+    }
+
+    fn registration(&self, publish_layer_ids: bool) -> KvArgs {
         let (start, end) = self.rank.layer_range(self.model.layers);
         let item = self.model.item_len(self.rank.tp_size);
-        let mut layer_ids: Vec<i64> = (start..end).map(|l| l as i64).collect();
-        if !self.model.mla {
+        let mut layer_ids: Vec<i64> = Vec::new();
+        if publish_layer_ids {
             layer_ids.extend((start..end).map(|l| l as i64));
+            if !self.model.mla {
+                layer_ids.extend((start..end).map(|l| l as i64));
+            }
         }
         KvArgs {
             layout: PrefillLayout {

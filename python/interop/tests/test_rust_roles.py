@@ -85,6 +85,30 @@ def test_other_sides_bootstrap_server(engine, direction):
     check(spec, cluster.run(spec))
 
 
+@pytest.mark.parametrize("direction", list(DIRECTIONS))
+@pytest.mark.parametrize("engine", SGLANG_SIDE)
+def test_decode_killed_mid_transfer(engine, direction):
+    """The decode dies (SIGKILL, or ``os._exit`` for an sglang decode) after
+    sending every room's destination, before the prefill's forward pass
+    ends: the prefill, sglang's or kvbridge's, fails every room with a
+    reason and exits; nothing hangs."""
+    prefill, decode, bootstrap = DIRECTIONS[direction]
+    spec = cluster.Spec(engine_module=engine, prefill=prefill, decode=decode, bootstrap=bootstrap,
+                        scenario="kill-decode", timeout=45)
+    out = cluster.run(spec)
+    detail = out.report() + "\n" + out.outputs()
+    assert out.ok, detail
+    rooms = sorted(str(r.room) for r in spec.workload.plan())
+    prefills = [p for p in out.procs.values() if p.kind == "prefill"]
+    assert prefills, detail
+    for p in prefills:
+        assert sorted(p.result["failed"]) == rooms, detail
+        assert all(p.result["failed"].values()), detail  # every failure says why
+    for p in out.procs.values():
+        if p.kind == "decode":  # it really died: SIGKILL, or os._exit before its RESULT line
+            assert p.returncode == -9 if p.impl == cluster.KVBRIDGE else p.result is None, detail
+
+
 def test_harness_runs_kvbridge_ranks():
     """The harness's kvbridge launch path on its own: kvbridge bootstrap,
     prefill PP2 and decode TP2 from the rank files it writes."""
@@ -130,16 +154,21 @@ def test_sglang_decode_aborts_kvbridge_prefill(engine):
     assert decode.result["verified_bytes"] == expected_bytes(spec, rooms[1:]), detail
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "kvbridge ranks always publish kv_layer_ids (RankPools::kv_args); stock sglang publishes none for "
-    "plain MHA/MLA pools, and with PP > 1 both sides refuse to pair 'layer metadata must be provided by "
-    "both PD peers or neither' (README.md, 'What the Rust roles need')"))
 @pytest.mark.parametrize("engine", SGLANG_SIDE)
 def test_stock_sglang_decode_with_kvbridge_pp_prefill(engine):
     """A kvbridge PP2 prefill and an sglang decode that, like stock sglang
-    with a plain pool, publishes no layer ids."""
+    with a plain pool, publishes no layer ids: both pair by position."""
     spec = cluster.Spec(engine_module=engine, prefill=cluster.KVBRIDGE, decode=cluster.SGLANG,
-                        bootstrap=cluster.KVBRIDGE, prefill_pp=2, sglang_layer_ids=False, timeout=30)
+                        bootstrap=cluster.KVBRIDGE, prefill_pp=2, timeout=30)
+    check(spec, cluster.run(spec))
+
+
+@pytest.mark.parametrize("engine", SGLANG_SIDE)
+def test_layer_ids_on_both_sides_pp(engine):
+    """Every rank publishes layer ids (as sglang's hybrid pools do):
+    kvbridge PP2 prefill -> sglang decode pairs buffers by layer id."""
+    spec = cluster.Spec(engine_module=engine, prefill=cluster.KVBRIDGE, decode=cluster.SGLANG,
+                        bootstrap=cluster.KVBRIDGE, prefill_pp=2, layer_ids=True, timeout=30)
     check(spec, cluster.run(spec))
 
 

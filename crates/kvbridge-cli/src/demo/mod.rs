@@ -197,6 +197,7 @@ fn plan(args: &DemoArgs, bootstrap: SocketAddr) -> Result<Plan> {
         abort_fraction: args.abort_fraction.clamp(0.0, 1.0),
         only: None,
         room_timeout_s: 60.0,
+        forward_s: 0.0,
     };
     let requests = workload.requests();
     let pages_of = |r: &crate::rank::workload::Request| Workload::pages(r.tokens, model.page_size);
@@ -256,6 +257,7 @@ fn plan(args: &DemoArgs, bootstrap: SocketAddr) -> Result<Plan> {
                 decode: DecodeConfig::default(),
                 bootstrap_addr: None,
                 workload: Some(workload.clone()),
+                publish_layer_ids: false,
                 // Until the decode ranks are done: a restarted decode's
                 // retries must find the prefill still answering.
                 linger: true,
@@ -290,6 +292,7 @@ fn plan(args: &DemoArgs, bootstrap: SocketAddr) -> Result<Plan> {
             },
             bootstrap_addr: Some(bootstrap.to_string()),
             workload: Some(workload.clone()),
+            publish_layer_ids: false,
             linger: false,
         })
         .collect();

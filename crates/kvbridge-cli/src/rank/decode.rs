@@ -46,7 +46,7 @@ pub fn run(file: &RankFile) -> Result<bool> {
     config.pp_rank = file.rank.pp_rank;
     let engine = file.engine()?;
     // SAFETY: `pools` lives until after `manager.teardown()` below.
-    let manager = unsafe { DecodeManager::start(config, pools.kv_args(), engine) }
+    let manager = unsafe { DecodeManager::start(config, file.kv_args(&pools), engine) }
         .context("starting the decode manager")?;
     let rank = file.rank.tp_rank;
     emit(&Event::Ready {

@@ -17,8 +17,8 @@ use std::sync::Arc;
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use kvbridge_engine::{EngineConfig, TransferEngine, Transport};
-use kvbridge_roles::synthetic::{ModelSpec, Placement, RankSpec};
-use kvbridge_roles::{DecodeConfig, PrefillConfig};
+use kvbridge_roles::synthetic::{ModelSpec, Placement, RankPools, RankSpec};
+use kvbridge_roles::{DecodeConfig, KvArgs, PrefillConfig};
 use serde::{Deserialize, Serialize};
 
 pub use workload::Workload;
@@ -95,6 +95,11 @@ pub struct RankFile {
     /// A synthetic workload to run, then exit; none: serve until SIGTERM.
     #[serde(default)]
     pub workload: Option<Workload>,
+    /// Publish `kv_layer_ids` (pair buffers by layer id, as sglang's hybrid
+    /// pools do); off: none, as sglang publishes for a plain MHA/MLA pool.
+    /// Both peers must agree when PP > 1.
+    #[serde(default)]
+    pub publish_layer_ids: bool,
     /// Prefill ranks: after the workload, keep serving (late transfer
     /// requests, aborts) until stdin closes, so a peer's retry gets an answer.
     #[serde(default)]
@@ -116,6 +121,15 @@ impl RankFile {
             m.page_size = p;
         }
         Ok(m)
+    }
+
+    /// This rank's registration of `pools`, with or without layer ids.
+    pub fn kv_args(&self, pools: &RankPools) -> KvArgs {
+        if self.publish_layer_ids {
+            pools.kv_args_with_layer_ids()
+        } else {
+            pools.kv_args()
+        }
     }
 
     /// The transfer engine this rank uses.
@@ -204,6 +218,7 @@ impl RankArgs {
                 decode: DecodeConfig::default(),
                 bootstrap_addr: None,
                 workload: None,
+                publish_layer_ids: false,
                 linger: false,
             },
         };

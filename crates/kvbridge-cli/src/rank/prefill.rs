@@ -17,6 +17,8 @@ struct Active {
     pages: Vec<i32>,
     aux: i32,
     sender: KvSender,
+    /// When the decode's destination arrived (the forward pass starts).
+    ready_at: Option<Instant>,
     first_send: Option<Instant>,
 }
 
@@ -56,7 +58,7 @@ pub fn run(file: &RankFile) -> Result<bool> {
         filled.insert(r.index, (p, a[0]));
     }
     // SAFETY: `pools` lives until after `manager.teardown()` below.
-    let manager = unsafe { PrefillManager::start(config, pools.kv_args(), engine) }
+    let manager = unsafe { PrefillManager::start(config, file.kv_args(&pools), engine) }
         .context("starting the prefill manager")?;
     let rank = file.rank.pp_rank * file.rank.tp_size + file.rank.tp_rank;
     emit(&Event::Ready {
@@ -73,6 +75,8 @@ pub fn run(file: &RankFile) -> Result<bool> {
         return Ok(true);
     };
     let chunk_pages = Workload::pages(workload.chunk_tokens, model.page_size).max(1) as usize;
+    let forward = Duration::try_from_secs_f64(workload.forward_s)
+        .context("workload.forward_s must be a non-negative number of seconds")?;
     let mut pending: VecDeque<Request> = requests.into();
     let mut active: Vec<Active> = Vec::new();
     while !(pending.is_empty() && active.is_empty()) {
@@ -105,6 +109,7 @@ pub fn run(file: &RankFile) -> Result<bool> {
                 pages: p,
                 aux,
                 sender,
+                ready_at: None,
                 first_send: None,
             });
             progressed = true;
@@ -113,7 +118,9 @@ pub fn run(file: &RankFile) -> Result<bool> {
         while i < active.len() {
             let a = &mut active[i];
             let status = a.sender.poll();
-            if a.first_send.is_none() && status == KvPoll::WaitingForInput {
+            let computed = status == KvPoll::WaitingForInput
+                && a.ready_at.get_or_insert_with(Instant::now).elapsed() >= forward;
+            if a.first_send.is_none() && computed {
                 a.first_send = Some(Instant::now());
                 let mut sent_tokens = 0;
                 for chunk in a.pages.chunks(chunk_pages) {

@@ -27,6 +27,10 @@ pub struct Workload {
     /// Decode ranks: give up on a room after this many seconds.
     #[serde(default = "default_room_timeout")]
     pub room_timeout_s: f64,
+    /// Prefill ranks: seconds of simulated forward pass between a room's
+    /// destination arriving and its first chunk being sent.
+    #[serde(default)]
+    pub forward_s: f64,
 }
 
 fn default_room_timeout() -> f64 {
@@ -128,6 +132,7 @@ mod tests {
             abort_fraction: 0.25,
             only: None,
             room_timeout_s: 60.0,
+            forward_s: 0.0,
         }
     }
 
