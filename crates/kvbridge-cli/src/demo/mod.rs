@@ -228,6 +228,12 @@ fn plan(args: &DemoArgs, bootstrap: SocketAddr) -> Result<Plan> {
         p.probe.interval = Duration::from_millis(200);
     };
     let mut prefill_files = Vec::new();
+    // Both sides are kvbridge: with PP, pair buffers by layer id, exact for
+    // any split of the layers. Without ids (sglang's plain pools) positional
+    // K/V-halves pairing assumes equal stages: an uneven split (3 layers over
+    // 2 stages) is read as "the decode has draft layers" and V lands on the
+    // wrong buffers (docs/sglang.md, "Layer ids").
+    let publish_layer_ids = args.prefill_pp > 1;
     for pp in 0..args.prefill_pp {
         for tp in 0..args.prefill_tp {
             let mut prefill = PrefillConfig {
@@ -257,7 +263,7 @@ fn plan(args: &DemoArgs, bootstrap: SocketAddr) -> Result<Plan> {
                 decode: DecodeConfig::default(),
                 bootstrap_addr: None,
                 workload: Some(workload.clone()),
-                publish_layer_ids: false,
+                publish_layer_ids,
                 // Until the decode ranks are done: a restarted decode's
                 // retries must find the prefill still answering.
                 linger: true,
@@ -292,7 +298,7 @@ fn plan(args: &DemoArgs, bootstrap: SocketAddr) -> Result<Plan> {
             },
             bootstrap_addr: Some(bootstrap.to_string()),
             workload: Some(workload.clone()),
-            publish_layer_ids: false,
+            publish_layer_ids,
             linger: false,
         })
         .collect();

@@ -294,6 +294,16 @@ impl Cluster {
         engine: impl Fn() -> Arc<dyn TransferEngine>,
     ) -> Self {
         let bootstrap = bootstrap();
+        // Positional PP pairing (no layer ids, as sglang's plain pools)
+        // needs equal stages; an uneven split pairs by layer id on both sides.
+        let uneven = !model.layers.is_multiple_of(prefill_pp);
+        let kv_args = |pools: &RankPools| {
+            if uneven {
+                pools.kv_args_with_layer_ids()
+            } else {
+                pools.kv_args()
+            }
+        };
         let mut prefill = Vec::new();
         for pp in 0..prefill_pp {
             for tp in 0..prefill_tp {
@@ -307,7 +317,7 @@ impl Cluster {
                 let mut config = prefill_config(bootstrap.local_addr(), prefill_tp, tp);
                 config.rank.pp_size = prefill_pp;
                 config.rank.pp_rank = pp;
-                let manager = start_prefill(config, pools.kv_args(), engine());
+                let manager = start_prefill(config, kv_args(&pools), engine());
                 prefill.push((manager, pools));
             }
         }
@@ -320,7 +330,7 @@ impl Cluster {
                 pp_rank: 0,
             };
             let pools = RankPools::new(model.clone(), rank, pages, 8).expect("pools");
-            let manager = start_decode(decode_config(decode_tp), pools.kv_args(), tcp_engine());
+            let manager = start_decode(decode_config(decode_tp), kv_args(&pools), tcp_engine());
             decode.push((manager, pools));
         }
         Self {
