@@ -85,7 +85,7 @@ class Spec:
     prefill: str = SGLANG
     decode: str = SGLANG
     #: Buffers of sglang ranks: "cpu" or "cuda[:N]".
-    buffers: str = "cpu"
+    buffers: str = field(default_factory=lambda: os.environ.get("KVB_INTEROP_BUFFERS", "cpu"))
     #: Whether every rank (sglang and kvbridge) publishes its KV buffers'
     #: layer ids, as sglang's hybrid pools do; off: none, as stock sglang
     #: publishes for plain MHA/MLA pools (README.md, "Layer ids").
@@ -135,6 +135,7 @@ def _rank_file(spec: Spec, rank: harness.RankSpec, boot: str, scratch: str, name
         "prefill": {"local_ip": "127.0.0.1", "bootstrap_addr": boot},
         "decode": {"local_ip": "127.0.0.1"},
         "bootstrap_addr": boot,
+        "placement": {"device": _device_index(spec.buffers), "host_kv_buffers": 0},
         "workload": dict(spec.workload.to_json(), forward_s=_send_delay(spec)),
         "publish_layer_ids": spec.layer_ids,
     }
@@ -142,6 +143,16 @@ def _rank_file(spec: Spec, rank: harness.RankSpec, boot: str, scratch: str, name
     with open(path, "w") as f:
         json.dump(cfg, f)
     return path
+
+
+def _device_index(buffers: str) -> Optional[int]:
+    """The GPU of ``"cuda[:N]"`` (None for ``"cpu"``): where kvbridge ranks
+    place their KV pools, beside the sglang ranks' torch tensors."""
+    if buffers == "cpu":
+        return None
+    if not buffers.startswith("cuda"):
+        raise ValueError(f"buffers must be cpu or cuda[:N], not {buffers!r}")
+    return int(buffers.partition(":")[2] or 0)
 
 
 def _send_delay(spec: Spec) -> float:

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import importlib.abc
 import importlib.machinery
+import os
 import sys
 import types
 
@@ -180,6 +181,7 @@ def install(only_missing: bool = True) -> frozenset:
     """
     for finder in [f for f in sys.meta_path if isinstance(f, _Finder)]:
         sys.meta_path.remove(finder)
-    stubbed = frozenset(p for p in STUBBED if not (only_missing and _importable(p)))
+    wanted = STUBBED | {p for p in os.environ.get("KVB_INTEROP_EXTRA_STUBS", "").split(",") if p}
+    stubbed = frozenset(p for p in wanted if not (only_missing and _importable(p)))
     sys.meta_path.insert(0, _Finder(stubbed))
     return stubbed

@@ -7,7 +7,10 @@
 //! linked statically, CUDA is loaded at run time). `--run` then executes
 //! the bundle here; on the GPU machine run `bash target/gpu-bundle/run.sh`
 //! (add `--bench` for `kvbridge bench ipc`). Without a GPU, `run.sh` prints
-//! one SKIP line and exits 0.
+//! one SKIP line and exits 0. The bundle also carries sglang's interop
+//! suite (`interop/`, packed by `python/interop/gpu_pack.py`, which needs
+//! PyPI here): sglang's connector against kvbridge's engine and ranks with
+//! KV in torch device tensors.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -110,12 +113,16 @@ fn build(root: &Path) -> Result<PathBuf> {
     }
     let script = bundle.join("run.sh");
     std::fs::write(&script, RUN_SH).context("writing run.sh")?;
-    let mut size = 0;
-    for e in std::fs::read_dir(&bundle)? {
-        size += e?.metadata()?.len();
+    // Without PyPI the sglang step cannot be packed: the bundle says why
+    // and run.sh reports the step as not run.
+    if let Err(e) = crate::python::pack_interop(root, &bundle.join("interop")) {
+        eprintln!("xtask: WARNING: the sglang interop step is not bundled: {e:#}");
+        std::fs::write(bundle.join("interop-missing.txt"), format!("{e:#}\n"))
+            .context("writing interop-missing.txt")?;
     }
+    let size = dir_size(&bundle)?;
     eprintln!(
-        "xtask: GPU bundle {} ({:.1} MiB): kvbridge, gpu-test-mem, gpu-test-engine, run.sh",
+        "xtask: GPU bundle {} ({:.1} MiB): kvbridge, gpu-test-mem, gpu-test-engine, run.sh, interop/",
         bundle.display(),
         size as f64 / (1 << 20) as f64
     );
@@ -123,6 +130,21 @@ fn build(root: &Path) -> Result<PathBuf> {
         bail!("the GPU bundle is {size} bytes, over {MAX_BUNDLE}");
     }
     Ok(bundle)
+}
+
+/// Bytes of every file under `dir`.
+fn dir_size(dir: &Path) -> Result<u64> {
+    let mut size = 0;
+    for e in std::fs::read_dir(dir).with_context(|| format!("reading {}", dir.display()))? {
+        let e = e?;
+        let meta = e.metadata()?;
+        size += if meta.is_dir() {
+            dir_size(&e.path())?
+        } else {
+            meta.len()
+        };
+    }
+    Ok(size)
 }
 
 /// `cargo xtask gpu-test [--run] [--bench]`.

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU test matrix of kvbridge (bundled by `cargo xtask gpu-test`).
-# Usage: bash run.sh [--bench]   (logs go to $LOGS, default ./logs)
+# Usage: bash run.sh [--bench]   (logs go to $LOGS, default ./logs;
+#        ONLY=regex runs only the steps whose names match)
 set -u
 here="$(cd "$(dirname "$0")" && pwd)"
 logs="${LOGS:-$here/logs}"
@@ -13,8 +14,9 @@ if ! ldconfig -p 2>/dev/null | grep -q 'libcuda\.so' || ! nvidia-smi -L >/dev/nu
 fi
 nvidia-smi -L
 pass=0; fail=0; summary=()
-step() { # name, command...
+step() { # name, command...   (ONLY=regex runs just the matching steps)
   local name="$1"; shift
+  if [ -n "${ONLY:-}" ] && ! [[ "$name" =~ $ONLY ]]; then return 0; fi
   local t0=$SECONDS
   if timeout "${STEP_TIMEOUT:-240}" "$@" >"$logs/$name.log" 2>&1; then
     pass=$((pass+1)); summary+=("PASS $name ($((SECONDS-t0)) s)")
@@ -39,6 +41,16 @@ step demo-ipc-host-blocks "${demo[@]}" --engine ipc --host-kv-buffers 4 --prefil
 step demo-tcp-device "${demo[@]}" --engine tcp --prefill-tp 2 --decode-tp 1
 step demo-tcp-nvlink-intra-host-blocks "${demo[@]}" --engine tcp --nvlink-intra --host-kv-buffers 4
 step demo-ipc-abort "${demo[@]}" --engine ipc --abort-fraction 0.3
+# sglang 0.5.23's connector (its own code, unpacked from the wheel) on
+# kvbridge's engine and against kvbridge's ranks, KV in torch device tensors.
+if [ -f "$here/interop/device_run.sh" ]; then
+  export KVBRIDGE_BIN="$kv"
+  STEP_TIMEOUT=480 step interop-sglang-device-tensors bash "$here/interop/device_run.sh"
+  grep -E "passed|failed|skipped" "$logs/interop-sglang-device-tensors.log" 2>/dev/null | tail -n 1 || true
+else
+  summary+=("NOT RUN interop-sglang-device-tensors: $(cat "$here/interop-missing.txt" 2>/dev/null || echo 'not bundled')")
+  fail=$((fail+1)); echo "${summary[-1]}"
+fi
 if [ "$bench" = 1 ]; then
   # One batch of 1 GiB at a time, then as a prefill worker submits:
   # 256 MiB batches, 4 in flight, 4 GiB per run.

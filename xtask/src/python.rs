@@ -120,6 +120,40 @@ pub fn wheel(root: &Path) -> Result<()> {
     Ok(())
 }
 
+/// Packs the sglang interop suite for the GPU machine into `out`
+/// (`python/interop/gpu_pack.py`: the suite, wheels for that machine's
+/// Python, sglang's sources, a fresh release wheel of kvbridge).
+pub fn pack_interop(root: &Path, out: &Path) -> Result<()> {
+    let wheels = target_dir(root).join("wheels");
+    // Only this build's wheel may travel.
+    if let Ok(dir) = std::fs::read_dir(&wheels) {
+        for e in dir.flatten() {
+            if e.file_name().to_string_lossy().starts_with("kvbridge-") {
+                std::fs::remove_file(e.path()).context("clearing old kvbridge wheels")?;
+            }
+        }
+    }
+    wheel(root)?;
+    let wheel = std::fs::read_dir(&wheels)
+        .context("reading the wheel folder")?
+        .flatten()
+        .map(|e| e.path())
+        .find(|p| p.extension().is_some_and(|x| x == "whl"))
+        .context("maturin wrote no wheel")?;
+    let venv = Venv::ensure(root)?;
+    status(
+        venv.command("python")
+            .arg(root.join("python/interop/gpu_pack.py"))
+            .arg("--out")
+            .arg(out)
+            .arg("--kvbridge-wheel")
+            .arg(&wheel)
+            .arg("--cache")
+            .arg(target_dir(root).join("gpu-wheelhouse")),
+        "gpu_pack.py (the interop suite for the GPU machine)",
+    )
+}
+
 /// The pytest suite of the Python package, against a fresh debug build of
 /// it in `target/py-venv`; with `require_ucx` (CI, where libucx0 is
 /// installed) its UCX test fails instead of skipping when UCX is missing.

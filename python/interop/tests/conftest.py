@@ -28,14 +28,20 @@ def _missing(module: str, attr: str = "TransferEngine"):
     return None if hasattr(mod, attr) else f"{module} has no {attr}"
 
 
+#: Where the ranks' KV lives: "cpu" (numpy, the default) or "cuda[:N]"
+#: (torch device tensors; ``KVB_INTEROP_BUFFERS``, the GPU machine's step).
+BUFFERS = os.environ.get("KVB_INTEROP_BUFFERS", "cpu")
+ON_DEVICE = BUFFERS != "cpu"
+HOST_ONLY = f"reads KV with the CPU: cannot move the device tensors of KVB_INTEROP_BUFFERS={BUFFERS}"
+
 #: Engine column -> (module given to the engine hook or None for Mooncake's own, skip reason or None).
 ENGINES = {
-    "mooncake": (None, _missing("mooncake.engine")
-                 and "Mooncake's engine is not installed (pip install mooncake-transfer-engine-non-cuda)"),
+    "mooncake": (None, (ON_DEVICE and f"Mooncake's non-CUDA engine {HOST_ONLY}") or (_missing("mooncake.engine")
+                 and "Mooncake's engine is not installed (pip install mooncake-transfer-engine-non-cuda)")),
     "kvbridge": ("kvbridge", _missing("kvbridge")
                  and f"kvbridge.TransferEngine unavailable ({_missing('kvbridge')}): "
                      "build and install crates/kvbridge-py (maturin develop)"),
-    "kvtcp": ("kvtcp_engine", None),
+    "kvtcp": ("kvtcp_engine", ON_DEVICE and f"the pure-Python stand-in {HOST_ONLY}" or None),
 }
 
 

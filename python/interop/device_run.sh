@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# The interop suite on the GPU machine, with KV in device memory (torch
+# tensors): packed by gpu_pack.py next to this script; run by the GPU
+# bundle's run.sh. Usage: bash device_run.sh [pytest args...]
+#                        bash device_run.sh --cluster [cluster.py args...]
+# Needs: python3 with torch (CUDA), numpy and transformers; KVBRIDGE_BIN.
+set -eu
+here="$(cd "$(dirname "$0")" && pwd)"
+py="${PYTHON:-python3}"
+site="$here/site"
+
+"$py" - <<'EOF'
+import sys
+missing = []
+for m in ("torch", "numpy", "transformers"):
+    try:
+        __import__(m)
+    except Exception as e:  # noqa: BLE001 - report any import failure
+        missing.append(f"{m} ({type(e).__name__}: {e})")
+if missing:
+    sys.exit("device_run: this machine's Python lacks " + ", ".join(missing))
+import torch
+if not torch.cuda.is_available():
+    sys.exit("device_run: torch sees no CUDA device")
+print(f"device_run: Python {sys.version.split()[0]}, torch {torch.__version__}, {torch.cuda.get_device_name(0)}")
+EOF
+
+# Unpack the wheels the machine lacks, and sglang's sources, into one
+# folder on PYTHONPATH (wheels are zip files; nothing is compiled).
+rm -rf "$site" && mkdir -p "$site"
+"$py" - "$here/wheels" "$site" "$here/sglang-src.zip" <<'EOF'
+import glob, importlib.metadata as md, os, sys, zipfile
+wheels, site, sglang = sys.argv[1:4]
+unpacked = []
+for w in sorted(glob.glob(os.path.join(wheels, "*.whl"))):
+    dist = os.path.basename(w).split("-")[0]
+    if dist != "kvbridge":
+        try:
+            md.version(dist)
+            continue  # the machine has it: keep its own
+        except md.PackageNotFoundError:
+            pass
+    zipfile.ZipFile(w).extractall(site)
+    unpacked.append(dist)
+zipfile.ZipFile(sglang).extractall(site)
+print("device_run: unpacked", ", ".join(unpacked), "and sglang's sources")
+EOF
+
+export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+export KVB_INTEROP_BUFFERS="${KVB_INTEROP_BUFFERS:-cuda:0}"
+: "${KVBRIDGE_BIN:?KVBRIDGE_BIN must name the kvbridge binary}"
+cd "$here/interop"
+if [ "${1:-}" = "--cluster" ]; then  # one cluster by hand: cluster.py's arguments
+  shift
+  exec "$py" cluster.py --buffers "$KVB_INTEROP_BUFFERS" "$@"
+fi
+exec "$py" -m pytest -q -p no:cacheprovider -rs "$@" tests/test_rust_roles.py tests/test_pd.py
