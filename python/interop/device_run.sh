@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The interop suite on the GPU machine, with KV in device memory (torch
 # tensors): packed by gpu_pack.py next to this script; run by the GPU
-# bundle's run.sh. Usage: bash device_run.sh [pytest args...]
+# bundle's run.sh. Usage: bash device_run.sh [pytest args and test ids...]
 #                        bash device_run.sh --cluster [cluster.py args...]
 # Needs: python3 with torch (CUDA), numpy and transformers; KVBRIDGE_BIN.
 set -eu
@@ -54,4 +54,17 @@ if [ "${1:-}" = "--cluster" ]; then  # one cluster by hand: cluster.py's argumen
   shift
   exec "$py" cluster.py --buffers "$KVB_INTEROP_BUFFERS" "$@"
 fi
-exec "$py" -m pytest -q -p no:cacheprovider -rs "$@" tests/test_rust_roles.py tests/test_pd.py
+# Each case starts 3-5 processes that import torch and sglang (about 25 s a
+# case there): by default a selection that covers TP 2->1 and 1->2, MLA, PP,
+# both directions, aborts by either side and a killed decode.
+if [ "$#" = 0 ]; then
+  r=tests/test_rust_roles.py
+  set -- "$r::test_sglang_and_kvbridge_roles[kvbridge-sglang-to-kvbridge-tp2-tp1]" \
+    "$r::test_sglang_and_kvbridge_roles[kvbridge-sglang-to-kvbridge-mla-tp1-tp2]" \
+    "$r::test_sglang_and_kvbridge_roles[kvbridge-kvbridge-to-sglang-tp1-tp2]" \
+    "$r::test_sglang_and_kvbridge_roles[kvbridge-kvbridge-to-sglang-pp2-tp2]" \
+    "$r::test_decode_killed_mid_transfer[kvbridge-sglang-to-kvbridge]" \
+    "$r::test_kvbridge_decode_aborts_sglang_prefill[kvbridge]" \
+    "$r::test_sglang_decode_aborts_kvbridge_prefill[kvbridge]"
+fi
+exec "$py" -m pytest -q -p no:cacheprovider -rs "$@"

@@ -336,6 +336,7 @@ def setup_process(engine_module: Optional[str] = None) -> None:
     import warnings
 
     from kvbridge import sglang as kvbridge_hook
+
     import sgl_stubs
 
     setup_env()

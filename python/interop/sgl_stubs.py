@@ -18,6 +18,9 @@ sglang.srt.disaggregation.mooncake`` raises ``ModuleNotFoundError``.
 ``tvm_ffi``          ``kernels.ops.communication.all_reduce``
 ``compressed_tensors`` ``layers.quantization.compressed_tensors``
 ``IPython``          ``sglang.utils``
+``sgl_kernel``       sglang's CUDA kernel package: imported at module level
+                     (``compressed_tensors_w8a8_int8``) only when torch is real
+                     and reports CUDA, i.e. on the GPU machine
 ==================== =========================================================
 
 Values the stubs must carry (everything else is a permissive placeholder):
@@ -47,7 +50,7 @@ import sys
 import types
 
 #: Top-level packages answered by stubs.
-STUBBED = frozenset({"torch", "triton", "torchvision", "tvm_ffi", "compressed_tensors", "IPython"})
+STUBBED = frozenset({"torch", "triton", "torchvision", "tvm_ffi", "compressed_tensors", "IPython", "sgl_kernel"})
 
 #: Real values some stub modules must carry at import time.
 ATTRS = {
@@ -181,6 +184,8 @@ def install(only_missing: bool = True) -> frozenset:
     """
     for finder in [f for f in sys.meta_path if isinstance(f, _Finder)]:
         sys.meta_path.remove(finder)
+    # KVB_INTEROP_EXTRA_STUBS (comma-separated): for finding what a new
+    # machine's import chain misses; anything it needs belongs in STUBBED.
     wanted = STUBBED | {p for p in os.environ.get("KVB_INTEROP_EXTRA_STUBS", "").split(",") if p}
     stubbed = frozenset(p for p in wanted if not (only_missing and _importable(p)))
     sys.meta_path.insert(0, _Finder(stubbed))
