@@ -220,9 +220,10 @@ impl PyKvReceiver {
         py.detach(|| lock(&self.inner).abort_acknowledged())
     }
 
-    /// Clears the room and returns `(reason, is_from_another_rank)` of its failure.
+    /// `(reason, is_from_another_rank)` of the room's failure; the room
+    /// stays known (its abort ACKs still count) until `clear`.
     fn failure(&self) -> (String, bool) {
-        let e = lock(&self.inner).failure_exception();
+        let e = lock(&self.inner).take_failure();
         (e.reason, e.is_from_another_rank)
     }
 

@@ -558,6 +558,16 @@ impl KvReceiver {
         KvTransferError::from_recorded(self.room, reason)
     }
 
+    /// The room's failure (recorded reason, or a generic one from another
+    /// rank), leaving the room known until [`KvReceiver::clear`]: its abort
+    /// ACKs still count for [`KvReceiver::abort_acknowledged`], as sglang's
+    /// scheduler asks after `failure_exception` while it holds the pages.
+    pub fn take_failure(&mut self) -> KvTransferError {
+        self.conclude_state = Some(KvPoll::Failed);
+        let reason = self.shared.rooms.lock().table.take_failure(self.room);
+        KvTransferError::from_recorded(self.room, reason)
+    }
+
     /// Forgets the room.
     pub fn clear(&mut self) {
         let mut rooms = self.shared.rooms.lock();
