@@ -135,6 +135,16 @@ def run_prefill(args) -> int:
         senders[first].abort()  # sglang: release_aborted_prefill_waiting_req
     sent, done, failed, waiting_since = set(), set(), {}, {}
     metrics = {}
+
+    def conclude(room: int) -> None:
+        # process_disagg_prefill_inflight_queue: clear(), then the metric.
+        # A later PP stage keeps its room (sglang clears it on PP0's
+        # consensus, which this driver does not relay), so PP0 reads it.
+        if args.pp[0] == 1 or args.pp[1] == 0:
+            senders[room].clear()
+        m = senders[room].get_transfer_metric()
+        metrics[str(room)] = [m.transfer_latency_s, m.transfer_total_bytes]
+
     deadline = time.monotonic() + args.timeout
     while len(done) + len(failed) < len(senders) and time.monotonic() < deadline:
         for room, sender in senders.items():
@@ -169,10 +179,8 @@ def run_prefill(args) -> int:
                 sent.add(room)
             elif state == KVPoll.Success:
                 done.add(room)
-                # process_disagg_prefill_inflight_queue: clear(), then the metric.
-                sender.clear()
-                m = sender.get_transfer_metric()
-                metrics[str(room)] = [m.transfer_latency_s, m.transfer_total_bytes]
+                if args.pp[0] == 1:
+                    conclude(room)
             elif state == KVPoll.Failed:
                 try:
                     sender.failure_exception()
@@ -198,6 +206,9 @@ def run_prefill(args) -> int:
             time.sleep(0.05)
         extra["pp_consensus_success"] = all(mgr.check_status_pp_consensus(r) == KVPoll.Success for r in done)
         ok = ok and extra["pp_consensus_success"]
+    # With PP, PP0 reads the consensus above before any stage clears its room.
+    for room in done - {int(r) for r in metrics}:
+        conclude(room)
     time.sleep(0.5)  # let the last status messages leave
     shut_down(mgr)
     return result(role, ok, done=sorted(done), failed=failed, metrics=metrics,
@@ -207,7 +218,6 @@ def run_prefill(args) -> int:
 def run_decode(args) -> int:
     import numpy as np
     from sglang.srt.disaggregation.base.conn import KVPoll
-
     from sglang.srt.environ import envs
 
     receiver_class = kv_class("receiver")
