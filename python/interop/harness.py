@@ -338,6 +338,7 @@ def setup_process(engine_module: Optional[str] = None, backend: str = "mooncake"
     import warnings
 
     from kvbridge import sglang as kvbridge_hook
+
     import sgl_stubs
 
     setup_env()
