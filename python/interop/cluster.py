@@ -13,6 +13,8 @@ prefill`` / ``kvbridge decode``, binary from ``$KVBRIDGE_BIN``, default
     python cluster.py --engine-module kvbridge         # sglang on kvbridge.TransferEngine
     python cluster.py --bootstrap kvbridge             # sglang ranks, kvbridge's bootstrap server
     python cluster.py --prefill kvbridge --decode kvbridge --bootstrap sglang
+    python cluster.py --prefill-backend kvbridge --decode-backend kvbridge   # sglang ranks on kvbridge's backend
+    python cluster.py --prefill-backend kvbridge --engine-module kvbridge     # mixed: sglang's connector decodes
 
 Exit status 0 when every process that should survive reported success.
 ``KVB_INTEROP_VERBOSE=1`` prints every process's output.
@@ -84,6 +86,13 @@ class Spec:
     bootstrap: str = SGLANG
     prefill: str = SGLANG
     decode: str = SGLANG
+    #: Which backend classes the sglang-run parts drive (pd_worker --backend):
+    #: "mooncake" (sglang's own connector, on ``engine_module``) or
+    #: "kvbridge" (kvbridge's backend, KVBRIDGE_SGLANG=backend; always on
+    #: kvbridge's engine).
+    prefill_backend: str = "mooncake"
+    decode_backend: str = "mooncake"
+    bootstrap_backend: str = "mooncake"
     #: Buffers of sglang ranks: "cpu" or "cuda[:N]".
     buffers: str = field(default_factory=lambda: os.environ.get("KVB_INTEROP_BUFFERS", "cpu"))
     #: Whether every rank (sglang and kvbridge) publishes its KV buffers'
@@ -231,6 +240,13 @@ def _kvbridge_result(kind: str, output: str, returncode: int, spec: Spec) -> dic
     return {"ok": ok, "done": sorted(done), "failed": failed, "verified_bytes": verified, "mismatched": mismatched}
 
 
+def _backend_args(spec: Spec, backend: str) -> List[str]:
+    """pd_worker's ``--backend`` and ``--engine-module`` for a part."""
+    if backend == KVBRIDGE:
+        return ["--backend", KVBRIDGE, "--engine-module", "kvbridge"]
+    return ["--engine-module", spec.engine_module] if spec.engine_module else []
+
+
 def run(spec: Spec) -> Outcome:
     """Starts the cluster, waits for every rank to finish (or the deadline),
     stops the bootstrap server and reports. No process it started outlives
@@ -264,15 +280,14 @@ def _run(spec: Spec, procs: Dict[str, Proc], scratch: str) -> Outcome:
               "--pages", str(spec.pages), "--aux-slots", str(spec.aux_slots), "--scenario", spec.scenario,
               "--timeout", str(spec.timeout), "--buffers", spec.buffers,
               "--model", json.dumps(spec.model.to_json())]
-    if spec.engine_module:
-        common += ["--engine-module", spec.engine_module]
     if spec.layer_ids:
         common += ["--publish-layer-ids"]
     if spec.bootstrap == KVBRIDGE:
         start("bootstrap", "bootstrap", KVBRIDGE,
               [kvbridge_bin(), "bootstrap", "--host", "127.0.0.1", "--port", str(bport)])
     else:
-        start("bootstrap", "bootstrap", SGLANG, [py, WORKER, "bootstrap", "--bootstrap-port", str(bport)])
+        start("bootstrap", "bootstrap", SGLANG, [py, WORKER, "bootstrap", "--bootstrap-port", str(bport)]
+              + _backend_args(spec, spec.bootstrap_backend))
     up = wait_port(bport, 30)
     for kind, tp_size, pp_size, impl in (("prefill", spec.prefill_tp, spec.prefill_pp, spec.prefill),
                                         ("decode", spec.decode_tp, spec.decode_pp, spec.decode)):
@@ -284,11 +299,12 @@ def _run(spec: Spec, procs: Dict[str, Proc], scratch: str) -> Outcome:
                     cfg = _rank_file(spec, rank, boot, scratch, name)
                     start(name, kind, impl, [kvbridge_bin(), kind, "--config", cfg])
                 else:
+                    backend = spec.prefill_backend if kind == "prefill" else spec.decode_backend
                     start(name, kind, impl, [py, WORKER, kind, "--http-port", str(free_port()),
                                              "--tp", str(tp_size), str(tp_rank),
                                              "--pp", str(pp_size), str(pp_rank),
                                              "--send-delay", str(_send_delay(spec))]
-                          + common)
+                          + common + _backend_args(spec, backend))
     killers = {}
     if spec.scenario == "kill-decode" and spec.decode == KVBRIDGE:
         per_rank = min(spec.workload.requests, spec.workload.concurrency)
@@ -339,7 +355,8 @@ def main(argv=None) -> int:
     ap.add_argument("--decode-pp", type=int, default=1, help="1 or the prefill's PP")
     ap.add_argument("--mla", action="store_true", help="a small MLA model instead of the small MHA one")
     ap.add_argument("--requests", type=int, default=4)
-    ap.add_argument("--scenario", default="ok", choices=["ok", "abort", "kill-decode", "kill-prefill"],
+    ap.add_argument("--scenario", default="ok",
+                    choices=["ok", "abort", "abort-prefill", "abort-bootstrap", "kill-decode", "kill-prefill"],
                     help="what the sglang ranks do (pd_worker.SCENARIOS)")
     ap.add_argument("--abort-fraction", type=float, default=0.0,
                     help="kvbridge decode ranks abort this fraction of the requests")
@@ -347,6 +364,12 @@ def main(argv=None) -> int:
     ap.add_argument("--bootstrap", choices=[SGLANG, KVBRIDGE], default=SGLANG)
     ap.add_argument("--prefill", choices=[SGLANG, KVBRIDGE], default=SGLANG)
     ap.add_argument("--decode", choices=[SGLANG, KVBRIDGE], default=SGLANG)
+    ap.add_argument("--prefill-backend", choices=["mooncake", KVBRIDGE], default="mooncake",
+                    help="classes the sglang prefill ranks drive: sglang's Mooncake connector or kvbridge's backend")
+    ap.add_argument("--decode-backend", choices=["mooncake", KVBRIDGE], default="mooncake",
+                    help="classes the sglang decode ranks drive")
+    ap.add_argument("--bootstrap-backend", choices=["mooncake", KVBRIDGE], default="mooncake",
+                    help="bootstrap server class of an sglang-run bootstrap process")
     ap.add_argument("--buffers", default="cpu", help="sglang ranks' KV buffers: cpu or cuda[:N]")
     ap.add_argument("--layer-ids", action="store_true",
                     help="every rank publishes its KV layer ids (as sglang's hybrid pools); default: none")
@@ -359,6 +382,8 @@ def main(argv=None) -> int:
                 scenario=args.scenario,
                 engine_module=args.engine_module, bootstrap=args.bootstrap, prefill=args.prefill,
                 decode=args.decode, buffers=args.buffers, layer_ids=args.layer_ids,
+                prefill_backend=args.prefill_backend, decode_backend=args.decode_backend,
+                bootstrap_backend=args.bootstrap_backend,
                 timeout=args.timeout)
     outcome = run(spec)
     if not outcome.ok or os.environ.get("KVB_INTEROP_VERBOSE"):

@@ -329,10 +329,12 @@ def setup_env(host_ip: str = "127.0.0.1") -> None:
         os.environ.setdefault(key, value)
 
 
-def setup_process(engine_module: Optional[str] = None) -> None:
+def setup_process(engine_module: Optional[str] = None, backend: str = "mooncake") -> None:
     """Environment, import stubs, then (when ``engine_module`` is given)
     the engine hook: ``mooncake.engine.TransferEngine`` becomes
-    ``<engine_module>.TransferEngine``. None keeps Mooncake's engine."""
+    ``<engine_module>.TransferEngine``. None keeps Mooncake's engine.
+    ``backend="kvbridge"`` switches to kvbridge's whole backend, as
+    ``KVBRIDGE_SGLANG=backend`` does (its engine is always kvbridge's)."""
     import warnings
 
     from kvbridge import sglang as kvbridge_hook
@@ -342,7 +344,11 @@ def setup_process(engine_module: Optional[str] = None) -> None:
     setup_env()
     warnings.filterwarnings("ignore")
     sgl_stubs.install()
-    if engine_module:
+    if backend == "kvbridge":
+        if engine_module not in (None, "kvbridge"):
+            raise ValueError(f"the kvbridge backend runs on kvbridge's engine, not {engine_module}")
+        kvbridge_hook.install_backend("kvbridge")
+    elif engine_module:
         kvbridge_hook.install(engine_module)
 
 

@@ -7,6 +7,13 @@ connector the way sglang's scheduler does (``disaggregation/prefill.py`` and
     python pd_worker.py prefill --bootstrap-port 18998 --workload '{"requests": 4}'
     python pd_worker.py decode  --bootstrap-port 18998 --workload '{"requests": 4}'
 
+``--backend`` picks the classes the rank drives: ``mooncake`` (sglang's own
+Mooncake connector, on the engine ``--engine-module`` names) or ``kvbridge``
+(kvbridge's backend, ``kvbridge.sglang_backend``, switched on as an operator
+does with ``KVBRIDGE_SGLANG=backend``: engine hook plus backend classes).
+Either way the classes come from sglang's own ``get_kv_class(TransferBackend.MOONCAKE, ...)``,
+the call its scheduler makes, so the switch itself is exercised.
+
 Every rank derives the same requests from ``--workload`` (kvbridge's
 synthetic workload, so a ``kvbridge prefill``/``decode`` rank with the same
 workload serves the same rooms). The prefill fills each request's pages with
@@ -33,7 +40,19 @@ SCENARIOS = {
     "abort": "the decode aborts the first room right after sending its metadata",
     "kill-decode": "the decode dies after sending every room's metadata; the prefill fails them all",
     "kill-prefill": "the prefill dies before sending; the decode fails every room by its waiting timeout",
+    "abort-prefill": "the prefill aborts the first room once it is WaitingForInput, before any KV; the decode "
+    "aborts it once its metadata went out (as a router aborting both sides does)",
+    "abort-bootstrap": "both sides abort the first room while it is still Bootstrapping (decode: before its "
+    "metadata; prefill: before the decode's destination arrived)",
 }
+
+
+def kv_class(kind: str):
+    """sglang's backend class of ``kind`` (manager, sender, receiver,
+    bootstrap_server), as its scheduler looks it up."""
+    from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
+
+    return get_kv_class(TransferBackend.MOONCAKE, KVClassType(kind))
 
 
 def log(role: str, *parts) -> None:
@@ -57,36 +76,47 @@ def model_from_arg(text: str) -> harness.ModelSpec:
 
 
 def run_bootstrap(args) -> int:
-    from sglang.srt.disaggregation.mooncake import MooncakeKVBootstrapServer
-
-    server = MooncakeKVBootstrapServer(host="127.0.0.1", port=args.bootstrap_port)
-    log("bootstrap", f"listening on 127.0.0.1:{args.bootstrap_port}")
-    while server.thread.is_alive():
+    server = kv_class("bootstrap_server")(host="127.0.0.1", port=args.bootstrap_port)
+    log("bootstrap", f"{type(server).__module__}.{type(server).__name__} listening on 127.0.0.1:{args.bootstrap_port}")
+    alive = server.is_alive if hasattr(server, "is_alive") else server.thread.is_alive
+    while alive():
         time.sleep(0.5)
     return 0
+
+
+def shut_down(mgr) -> None:
+    """Ends a rank's manager: kvbridge's tears down (threads joined, memory
+    deregistered); sglang's ``teardown()`` aborts the process (libzmq
+    assertion: the context is destroyed while its bootstrap thread polls),
+    so only its memory is deregistered."""
+    if hasattr(mgr, "deregister_buffer_to_engine") and not hasattr(mgr, "render_metrics"):
+        mgr.deregister_buffer_to_engine()
+    else:
+        mgr.teardown()
 
 
 def build_manager(mode: str, args):
     """Publishes the runtime context, creates the engine and the manager over
     a freshly allocated pool; returns (manager, pool)."""
-    from sglang.srt.disaggregation.mooncake import MooncakeKVManager
     from sglang.srt.disaggregation.utils import DisaggregationMode
 
     rank = harness.RankSpec(args.tp[0], args.tp[1], args.pp[0], args.pp[1])
     sa = harness.publish_server_args(mode, bootstrap_port=args.bootstrap_port, rank=rank, http_port=args.http_port)
     engine = harness.init_engine(gpu_id=rank.tp_rank)
-    log(mode, f"engine session {engine.get_session_id()} ({type(engine.engine).__module__})")
+    manager_class = kv_class("manager")
+    log(mode, f"engine session {engine.get_session_id()} ({type(engine.engine).__module__}), "
+        f"manager {manager_class.__module__}.{manager_class.__name__}")
     pool = harness.KVPool(args.model, rank, args.pages, args.aux_slots, device=args.buffers)
     kv_args = harness.make_kv_args(pool, publish_layer_ids=args.publish_layer_ids)
     dmode = DisaggregationMode.PREFILL if mode == "prefill" else DisaggregationMode.DECODE
-    return MooncakeKVManager(kv_args, dmode, sa, is_mla_backend=args.model.mla), pool
+    return manager_class(kv_args, dmode, sa, is_mla_backend=args.model.mla), pool
 
 
 def run_prefill(args) -> int:
     import numpy as np
     from sglang.srt.disaggregation.base.conn import KVPoll
-    from sglang.srt.disaggregation.mooncake import MooncakeKVSender
 
+    sender_class = kv_class("sender")
     role = f"prefill-tp{args.tp[1]}-pp{args.pp[1]}"
     requests = args.workload.plan()
     plans = harness.allocate(requests, args.model, args.pages, args.aux_slots, reverse=False)
@@ -98,8 +128,23 @@ def run_prefill(args) -> int:
     tokens = {r.room: r.tokens for r in requests}
     chunk_pages = max(harness.pages_for(args.workload.chunk_tokens, args.model.page_size), 1)
     boot = f"127.0.0.1:{args.bootstrap_port}"
-    senders = {p.room: MooncakeKVSender(mgr, boot, p.room) for p in plans}
+    senders = {p.room: sender_class(mgr, boot, p.room) for p in plans}
+    first = requests[0].room
+    if args.scenario == "abort-bootstrap":
+        assert senders[first].poll() == KVPoll.Bootstrapping
+        senders[first].abort()  # sglang: release_aborted_prefill_waiting_req
     sent, done, failed, waiting_since = set(), set(), {}, {}
+    metrics = {}
+
+    def conclude(room: int) -> None:
+        # process_disagg_prefill_inflight_queue: clear(), then the metric.
+        # A later PP stage keeps its room (sglang clears it on PP0's
+        # consensus, which this driver does not relay), so PP0 reads it.
+        if args.pp[0] == 1 or args.pp[1] == 0:
+            senders[room].clear()
+        m = senders[room].get_transfer_metric()
+        metrics[str(room)] = [m.transfer_latency_s, m.transfer_total_bytes]
+
     deadline = time.monotonic() + args.timeout
     while len(done) + len(failed) < len(senders) and time.monotonic() < deadline:
         for room, sender in senders.items():
@@ -113,19 +158,29 @@ def run_prefill(args) -> int:
                         log(role, "scenario kill-prefill: dying before sending any KV")
                         os._exit(0)
                     continue
+                if args.scenario == "abort-prefill" and room == first:
+                    sender.abort()  # aborted in WaitingForInput, before any KV
+                    continue
                 if time.monotonic() - since < args.send_delay:
                     continue  # the forward pass is still running
                 plan = by_room[room]
                 sender.init(len(plan.pages), plan.aux_slot)  # counts pages
                 left = tokens[room]
+                # send_kv_chunk: one send per chunk; the last chunk completes
+                # the room (carries aux); a chunk with no page is skipped
+                # unless it is the last (should_send_kv_chunk).
                 for i in range(0, len(plan.pages), chunk_pages):
                     chunk = np.array(plan.pages[i : i + chunk_pages], dtype=np.int32)
+                    last = i + chunk_pages >= len(plan.pages)
                     n = min(len(chunk) * args.model.page_size, left)
                     left -= n
-                    sender.send(chunk, None, n)  # the last chunk completes the room
+                    if sender.should_send_kv_chunk(len(chunk), last):
+                        sender.send(chunk, None, n)
                 sent.add(room)
             elif state == KVPoll.Success:
                 done.add(room)
+                if args.pp[0] == 1:
+                    conclude(room)
             elif state == KVPoll.Failed:
                 try:
                     sender.failure_exception()
@@ -135,7 +190,9 @@ def run_prefill(args) -> int:
     rooms = set(senders)
     expect_failed = {
         "kill-decode": rooms,
-        "abort": {requests[0].room},
+        "abort": {first},
+        "abort-prefill": {first},
+        "abort-bootstrap": {first},
     }.get(args.scenario, set())
     # A kvbridge decode aborts these; each may fail or, if the transfer won
     # the race, succeed.
@@ -149,18 +206,21 @@ def run_prefill(args) -> int:
             time.sleep(0.05)
         extra["pp_consensus_success"] = all(mgr.check_status_pp_consensus(r) == KVPoll.Success for r in done)
         ok = ok and extra["pp_consensus_success"]
+    # With PP, PP0 reads the consensus above before any stage clears its room.
+    for room in done - {int(r) for r in metrics}:
+        conclude(room)
     time.sleep(0.5)  # let the last status messages leave
-    # mgr.teardown() aborts the process (libzmq assertion: the context is
-    # destroyed while the bootstrap thread polls); deregister only.
-    mgr.deregister_buffer_to_engine()
-    return result(role, ok, done=sorted(done), failed=failed, secs=round(time.monotonic() - t0, 3), **extra)
+    shut_down(mgr)
+    return result(role, ok, done=sorted(done), failed=failed, metrics=metrics,
+                  secs=round(time.monotonic() - t0, 3), **extra)
 
 
 def run_decode(args) -> int:
     import numpy as np
     from sglang.srt.disaggregation.base.conn import KVPoll
-    from sglang.srt.disaggregation.mooncake import MooncakeKVReceiver
+    from sglang.srt.environ import envs
 
+    receiver_class = kv_class("receiver")
     role = f"decode-tp{args.tp[1]}-pp{args.pp[1]}"
     requests = args.workload.plan()
     plans = harness.allocate(requests, args.model, args.pages, args.aux_slots, reverse=True)
@@ -174,12 +234,18 @@ def run_decode(args) -> int:
             return result(role, False, error="prefill never registered")
         time.sleep(0.2)
     receivers = {}
+    first = requests[0].room
     for plan in plans:
-        receiver = MooncakeKVReceiver(mgr, boot, plan.room)
-        receiver.init(0)  # prefill DP rank
+        receiver = receiver_class(mgr, boot, plan.room)
+        if args.scenario == "abort-bootstrap" and plan.room == first:
+            receiver.abort()  # aborted before init: never told any prefill rank
+        else:
+            receiver.init(0)  # prefill DP rank
         receivers[plan.room] = receiver
     sent, done, failed = set(), set(), {}
-    while len(done) + len(failed) < len(receivers) and time.monotonic() < deadline:
+    drained, held = {}, {}
+    release_timeout = envs.SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT.get()
+    while (len(done) + len(failed) < len(receivers) or held) and time.monotonic() < deadline:
         for room, receiver in receivers.items():
             if room in done or room in failed:
                 continue
@@ -188,7 +254,7 @@ def run_decode(args) -> int:
                 plan = by_room[room]
                 receiver.send_metadata(np.array(plan.pages, dtype=np.int32), plan.aux_slot)
                 sent.add(room)
-                if args.scenario == "abort" and room == requests[0].room:
+                if args.scenario in ("abort", "abort-prefill") and room == first:
                     receiver.abort()  # local Failed + ABORT to the prefill
                 if args.scenario == "kill-decode" and len(sent) == len(receivers):
                     time.sleep(0.5)  # zmq sends are asynchronous: let the metadata leave
@@ -196,12 +262,30 @@ def run_decode(args) -> int:
                     os._exit(0)
             elif state == KVPoll.Success:
                 done.add(room)
+                receiver.clear()
             elif state == KVPoll.Failed:
+                # pop_transferred: failure_exception() first, then (deferred
+                # KV release) the pages are held until every prefill rank
+                # that was told about the room acknowledged the abort.
                 try:
                     receiver.failure_exception()
                 except Exception as e:
                     failed[room] = str(e)
+                if getattr(receiver, "abort_notified", False) and mgr.enable_deferred_decode_kv_release:
+                    held[room] = (len(receiver.bootstrap_infos), time.monotonic() + release_timeout)
+                else:
+                    receiver.clear()
+        # resolve_deferred_releases: drained, or (device pages) past the deadline.
+        for room, (required, until) in list(held.items()):
+            is_drained = mgr.is_abort_release_safe(room, required)
+            if is_drained or time.monotonic() >= until:
+                drained[str(room)] = is_drained
+                mgr.clear_deferred_abort_state(room)
+                receivers[room].clear()
+                del held[room]
         time.sleep(0.005)
+    for room in held:  # still held at the test's deadline
+        drained[str(room)] = False
     verified, bad = 0, []
     for room in sorted(done):
         plan = by_room[room]
@@ -211,11 +295,16 @@ def run_decode(args) -> int:
     # Pages no request owns must still be zero (an aborted room's own pages may hold part of it).
     untouched = pool.untouched([p for plan in plans for p in plan.pages])
     rooms = set(receivers)
-    expect_failed = {"abort": {requests[0].room}, "kill-prefill": rooms}.get(args.scenario, set())
+    expect_failed = {
+        "abort": {first},
+        "abort-prefill": {first},
+        "abort-bootstrap": {first},
+        "kill-prefill": rooms,
+    }.get(args.scenario, set())
     ok = done == rooms - expect_failed and set(failed) == expect_failed and not bad and untouched
-    mgr.deregister_buffer_to_engine()
+    shut_down(mgr)
     return result(role, ok, done=sorted(done), failed=failed, verified_bytes=verified, bad=bad[:10],
-                  untouched_ok=untouched, secs=round(time.monotonic() - t0, 3))
+                  untouched_ok=untouched, drained=drained, secs=round(time.monotonic() - t0, 3))
 
 
 def parse_args(argv=None):
@@ -236,6 +325,8 @@ def parse_args(argv=None):
                     help="publish every KV buffer's layer id (as kvbridge ranks do)")
     ap.add_argument("--engine-module", default=None,
                     help="module whose TransferEngine sglang uses (e.g. kvbridge); default: Mooncake's")
+    ap.add_argument("--backend", default="mooncake", choices=["mooncake", "kvbridge"],
+                    help="sglang's own Mooncake connector, or kvbridge's backend (KVBRIDGE_SGLANG=backend)")
     ap.add_argument("--scenario", default="ok", choices=sorted(SCENARIOS))
     ap.add_argument("--send-delay", type=float, default=0.0, help="prefill: seconds between WaitingForInput and send")
     ap.add_argument("--timeout", type=float, default=60.0)
@@ -244,7 +335,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    harness.setup_process(args.engine_module)
+    harness.setup_process(args.engine_module, backend=args.backend)
     logging.basicConfig(level=os.environ.get("KVB_INTEROP_LOGLEVEL", "WARNING"),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     return {"bootstrap": run_bootstrap, "prefill": run_prefill, "decode": run_decode}[args.role](args)

@@ -44,6 +44,12 @@ pub struct PyTransferEngine {
 }
 
 impl PyTransferEngine {
+    /// The started engine, shared with the role managers built over it
+    /// (`kvbridge.sglang_backend`): one engine per process, as sglang's.
+    pub(crate) fn shared_engine(&self) -> PyResult<Arc<dyn Engine>> {
+        self.engine().cloned()
+    }
+
     fn engine(&self) -> PyResult<&Arc<dyn Engine>> {
         self.started
             .get()

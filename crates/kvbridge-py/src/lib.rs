@@ -11,6 +11,8 @@
 //!   [`options`]).
 //! * [`plan::plan`] (`kvbridge.plan`): the planner on one scenario of the
 //!   `kvbridge plan` format, blocks returned as a numpy array.
+//! * [`roles`]: the Rust prefill/decode roles and bootstrap server behind
+//!   sglang's transfer-backend classes (`kvbridge.sglang_backend`).
 //!
 //! **Owns:** turning Python arguments into Rust values (pointers, lists,
 //! scenario JSON), Mooncake's conventions (codes vs. exceptions), the
@@ -27,6 +29,7 @@ pub mod log;
 pub mod options;
 pub mod plan;
 pub mod ptrs;
+pub mod roles;
 
 use pyo3::prelude::*;
 
@@ -37,6 +40,7 @@ fn _kvbridge(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add_class::<engine::PyTransferEngine>()?;
     m.add_function(wrap_pyfunction!(plan::plan, m)?)?;
+    roles::register(m)?;
     m.add("PlanError", py.get_type::<plan::exc::PlanError>())?;
     m.add("ScenarioError", py.get_type::<plan::exc::ScenarioError>())?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

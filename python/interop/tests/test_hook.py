@@ -154,3 +154,55 @@ def test_launcher_reaches_spawned_children():
     probe = json.loads(lines[0][len("PROBE "):])
     assert probe["argv"] == ["hook_probe", "--model-path", "x", "--port", "1"]
     assert probe["parent"] == TARGET and probe["child"] == TARGET
+
+
+BACKEND_PROBE = """
+    import json
+    import sgl_stubs
+    sgl_stubs.install()
+    import kvbridge.sglang  # what sglang's plugin loader imports in every process
+    kvbridge.sglang.plugin()
+    from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
+    import sglang.srt.disaggregation.mooncake.conn as conn
+    from mooncake.engine import TransferEngine
+    kinds = (KVClassType.MANAGER, KVClassType.SENDER, KVClassType.RECEIVER, KVClassType.BOOTSTRAP_SERVER)
+    classes = {t.value: get_kv_class(TransferBackend.MOONCAKE, t) for t in kinds}
+    got = {k: c.__module__ + "." + c.__name__ for k, c in classes.items()}
+    got["engine"] = TransferEngine.__module__
+    got["conn_manager"] = conn.MooncakeKVManager.__module__
+    kvbridge.sglang.uninstall_backend()
+    got["after_uninstall"] = get_kv_class(TransferBackend.MOONCAKE, KVClassType.MANAGER).__module__
+    print("PROBE " + json.dumps(got))
+"""
+
+
+def probe(env) -> dict:
+    out = run_py(BACKEND_PROBE, env=env)
+    lines = [line for line in out.stdout.splitlines() if line.startswith("PROBE ")]
+    assert lines, out.stdout + out.stderr
+    return json.loads(lines[-1][len("PROBE "):])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="sglang is not installed")
+def test_backend_mode_selects_kvbridge_classes():
+    """KVBRIDGE_SGLANG=backend: sglang's get_kv_class for the mooncake
+    backend yields kvbridge's four classes and the engine is kvbridge's;
+    sglang's own classes stay in mooncake.conn; leaving backend mode binds
+    them again."""
+    got = probe({kvbridge_hook.ENV_ENABLE: "backend"})
+    backend = "kvbridge.sglang_backend"
+    assert got["manager"] == f"{backend}.KVManager", got
+    assert got["sender"] == f"{backend}.KVSender", got
+    assert got["receiver"] == f"{backend}.KVReceiver", got
+    assert got["bootstrap_server"] == f"{backend}.KVBootstrapServer", got
+    assert got["engine"] == "kvbridge._kvbridge", got
+    assert got["conn_manager"] == "sglang.srt.disaggregation.mooncake.conn", got
+    assert got["after_uninstall"] == "sglang.srt.disaggregation.mooncake.conn", got
+
+
+@pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="sglang is not installed")
+def test_engine_mode_keeps_sglang_classes():
+    """KVBRIDGE_SGLANG=1 swaps only the engine."""
+    got = probe({kvbridge_hook.ENV_ENABLE: "1"})
+    assert got["manager"] == "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager", got
+    assert got["engine"] == "kvbridge._kvbridge", got

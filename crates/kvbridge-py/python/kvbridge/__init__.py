@@ -9,15 +9,40 @@
   ``kvbridge plan`` reads; returns a ``(n, 3)`` ``uint64`` array of
   ``src, dst, len`` rows. Raises ``ScenarioError`` or ``PlanError``.
 
-See docs/python.md in the kvbridge repository.
+* ``kvbridge.sglang``: the switch that makes sglang use kvbridge's engine
+  (``KVBRIDGE_SGLANG=1``) or kvbridge's whole PD backend
+  (``KVBRIDGE_SGLANG=backend``: ``kvbridge.sglang_backend``, sglang's
+  ``KVManager``/``KVSender``/``KVReceiver``/``KVBootstrapServer`` over
+  kvbridge's Rust roles; ``PrefillManager``, ``DecodeManager``,
+  ``BootstrapServer`` here are those roles).
+
+See docs/python.md and docs/sglang.md in the kvbridge repository.
 """
 
 from ._kvbridge import (
+    BootstrapServer,
+    DecodeManager,
+    KvArgsError,
+    KvSendError,
     PlanError,
+    PrefillManager,
+    RoleStartError,
     ScenarioError,
     TransferEngine,
     __version__,
     plan,
 )
 
-__all__ = ["PlanError", "ScenarioError", "TransferEngine", "__version__", "plan"]
+__all__ = [
+    "BootstrapServer",
+    "DecodeManager",
+    "KvArgsError",
+    "KvSendError",
+    "PlanError",
+    "PrefillManager",
+    "RoleStartError",
+    "ScenarioError",
+    "TransferEngine",
+    "__version__",
+    "plan",
+]

@@ -32,6 +32,20 @@ they inherit environment variables but not ``sys.modules``):
 ``TransferEngine`` is used; the default is ``kvbridge``. Tests point it at a
 stand-in engine.
 
+**Backend mode** (``KVBRIDGE_SGLANG=backend``, or :func:`install_backend`):
+the engine hook as above, and sglang's Mooncake backend classes become
+kvbridge's (``kvbridge.sglang_backend``: ``KVManager``, ``KVSender``,
+``KVReceiver``, ``KVBootstrapServer``, over kvbridge's Rust roles). sglang
+picks its backend classes in one place, ``get_kv_class`` in
+``sglang/srt/disaggregation/utils.py``, which imports them from the package
+``sglang.srt.disaggregation.mooncake`` at each call; the hook rebinds the
+package's four names once it is imported (a module already imported is
+rebound at once), so ``--disaggregation-transfer-backend mooncake`` selects
+kvbridge's backend. sglang's argument parser takes another backend name, but
+its ``TransferBackend`` enum and its ``== TransferBackend.MOONCAKE`` checks
+do not, so the name stays ``mooncake``. ``sglang.srt.disaggregation.mooncake.conn``
+keeps sglang's own classes.
+
 The module uses the standard library only; importing it does not load
 sglang. See ``docs/sglang.md``.
 """
@@ -47,8 +61,20 @@ import runpy
 import sys
 from typing import Optional, Sequence
 
-#: Environment variable that switches the hook on (``1``, ``true``, ``yes``, ``on``).
+#: Environment variable that switches the hook on (``1``, ``true``, ``yes``,
+#: ``on``: the engine; ``backend``: the engine and the backend classes).
 ENV_ENABLE = "KVBRIDGE_SGLANG"
+#: The value of ``KVBRIDGE_SGLANG`` that selects kvbridge's whole backend.
+BACKEND = "backend"
+#: The package sglang's ``get_kv_class`` imports the Mooncake classes from.
+BACKEND_PACKAGE = "sglang.srt.disaggregation.mooncake"
+#: sglang's class names -> kvbridge.sglang_backend's.
+BACKEND_CLASSES = {
+    "MooncakeKVManager": "KVManager",
+    "MooncakeKVSender": "KVSender",
+    "MooncakeKVReceiver": "KVReceiver",
+    "MooncakeKVBootstrapServer": "KVBootstrapServer",
+}
 #: Environment variable naming the module that provides ``TransferEngine``.
 ENV_TARGET = "KVBRIDGE_SGLANG_TARGET"
 #: The module providing ``TransferEngine`` unless told otherwise.
@@ -62,8 +88,84 @@ _TRUE = frozenset({"1", "true", "yes", "on"})
 
 
 def enabled_by_env(environ=os.environ) -> bool:
-    """Whether ``KVBRIDGE_SGLANG`` asks for the hook."""
-    return environ.get(ENV_ENABLE, "").strip().lower() in _TRUE
+    """Whether ``KVBRIDGE_SGLANG`` asks for the hook (engine or backend)."""
+    value = environ.get(ENV_ENABLE, "").strip().lower()
+    return value in _TRUE or value == BACKEND
+
+
+def backend_by_env(environ=os.environ) -> bool:
+    """Whether ``KVBRIDGE_SGLANG=backend`` asks for kvbridge's whole backend."""
+    return environ.get(ENV_ENABLE, "").strip().lower() == BACKEND
+
+
+def _rebind_backend(package) -> None:
+    """Points the package's Mooncake class names at kvbridge's classes."""
+    backend = importlib.import_module("kvbridge.sglang_backend")
+    for theirs, ours in BACKEND_CLASSES.items():
+        setattr(package, theirs, getattr(backend, ours))
+    package.__kvbridge_backend__ = True
+
+
+class _BackendLoader(importlib.abc.Loader):
+    """Runs the real package's loader, then rebinds its class names."""
+
+    def __init__(self, loader):
+        self.loader = loader
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module):
+        self.loader.exec_module(module)
+        _rebind_backend(module)
+
+
+class _BackendFinder(importlib.abc.MetaPathFinder):
+    """Finds ``sglang.srt.disaggregation.mooncake`` as the other finders
+    do, with a loader that rebinds its classes once it has run."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != BACKEND_PACKAGE:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or isinstance(finder, _BackendFinder) or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None and spec.loader is not None:
+                spec.loader = _BackendLoader(spec.loader)
+                return spec
+        return None
+
+
+def backend_installed() -> bool:
+    """Whether kvbridge's backend classes are (or will be) sglang's."""
+    return any(isinstance(f, _BackendFinder) for f in sys.meta_path)
+
+
+def install_backend(target: Optional[str] = None) -> str:
+    """Backend mode in this process: the engine hook (:func:`install`) and
+    sglang's Mooncake backend classes rebound to kvbridge's. Idempotent;
+    returns the engine target."""
+    target = install(target)
+    if not backend_installed():
+        sys.meta_path.insert(0, _BackendFinder())
+    package = sys.modules.get(BACKEND_PACKAGE)
+    if package is not None:
+        _rebind_backend(package)
+    return target
+
+
+def uninstall_backend() -> None:
+    """Leaves backend mode: the finder goes and sglang's own classes are
+    bound again (the engine hook stays; :func:`uninstall` removes it)."""
+    for finder in [f for f in sys.meta_path if isinstance(f, _BackendFinder)]:
+        sys.meta_path.remove(finder)
+    package = sys.modules.get(BACKEND_PACKAGE)
+    if package is not None and getattr(package, "__kvbridge_backend__", False):
+        conn = importlib.import_module(BACKEND_PACKAGE + ".conn")
+        for theirs in BACKEND_CLASSES:
+            setattr(package, theirs, getattr(conn, theirs))
+        package.__kvbridge_backend__ = False
 
 
 class _EngineFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
@@ -134,7 +236,9 @@ def install(target: Optional[str] = None) -> str:
 
 
 def uninstall() -> None:
-    """Removes the hook (a ``mooncake.engine`` it provided is forgotten)."""
+    """Removes the hook (a ``mooncake.engine`` it provided is forgotten) and
+    backend mode (:func:`uninstall_backend`)."""
+    uninstall_backend()
     hooked = [f for f in sys.meta_path if isinstance(f, _EngineFinder)]
     if not hooked:
         return
@@ -150,29 +254,35 @@ def uninstall() -> None:
 
 
 def install_from_env() -> Optional[str]:
-    """Installs the hook when ``KVBRIDGE_SGLANG`` asks for it; returns the
-    target, or None when the hook stays off."""
+    """Installs the hook when ``KVBRIDGE_SGLANG`` asks for it (with the
+    backend classes for ``backend``); returns the engine target, or None
+    when the hook stays off."""
+    if backend_by_env():
+        return install_backend()
     return install() if enabled_by_env() else None
 
 
 def plugin() -> None:
     """sglang general-plugin entry point (``sglang.srt.plugins`` group):
-    installs the hook in every sglang process when ``KVBRIDGE_SGLANG=1``."""
+    installs the hook in every sglang process when ``KVBRIDGE_SGLANG=1``
+    (``backend``: the backend classes too)."""
     install_from_env()
 
 
 def main(argv: Optional[Sequence[str]] = None, *, module: str = LAUNCH_MODULE) -> None:
     """``python -m kvbridge.sglang [sglang.launch_server arguments]``.
 
-    Sets ``KVBRIDGE_SGLANG=1`` (inherited by the processes sglang spawns),
-    installs the hook, rewrites ``sys.argv`` and runs ``module`` (default
+    Sets ``KVBRIDGE_SGLANG=1`` unless it already asks for ``backend``
+    (inherited by the processes sglang spawns), installs the hook (and the
+    backend classes), rewrites ``sys.argv`` and runs ``module`` (default
     ``sglang.launch_server``) as ``__main__``. ``module`` is a parameter for
     tests only. Processes sglang spawns inherit ``KVBRIDGE_SGLANG=1`` and
     re-import the main module, which installs the hook again at import.
     """
     args = list(sys.argv[1:] if argv is None else argv)
-    os.environ[ENV_ENABLE] = "1"
-    install()
+    if not backend_by_env():
+        os.environ[ENV_ENABLE] = "1"
+    install_from_env()
     sys.argv = [module] + args
     # alter_sys=False keeps this module as sys.modules["__main__"], so the
     # children sglang spawns re-import it (as __mp_main__) and get the hook.

@@ -27,7 +27,7 @@ use crate::role::{self, Lifecycle};
 use crate::stop::StopSignal;
 
 pub use receiver::KvReceiver;
-pub use state::BootstrapInfo;
+pub use state::{BootstrapInfo, PrefillSummary};
 use state::{DecodeRooms, Prefills};
 
 /// State shared by the decode manager's threads and its receivers.
@@ -60,6 +60,7 @@ impl Shared {
             let mut prefills = self.prefills.lock();
             prefills.mapping.remove(addr);
             prefills.sizes.remove(addr);
+            prefills.servers.remove(addr);
             prefills.heartbeat_failures.remove(addr);
             let prefix = format!("{addr}_");
             prefills.pool.retain(|k, _| !k.starts_with(&prefix));
@@ -157,6 +158,33 @@ impl DecodeManager {
     /// The port of this rank's zmq socket.
     pub fn rank_port(&self) -> u16 {
         self.shared.rank_port
+    }
+
+    /// One attempt (never a retry loop) to resolve the prefill server whose
+    /// bootstrap server is `bootstrap_addr` (sglang's
+    /// `try_ensure_parallel_info`): `Ok(true)` once resolved (cached),
+    /// `Ok(false)` while it is not yet registered or unreachable, `Err`
+    /// when its topology can never pair with ours.
+    pub fn try_ensure_parallel_info(&self, bootstrap_addr: &str) -> Result<bool, String> {
+        match receiver::ensure_parallel_info(&self.shared, bootstrap_addr) {
+            receiver::Fetch::Ready(_) => Ok(true),
+            receiver::Fetch::Retry(reason) => {
+                tracing::debug!(%bootstrap_addr, %reason, "prefill server not resolved yet");
+                Ok(false)
+            }
+            receiver::Fetch::Fatal(reason) => Err(reason),
+        }
+    }
+
+    /// What is known of a resolved prefill server (`None` until
+    /// [`DecodeManager::try_ensure_parallel_info`] or a receiver resolved it).
+    pub fn prefill_summary(&self, bootstrap_addr: &str) -> Option<PrefillSummary> {
+        self.shared
+            .prefills
+            .lock()
+            .servers
+            .get(bootstrap_addr)
+            .copied()
     }
 
     /// Applies one control message as if it had arrived on this rank's

@@ -8,7 +8,7 @@ use kvbridge_wire::{Abort, KvPoll, PackedArray, PackedLists, Transfer, TransferP
 
 use super::Shared;
 use super::slots::{ExpectedRanks, RoomSlots};
-use super::state::{AbortAcks, BootstrapInfo};
+use super::state::{AbortAcks, BootstrapInfo, PrefillSummary};
 use super::topology::{LocalTopology, RankMapping, resolve};
 use crate::error::KvTransferError;
 
@@ -25,10 +25,76 @@ pub struct KvReceiver {
     init_time: Option<Instant>,
 }
 
-enum Fetch<T> {
+/// The outcome of one bootstrap lookup.
+pub(crate) enum Fetch<T> {
+    /// Resolved.
     Ready(T),
+    /// Not yet (the prefill is still registering, or unreachable).
     Retry(String),
+    /// Never (an incompatible topology or a malformed answer).
     Fatal(String),
+}
+
+/// One attempt to resolve the prefill server at `addr` (cached once
+/// resolved): fetch its parallel info and map its ranks onto ours.
+pub(crate) fn ensure_parallel_info(shared: &Shared, addr: &str) -> Fetch<RankMapping> {
+    if let Some(m) = shared.prefills.lock().mapping.get(addr) {
+        return Fetch::Ready(m.clone());
+    }
+    let url = format!(
+        "http://{addr}/route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1"
+    );
+    let info: PrefillServerInfo = match get_json(shared, &url) {
+        Fetch::Ready(i) => i,
+        Fetch::Retry(r) => return Fetch::Retry(r),
+        Fetch::Fatal(r) => return Fetch::Fatal(r),
+    };
+    let l = &shared.kv_args.layout;
+    let local = LocalTopology {
+        attn_tp_size: l.attn_tp_size,
+        engine_rank: l.engine_rank,
+        pp_size: shared.config.pp_size,
+        pp_rank: shared.config.pp_rank,
+        page_size: l.page_size,
+        is_mla: l.is_mla_backend,
+        is_hybrid_mla: l.is_hybrid_mla_backend,
+        all_cp_ranks: false,
+    };
+    match resolve(&info, &local, &shared.config.kv_cache_dtype) {
+        Ok(m) => {
+            let mut prefills = shared.prefills.lock();
+            prefills
+                .sizes
+                .insert(addr.to_owned(), (info.pp_size, info.attn_cp_size));
+            prefills.servers.insert(
+                addr.to_owned(),
+                PrefillSummary {
+                    dp_size: info.dp_size,
+                    follow_bootstrap_room: info.follow_bootstrap_room,
+                },
+            );
+            prefills.mapping.insert(addr.to_owned(), m.clone());
+            Fetch::Ready(m)
+        }
+        Err(reason) => Fetch::Fatal(reason),
+    }
+}
+
+/// `GET url` as JSON: 503 and transport errors are worth retrying.
+fn get_json<T: serde::de::DeserializeOwned>(shared: &Shared, url: &str) -> Fetch<T> {
+    match shared.http.get(url).call() {
+        Ok(mut resp) if resp.status() == 200 => match resp.body_mut().read_json::<T>() {
+            Ok(v) => Fetch::Ready(v),
+            Err(e) => Fetch::Fatal(format!("bad answer from {url}: {e}")),
+        },
+        Ok(resp) if resp.status() == 503 => Fetch::Retry("prefill not fully registered yet".into()),
+        Ok(mut resp) => {
+            let status = resp.status();
+            let text = resp.body_mut().read_to_string().unwrap_or_default();
+            Fetch::Retry(format!("{url} answered {status}: {text}"))
+        }
+        Err(e) => Fetch::Retry(format!("{url}: {e}")),
+    }
 }
 
 impl KvReceiver {
@@ -187,67 +253,11 @@ impl KvReceiver {
     }
 
     fn ensure_parallel_info(&self) -> Fetch<RankMapping> {
-        if let Some(m) = self
-            .shared
-            .prefills
-            .lock()
-            .mapping
-            .get(&self.bootstrap_addr)
-        {
-            return Fetch::Ready(m.clone());
-        }
-        let url = format!(
-            "http://{}/route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1",
-            self.bootstrap_addr
-        );
-        let info: PrefillServerInfo = match self.get_json(&url) {
-            Fetch::Ready(i) => i,
-            Fetch::Retry(r) => return Fetch::Retry(r),
-            Fetch::Fatal(r) => return Fetch::Fatal(r),
-        };
-        let l = &self.shared.kv_args.layout;
-        let local = LocalTopology {
-            attn_tp_size: l.attn_tp_size,
-            engine_rank: l.engine_rank,
-            pp_size: self.shared.config.pp_size,
-            pp_rank: self.shared.config.pp_rank,
-            page_size: l.page_size,
-            is_mla: l.is_mla_backend,
-            is_hybrid_mla: l.is_hybrid_mla_backend,
-            all_cp_ranks: false,
-        };
-        match resolve(&info, &local, &self.shared.config.kv_cache_dtype) {
-            Ok(m) => {
-                let mut prefills = self.shared.prefills.lock();
-                prefills.sizes.insert(
-                    self.bootstrap_addr.clone(),
-                    (info.pp_size, info.attn_cp_size),
-                );
-                prefills
-                    .mapping
-                    .insert(self.bootstrap_addr.clone(), m.clone());
-                Fetch::Ready(m)
-            }
-            Err(reason) => Fetch::Fatal(reason),
-        }
+        ensure_parallel_info(&self.shared, &self.bootstrap_addr)
     }
 
     fn get_json<T: serde::de::DeserializeOwned>(&self, url: &str) -> Fetch<T> {
-        match self.shared.http.get(url).call() {
-            Ok(mut resp) if resp.status() == 200 => match resp.body_mut().read_json::<T>() {
-                Ok(v) => Fetch::Ready(v),
-                Err(e) => Fetch::Fatal(format!("bad answer from {url}: {e}")),
-            },
-            Ok(resp) if resp.status() == 503 => {
-                Fetch::Retry("prefill not fully registered yet".into())
-            }
-            Ok(mut resp) => {
-                let status = resp.status();
-                let text = resp.body_mut().read_to_string().unwrap_or_default();
-                Fetch::Retry(format!("{url} answered {status}: {text}"))
-            }
-            Err(e) => Fetch::Retry(format!("{url}: {e}")),
-        }
+        get_json(&self.shared, url)
     }
 
     /// The prefill ranks of one CP rank, resolved and registered with once
@@ -429,6 +439,21 @@ impl KvReceiver {
         status
     }
 
+    /// Whether the room's prefill ranks were told to stop writing (ABORT
+    /// sent, by [`KvReceiver::abort`], a failure, or
+    /// [`KvReceiver::notify_abort`]).
+    pub fn abort_notified(&self) -> bool {
+        self.infos.is_some() && self.shared.rooms.lock().abort_acks.contains_key(&self.room)
+    }
+
+    /// Tells the room's prefill ranks to stop writing its pages (once),
+    /// whatever the room's state (sglang's `ensure_abort_notified`): for a
+    /// failure this side did not start, so sibling ranks still writing are
+    /// stopped and acknowledge before the pages are reused.
+    pub fn notify_abort(&mut self) {
+        self.stop_writers();
+    }
+
     /// Aborts the room: marks it Failed here and tells every prefill rank,
     /// which acknowledges once its in-flight writes to the room drained.
     pub fn abort(&mut self) {
@@ -530,6 +555,16 @@ impl KvReceiver {
         self.conclude_state = Some(KvPoll::Failed);
         let reason = self.shared.rooms.lock().table.take_failure(self.room);
         self.clear();
+        KvTransferError::from_recorded(self.room, reason)
+    }
+
+    /// The room's failure (recorded reason, or a generic one from another
+    /// rank), leaving the room known until [`KvReceiver::clear`]: its abort
+    /// ACKs still count for [`KvReceiver::abort_acknowledged`], as sglang's
+    /// scheduler asks after `failure_exception` while it holds the pages.
+    pub fn take_failure(&mut self) -> KvTransferError {
+        self.conclude_state = Some(KvPoll::Failed);
+        let reason = self.shared.rooms.lock().table.take_failure(self.room);
         KvTransferError::from_recorded(self.room, reason)
     }
 

@@ -78,6 +78,16 @@ pub(crate) struct DecodeRooms {
     pub fences: HashMap<String, HashSet<(u64, u64)>>,
 }
 
+/// What a decode rank knows of a resolved prefill server (sglang's
+/// `prefill_info_table` entry, the part its scheduler reads).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PrefillSummary {
+    /// The prefill server's DP size.
+    pub dp_size: u64,
+    /// Whether its DP routing follows the bootstrap room.
+    pub follow_bootstrap_room: bool,
+}
+
 /// Prefill servers this decode rank has resolved.
 #[derive(Debug, Default)]
 pub(crate) struct Prefills {
@@ -88,6 +98,8 @@ pub(crate) struct Prefills {
     pub sizes: HashMap<String, (u64, u64)>,
     /// Resolved prefill ranks per `addr_dp_cp_tp` key (registered with).
     pub pool: HashMap<String, Vec<BootstrapInfo>>,
+    /// Summary per resolved bootstrap address.
+    pub servers: HashMap<String, PrefillSummary>,
     /// Consecutive missed heartbeats per bootstrap address.
     pub heartbeat_failures: HashMap<String, u32>,
 }

@@ -68,6 +68,10 @@ pub(crate) struct Failure {
 pub(crate) enum Event {
     /// A batch completed: its bytes are in the peer's memory.
     Written {
+        /// The room the bytes belong to.
+        room: u64,
+        /// What the batch carried.
+        part: Part,
         /// Bytes moved.
         bytes: u64,
         /// Copies made.
@@ -227,6 +231,8 @@ impl Pipeline {
         }
         match result {
             Ok(()) => self.events.push_back(Event::Written {
+                room,
+                part: batch.part,
                 bytes: batch.bytes,
                 copies: batch.copies,
             }),

@@ -34,6 +34,7 @@ impl KvSender {
                 rooms.ack_targets.remove(&room);
                 rooms.outstanding.remove(&room);
                 rooms.concluded.remove(room);
+                rooms.payload_bytes.remove(&room);
             }
             rooms.table.update(room, KvPoll::Bootstrapping);
         }
@@ -174,6 +175,19 @@ impl KvSender {
             .unwrap_or(0)
     }
 
+    /// KV and state bytes of this room confirmed written to its decode
+    /// ranks so far (aux rows not counted; MLA copies to several decode
+    /// ranks each count), until [`KvSender::clear`].
+    pub fn payload_bytes(&self) -> u64 {
+        self.shared
+            .rooms
+            .lock()
+            .payload_bytes
+            .get(&self.room)
+            .copied()
+            .unwrap_or(0)
+    }
+
     /// Aborts the room from the prefill side.
     pub fn abort(&mut self) {
         let mut rooms = self.shared.rooms.lock();
@@ -212,6 +226,7 @@ impl KvSender {
                 rooms.concluded.insert(self.room, outcome);
             }
             rooms.prefix_len.remove(&self.room);
+            rooms.payload_bytes.remove(&self.room);
             if rooms.outstanding.get(&self.room).copied().unwrap_or(0) == 0 {
                 rooms.remove_infos(self.room);
             }

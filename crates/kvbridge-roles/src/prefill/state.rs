@@ -106,6 +106,9 @@ pub(crate) struct RoomsState {
     pub prefix_len: HashMap<u64, u64>,
     /// When each room's first chunk was queued (latency metric).
     pub started: HashMap<u64, Instant>,
+    /// KV and state bytes confirmed written per room (aux not counted),
+    /// kept until the room's sender is cleared or the room id reused.
+    pub payload_bytes: HashMap<u64, u64>,
     /// Staging control messages.
     pub staging: StagingRecords,
     /// Recently cleared rooms, to answer late requests for them.
@@ -133,6 +136,12 @@ impl RoomsState {
             return Vec::new();
         }
         self.ack_targets.remove(&room).unwrap_or_default()
+    }
+
+    /// Counts `bytes` of KV or state confirmed written for `room`.
+    pub fn count_payload(&mut self, room: u64, bytes: u64) {
+        let n = self.payload_bytes.entry(room).or_default();
+        *n = n.saturating_add(bytes);
     }
 
     /// Drops everything kept for a finished room except its status.

@@ -258,8 +258,16 @@ impl Worker<'_> {
         let shared = self.shared;
         while let Some(event) = self.flight.poll() {
             match event {
-                Event::Written { bytes, copies } => {
+                Event::Written {
+                    room,
+                    part,
+                    bytes,
+                    copies,
+                } => {
                     shared.metrics.bytes.inc_by(bytes);
+                    if part != Part::Aux {
+                        shared.rooms.lock().count_payload(room, bytes);
+                    }
                     shared.metrics.blocks.inc_by(copies);
                 }
                 Event::Failed {

@@ -1,0 +1,551 @@
+"""kvbridge as sglang's PD transfer backend: ``KVManager``, ``KVSender``,
+``KVReceiver`` and ``KVBootstrapServer`` implement sglang 0.5.23's backend
+contract (``sglang/srt/disaggregation/base/conn.py``) with the constructor
+signatures of its Mooncake classes, each a thin shell over kvbridge's Rust
+roles (``kvbridge._kvbridge.PrefillManager`` / ``DecodeManager`` /
+``BootstrapServer``).
+
+Planning, transfers, heartbeats, aborts (acknowledged only once a room's
+writes drained) and recovery (restarted peers, failed-session probes) run on
+the roles' Rust threads. Index arrays cross as numpy arrays read in place;
+``poll()`` reads the room state the Rust threads keep current, so the
+scheduler does no Python work per transfer.
+
+``kvbridge.sglang`` (``KVBRIDGE_SGLANG=backend``) makes sglang's
+``--disaggregation-transfer-backend mooncake`` resolve to these classes.
+Every sglang environment variable and server argument the Mooncake connector
+reads is either mapped onto the roles' configuration or refused at start
+with the reason (:func:`role_settings`; the table is in docs/sglang.md).
+
+Importing this module imports sglang's disaggregation package.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Dict, List, Optional, Tuple
+
+from sglang.srt.disaggregation.base.conn import (
+    BaseKVBootstrapServer,
+    BaseKVManager,
+    BaseKVReceiver,
+    BaseKVSender,
+    KVArgs,
+    KVPoll,
+    KVTransferDestination,
+    KVTransferMetric,
+)
+from sglang.srt.disaggregation.common.conn import KVTransferError
+from sglang.srt.disaggregation.utils import DisaggregationMode
+from sglang.srt.environ import envs
+from sglang.srt.runtime_context import (
+    get_disagg,
+    get_memory,
+    get_observability,
+    get_parallel,
+    get_serving,
+)
+
+from . import _kvbridge
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "BackendConfigError",
+    "KVBootstrapServer",
+    "KVManager",
+    "KVReceiver",
+    "KVSender",
+    "role_settings",
+]
+
+
+class BackendConfigError(ValueError):
+    """A setting of sglang's that the kvbridge backend cannot honour; the
+    message names each one and why."""
+
+
+# ---------------------------------------------------------------------------
+# Settings: sglang's environment and server arguments -> the roles' config
+# ---------------------------------------------------------------------------
+
+#: Environment variables the kvbridge backend refuses when set, with why.
+REFUSED_ENV = {
+    "SGLANG_DISAGG_STAGING_BUFFER": "heterogeneous-TP staging buffers are not implemented by kvbridge's roles "
+    "(kvbridge slices heads per token without staging)",
+    "SGLANG_MOONCAKE_CUSTOM_MEM_POOL": "Mooncake's custom memory pools (NVLINK/BAREX) are Mooncake-specific",
+    "SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER": "attention context parallelism is not supported yet",
+    "SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK": "data-parallel prefill is not supported yet",
+    "SGLANG_DISAGGREGATION_ZMQ_MAX_SOCKETS": "kvbridge bounds its control sockets by its own peer limits",
+    "SGLANG_RUST_SERVER": "the Rust HTTP server's bootstrap registry is not supported with this backend",
+}
+
+
+def _env(name: str):
+    """sglang's value of ``envs.<name>``; a malformed value is refused (sglang
+    itself would fall back to the default with a warning)."""
+    field = getattr(envs, name)
+    if not field.is_set():
+        return field.get()
+    raw = os.environ[name]
+    try:
+        return field.parse(raw)
+    except ValueError as e:
+        raise BackendConfigError(f"{name}={raw!r} is malformed: {e}") from None
+
+
+def _refusals(mode: DisaggregationMode, kv_args: KVArgs) -> List[str]:
+    """Every setting in force that the backend cannot honour."""
+    out = []
+    for name, why in REFUSED_ENV.items():
+        value = _env(name)
+        if value not in (None, False, "") and getattr(envs, name).is_set():
+            out.append(f"{name}={os.environ.get(name)!r}: {why}")
+    parallel, disagg = get_parallel(), get_disagg()
+    policy = disagg.disaggregation_decode_allocation_policy
+    if policy != "early":
+        out.append(f"--disaggregation-decode-allocation-policy {policy}: only 'early' is supported")
+    if parallel.attn_cp_size > 1:
+        out.append(f"attention context parallelism (attn_cp_size={parallel.attn_cp_size}) is not supported")
+    for flag in ("enable_kv_cache_sharding", "enable_dsa_cache_layer_split", "enable_cp_tp_group_sharing"):
+        if getattr(parallel, flag, False):
+            out.append(f"--{flag.replace('_', '-')}: not supported")
+    if parallel.num_dp_ranks > 1 or parallel.dp_size > 1:
+        out.append(f"data parallelism (dp_size={parallel.dp_size}): not supported yet")
+    if mode == DisaggregationMode.PREFILL and parallel.pp_size > 1:
+        out.append(
+            f"a pipeline-parallel prefill (pp_size={parallel.pp_size}): PP0's consensus poll "
+            "(poll_pp_consensus) is not implemented by kvbridge's roles yet"
+        )
+    if get_observability().enable_trace:
+        out.append("--enable-trace: per-request connector traces are not emitted by kvbridge's roles")
+    if getattr(kv_args, "rust_http_port", None) is not None:
+        out.append("a Rust HTTP server bootstrap registry (rust_http_port): not supported")
+    kinds = getattr(kv_args, "kv_data_mem_kinds", None)
+    if kinds and any(k != "VRAM" for k in kinds):
+        out.append("KV in host memory on decode (HiSparse, kv_data_mem_kinds): not supported")
+    return out
+
+
+def _bootstrap_host() -> str:
+    """The bootstrap server a prefill registers with, as sglang's
+    ``register_to_bootstrap`` computes it."""
+    dist = get_parallel().dist_init_addr
+    if dist:
+        from sglang.srt.utils.network import NetworkAddress
+
+        return NetworkAddress.parse(dist).resolved().host
+    host = get_serving().host
+    return {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
+
+
+def role_settings(mode: DisaggregationMode, kv_args: KVArgs, local_ip: str) -> dict:
+    """The role configuration (kvbridge's field names) for ``mode``, from
+    sglang's environment and server arguments; raises
+    :class:`BackendConfigError` listing everything that cannot be honoured."""
+    refused = _refusals(mode, kv_args)
+    if refused:
+        raise BackendConfigError(
+            "the kvbridge backend cannot run with: " + "; ".join(refused)
+            + " (unset KVBRIDGE_SGLANG to use sglang's own Mooncake connector)"
+        )
+    parallel = get_parallel()
+    common = {
+        "local_ip": local_ip,
+        "kv_cache_dtype": getattr(kv_args, "kv_cache_dtype_str", None) or "auto",
+        "zmq_send_timeout": float(_env("SGLANG_DISAGGREGATION_ZMQ_SEND_TIMEOUT")),
+    }
+    deferred = bool(_env("SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE"))
+    if mode == DisaggregationMode.PREFILL:
+        host = _bootstrap_host()
+        port = get_disagg().disaggregation_bootstrap_port
+        pool = _env("SGLANG_DISAGGREGATION_THREAD_POOL_SIZE")
+        if pool is None:  # sglang's default, from the CPU count
+            pool = min(max(4, int(0.5 * (os.cpu_count() or 1)) // 8), 12)
+        return dict(
+            common,
+            bootstrap_addr=f"[{host}]:{port}" if ":" in host else f"{host}:{port}",
+            rank={
+                "attn_tp_size": parallel.attn_tp_size,
+                "attn_tp_rank": parallel.attn_tp_rank,
+                "attn_cp_size": parallel.attn_cp_size,
+                "attn_cp_rank": parallel.attn_cp_rank,
+                "attn_dp_size": parallel.attn_dp_size,
+                "attn_dp_rank": parallel.attn_dp_rank,
+                "pp_size": parallel.pp_size,
+                "pp_rank": getattr(kv_args, "pp_rank", 0) or 0,
+                "system_dp_size": parallel.dp_size,
+                "system_dp_rank": getattr(kv_args, "system_dp_rank", 0) or 0,
+            },
+            queue_size=int(_env("SGLANG_DISAGGREGATION_QUEUE_SIZE")),
+            thread_pool_size=int(pool),
+            bootstrap_timeout=float(_env("SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT")),
+            send_aux_tcp=bool(_env("SGLANG_MOONCAKE_SEND_AUX_TCP")),
+            deferred_release=deferred,
+            probe={
+                "enabled": bool(_env("SGLANG_ENABLE_FAILED_SESSION_PROBE")),
+                "interval": float(_env("SGLANG_FAILED_SESSION_PROBE_INTERVAL_S")),
+                "max_interval": float(_env("SGLANG_FAILED_SESSION_PROBE_MAX_INTERVAL_S")),
+                "idle_timeout": float(_env("SGLANG_FAILED_SESSION_IDLE_TIMEOUT_S")),
+            },
+        )
+    return dict(
+        common,
+        attn_tp_size=parallel.attn_tp_size,
+        pp_size=parallel.pp_size,
+        pp_rank=parallel.pp_rank,
+        heartbeat_interval=float(_env("SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL")),
+        heartbeat_max_failures=int(_env("SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE")),
+        waiting_timeout=float(_env("SGLANG_DISAGGREGATION_WAITING_TIMEOUT")),
+        bootstrap_timeout=float(_env("SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT")),
+        deferred_release=deferred,
+    )
+
+
+#: KVArgs attributes kvbridge maps (the rest of what sglang may set is
+#: either engine-level, listed in _ENGINE_LEVEL, or refused as unknown).
+_KV_ARGS_FIELDS = (
+    "engine_rank", "kv_data_ptrs", "kv_data_lens", "kv_item_lens", "kv_layer_ids",
+    "kv_cache_dtype_str", "kv_layout", "host_kv_data_ptrs", "aux_data_ptrs", "aux_data_lens",
+    "aux_item_lens", "state_types", "state_data_ptrs", "state_data_lens", "state_item_lens",
+    "state_layer_ids", "state_dim_per_tensor", "state_slice_outer_counts", "state_conv_shard_groups",
+    "is_hybrid_mla_backend", "swa_kv_cache_layout", "kv_head_num", "total_kv_head_num", "page_size",
+    "system_dp_rank", "pp_rank", "prefill_start_layer", "prefill_end_layer", "mla_compression_ratios",
+    "num_draft_entries",
+)
+#: KVArgs attributes that concern the engine or other backends, not the roles.
+_ENGINE_LEVEL = frozenset({
+    "ib_device", "gpu_id", "rust_http_port", "kv_data_mem_kinds", "kv_buf_groups", "hidden_kv_layers",
+    "draft_kv_layers", "host_kv_data_lens", "host_kv_item_lens", "host_state_data_ptrs",
+    "host_state_data_lens", "host_state_item_lens",
+})
+
+
+def role_spec(kv_args: KVArgs, is_mla_backend: bool) -> str:
+    """The role description JSON (``kvbridge-py``'s ``RoleSpec``): sglang's
+    ``KVArgs`` fields that are set, the parallel layout and the manager
+    settings. An attribute kvbridge does not know is passed on, and the
+    Rust side refuses it by name."""
+    fields = {}
+    for name in set(_KV_ARGS_FIELDS) | set(vars(kv_args)):
+        if name in _ENGINE_LEVEL:
+            continue
+        value = getattr(kv_args, name, None)
+        if value is None:
+            continue
+        if name == "state_types":
+            value = [getattr(t, "value", t) for t in value]
+        fields[name] = value
+    p = get_parallel()
+    parallel = {
+        "attn_tp_size": p.attn_tp_size, "attn_tp_rank": p.attn_tp_rank,
+        "attn_cp_size": p.attn_cp_size, "attn_cp_rank": p.attn_cp_rank,
+        "attn_dcp_size": getattr(p, "attn_dcp_size", 1), "attn_dcp_rank": getattr(p, "attn_dcp_rank", 0),
+        "attn_dp_size": p.attn_dp_size, "attn_dp_rank": p.attn_dp_rank,
+        "dp_size": p.dp_size, "pp_size": p.pp_size, "pp_rank": p.pp_rank,
+    }
+    return json.dumps({
+        "kv_args": fields,
+        "parallel": parallel,
+        "is_mla_backend": bool(is_mla_backend),
+        "max_transfer_batch_indices": int(_env("SGLANG_MOONCAKE_MAX_TRANSFER_BATCH_INDICES")),
+        "enable_unified_memory": bool(getattr(get_memory(), "enable_unified_memory", False)),
+    })
+
+
+def _process_engine():
+    """This process's ``kvbridge.TransferEngine`` (sglang's shared engine,
+    created by the scheduler before the manager)."""
+    from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import (
+        get_mooncake_transfer_engine,
+    )
+
+    wrapper = get_mooncake_transfer_engine()
+    if wrapper is None:
+        raise RuntimeError("sglang's transfer engine is not initialized (init_mooncake_transfer_engine)")
+    engine = wrapper.engine
+    if not isinstance(engine, _kvbridge.TransferEngine):
+        raise RuntimeError(
+            f"the kvbridge backend needs kvbridge's TransferEngine, but sglang created "
+            f"{type(engine).__module__}.{type(engine).__name__}: switch with KVBRIDGE_SGLANG=backend, "
+            "which also installs the engine hook"
+        )
+    return engine
+
+
+# ---------------------------------------------------------------------------
+# The backend classes
+# ---------------------------------------------------------------------------
+
+
+class _PrefillInfoTable:
+    """What sglang's decode scheduler reads of ``kv_manager.prefill_info_table``:
+    ``.get(addr)`` -> an object with ``dp_size`` and ``follow_bootstrap_room``."""
+
+    class Entry:
+        def __init__(self, dp_size: int, follow_bootstrap_room: bool):
+            self.dp_size = dp_size
+            self.follow_bootstrap_room = follow_bootstrap_room
+
+    def __init__(self, rust):
+        self._rust = rust
+
+    def get(self, addr: str, default=None):
+        summary = self._rust.prefill_summary(addr)
+        return default if summary is None else self.Entry(*summary)
+
+    def __contains__(self, addr: str) -> bool:
+        return self._rust.prefill_summary(addr) is not None
+
+    def __getitem__(self, addr: str):
+        entry = self.get(addr)
+        if entry is None:
+            raise KeyError(addr)
+        return entry
+
+
+class KVManager(BaseKVManager):
+    """sglang's ``KVManager`` over kvbridge's prefill or decode role
+    (``MooncakeKVManager``'s signature)."""
+
+    supports_deferred_decode_kv_release = True
+    supports_role_switch = False
+    supports_host_destination = False
+    is_dummy_cp_rank = False
+    enable_all_cp_ranks_for_transfer = False
+    enable_staging = False
+    kv_shard_size = 1
+
+    def __init__(
+        self,
+        args: KVArgs,
+        disaggregation_mode: DisaggregationMode,
+        server_args,
+        is_mla_backend: Optional[bool] = False,
+    ):
+        from sglang.srt.utils.network import get_local_ip_auto
+
+        self.kv_args = args
+        self.disaggregation_mode = disaggregation_mode
+        self.server_args = server_args
+        self.is_mla_backend = bool(is_mla_backend)
+        self.kv_item_lens_sum = sum(args.kv_item_lens)
+        self.state_item_lens_sum = sum(x for comp in getattr(args, "state_item_lens", []) or [] for x in comp)
+        self.local_ip = get_local_ip_auto()
+        settings = role_settings(disaggregation_mode, args, self.local_ip)
+        self.enable_deferred_decode_kv_release = settings["deferred_release"]
+        engine = _process_engine()
+        spec = role_spec(args, self.is_mla_backend)
+        config = json.dumps(settings)
+        self._receivers: Dict[int, "KVReceiver"] = {}
+        if disaggregation_mode == DisaggregationMode.PREFILL:
+            self._rust = _kvbridge.PrefillManager(engine, spec, config)
+            self.transfer_infos: Dict = {}
+        elif disaggregation_mode == DisaggregationMode.DECODE:
+            self._rust = _kvbridge.DecodeManager(engine, spec, config)
+            self.prefill_info_table = _PrefillInfoTable(self._rust)
+        else:
+            raise ValueError(f"Unsupported DisaggregationMode: {disaggregation_mode}")
+        self.rank_port = self._rust.rank_port
+        logger.info("kvbridge %s manager on %s:%d (engine %s)", disaggregation_mode.value, self.local_ip,
+                    self.rank_port, self._rust.session_id)
+
+    def register_to_bootstrap(self):
+        """Nothing to do: the prefill role registered with the bootstrap
+        server when it started (and failed start-up if it could not)."""
+
+    def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
+        """One non-blocking attempt to resolve a prefill server (decode)."""
+        return self._rust.try_ensure_parallel_info(bootstrap_addr)
+
+    def is_abort_release_safe(self, bootstrap_room: int, required_acks: int) -> bool:
+        """Whether every prefill rank that could write the room's pages has
+        acknowledged its abort (or was fenced)."""
+        if required_acks <= 0:
+            return True
+        receiver = self._receivers.get(bootstrap_room)
+        return receiver is not None and receiver.abort_acknowledged()
+
+    def clear_deferred_abort_state(self, bootstrap_room: int) -> None:
+        """Nothing to keep: the receiver's ``clear()`` drops the room's ACK state."""
+
+    def check_status(self, bootstrap_room: int) -> int:
+        """The room's state on a prefill rank (Failed when unknown)."""
+        status = self._rust.room_status(bootstrap_room)
+        return KVPoll.Failed if status is None else status
+
+    def render_metrics(self) -> str:
+        """kvbridge's own Prometheus metrics of this role, as text."""
+        return self._rust.render_metrics()
+
+    def deregister_buffer_to_engine(self):
+        raise RuntimeError(
+            "the kvbridge backend keeps sglang's KV pools registered for the process lifetime; "
+            "release_memory_occupation is not supported with it"
+        )
+
+    def register_buffer_to_engine(self):
+        raise RuntimeError("the kvbridge backend registers sglang's KV pools once, at start")
+
+    def submit_prefill_recompute(self, receiver, payload) -> None:
+        raise RuntimeError("PD retract re-bootstrap is not supported by the kvbridge backend")
+
+    def teardown(self) -> None:
+        """Stops the role's threads and deregisters its memory."""
+        self._rust.teardown()
+
+
+class KVSender(BaseKVSender):
+    """One request's prefill side (``MooncakeKVSender``'s signature)."""
+
+    def __init__(
+        self,
+        mgr: KVManager,
+        bootstrap_addr: str,
+        bootstrap_room: int,
+        req_has_disagg_prefill_dp_rank: bool = False,
+    ):
+        self.kv_mgr = mgr
+        self.bootstrap_server_url = bootstrap_addr
+        self.bootstrap_room = bootstrap_room
+        self.conclude_state: Optional[int] = None
+        self._rust = mgr._rust.sender(bootstrap_room)
+
+    def init(self, num_kv_indices: int, aux_index: Optional[int] = None):
+        self.num_kv_indices = num_kv_indices
+        self._rust.init(num_kv_indices, aux_index)
+
+    def send(self, kv_indices, state_indices: Optional[List] = None, num_kv_tokens: Optional[int] = None):
+        self._rust.send(kv_indices, state_indices, num_kv_tokens)
+
+    def should_send_kv_chunk(self, num_pages: int, last_chunk: bool) -> bool:
+        # An empty last chunk still concludes the room (and carries aux/state).
+        return num_pages > 0 or last_chunk
+
+    def poll(self) -> int:
+        if self.conclude_state is not None:
+            return self.conclude_state
+        status = self._rust.poll()
+        if status in (KVPoll.Success, KVPoll.Failed):
+            self.conclude_state = status
+        return status
+
+    def poll_pp_consensus(self) -> int:
+        # A PP prefill is refused at start; with PP 1 the local state is the consensus.
+        return self.poll()
+
+    def pop_decode_prefix_len(self) -> int:
+        return self._rust.pop_decode_prefix_len()
+
+    def get_max_transfer_tokens(self) -> Optional[int]:
+        return None
+
+    def get_transfer_metric(self) -> KVTransferMetric:
+        latency, total = self._rust.transfer_metric()
+        return KVTransferMetric(transfer_latency_s=latency, transfer_total_bytes=total)
+
+    def failure_exception(self):
+        self.conclude_state = KVPoll.Failed
+        reason, other_rank = self._rust.failure()
+        raise KVTransferError(self.bootstrap_room, reason, is_from_another_rank=other_rank)
+
+    def abort(self):
+        self.conclude_state = KVPoll.Failed
+        self._rust.abort()
+
+    def clear(self):
+        self._rust.clear()
+
+
+class KVReceiver(BaseKVReceiver):
+    """One request's decode side (``MooncakeKVReceiver``'s signature)."""
+
+    require_staging = False
+
+    def __init__(self, mgr: KVManager, bootstrap_addr: str, bootstrap_room: Optional[int] = None):
+        if bootstrap_room is None:
+            raise ValueError("the kvbridge backend needs a bootstrap_room for every receiver")
+        self.kv_mgr = mgr
+        self.bootstrap_addr = bootstrap_addr
+        self.bootstrap_room = bootstrap_room
+        self.conclude_state: Optional[int] = None
+        self._rust = mgr._rust.receiver(bootstrap_addr, bootstrap_room)
+        mgr._receivers[bootstrap_room] = self
+
+    def init(self, prefill_dp_rank: int):
+        if self._rust.init(prefill_dp_rank) == KVPoll.Failed:
+            self.conclude_state = KVPoll.Failed
+
+    @property
+    def bootstrap_infos(self) -> List[Tuple[str, int]]:
+        """``(ip, port)`` of every prefill rank the room talks to."""
+        return self._rust.bootstrap_infos()
+
+    def send_metadata(
+        self,
+        kv_indices,
+        aux_index: Optional[int] = None,
+        state_indices: Optional[List] = None,
+        decode_prefix_len: Optional[int] = None,
+        destination: KVTransferDestination = KVTransferDestination.DEVICE,
+    ):
+        if destination != KVTransferDestination.DEVICE:
+            raise ValueError("the kvbridge backend receives into device KV only")
+        if aux_index is None:
+            raise ValueError("send_metadata needs the request's aux (metadata buffer) index")
+        if self._rust.send_metadata(kv_indices, aux_index, state_indices, decode_prefix_len) == KVPoll.Failed:
+            self.conclude_state = KVPoll.Failed
+
+    def poll(self) -> int:
+        if self.conclude_state is not None:
+            return self.conclude_state
+        status = self._rust.poll()
+        if status in (KVPoll.Success, KVPoll.Failed):
+            self.conclude_state = status
+        return status
+
+    @property
+    def abort_notified(self) -> bool:
+        """Whether the room's prefill ranks were told to stop writing."""
+        return self._rust.abort_notified
+
+    def ensure_abort_notified(self, *, force_arm: bool = False) -> None:
+        self._rust.notify_abort()
+
+    def abort_acknowledged(self) -> bool:
+        return self._rust.abort_acknowledged()
+
+    def failure_exception(self):
+        self.conclude_state = KVPoll.Failed
+        # The room stays known until clear(): sglang may hold its pages and
+        # ask is_abort_release_safe() first.
+        reason, other_rank = self._rust.failure()
+        raise KVTransferError(self.bootstrap_room, reason, is_from_another_rank=other_rank)
+
+    def abort(self):
+        self.conclude_state = KVPoll.Failed
+        self._rust.abort()
+
+    def clear(self):
+        self._rust.clear()
+        if self.kv_mgr._receivers.get(self.bootstrap_room) is self:
+            del self.kv_mgr._receivers[self.bootstrap_room]
+
+
+class KVBootstrapServer(BaseKVBootstrapServer):
+    """kvbridge's bootstrap server (sglang's routes and JSON) on a Rust
+    thread (``MooncakeKVBootstrapServer``'s signature)."""
+
+    def __init__(self, host: str, port: int):
+        self.host, self.port = host, port
+        cleanup = float(_env("SGLANG_DISAGGREGATION_BOOTSTRAP_ENTRY_CLEANUP_INTERVAL"))
+        self._rust = _kvbridge.BootstrapServer(host, port, cleanup)
+        logger.info("kvbridge bootstrap server listening on %s:%d", *self._rust.address)
+
+    def is_alive(self) -> bool:
+        return self._rust.is_alive()
+
+    def close(self) -> None:
+        self._rust.close()

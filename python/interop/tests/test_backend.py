@@ -1,0 +1,149 @@
+"""kvbridge as sglang's transfer backend (``KVBRIDGE_SGLANG=backend``:
+``kvbridge.sglang_backend`` over kvbridge's Rust roles), driven by
+``pd_worker.py`` as sglang's prefill and decode scheduler mixins drive the
+backend classes (README.md, "The backend driver"): on both sides, and mixed
+with sglang's own Mooncake connector (on kvbridge's engine) both ways.
+
+Every data case verifies every byte on the decode (KV pages per token and
+head slice, aux rows, untouched pages) and which rooms succeeded or failed
+on every rank; kvbridge prefills also report each room's transfer metric
+(``get_transfer_metric()``), checked against the bytes the room needs.
+"""
+
+import os
+
+import pytest
+
+import cluster
+import harness
+from conftest import ENGINES
+from test_pd import expected_bytes
+
+pytestmark = pytest.mark.skipif(ENGINES["kvbridge"][1] is not None, reason=ENGINES["kvbridge"][1] or "")
+
+KB, MC = cluster.KVBRIDGE, "mooncake"
+
+#: Pairing -> (prefill backend, decode backend, bootstrap server backend).
+#: The bootstrap server is the prefill side's, as in a deployment.
+PAIRINGS = {
+    "kvbridge-both": (KB, KB, KB),
+    "kvbridge-to-mooncake": (KB, MC, KB),
+    "mooncake-to-kvbridge": (MC, KB, MC),
+}
+CASES = {
+    "tp1-tp1": {},
+    "tp2-tp1": {"prefill_tp": 2},
+    "tp1-tp2": {"decode_tp": 2},
+    "mla-tp1-tp2": {"model": harness.ModelSpec.tiny_mla(), "decode_tp": 2},
+    "abort": {"scenario": "abort"},
+    "abort-prefill": {"scenario": "abort-prefill"},
+    "abort-bootstrap": {"scenario": "abort-bootstrap"},
+    "kill-decode": {"scenario": "kill-decode"},
+}
+#: Pipeline parallelism: a kvbridge-backend prefill refuses PP > 1 at start
+#: (test_pp_prefill_is_refused), so PP runs with sglang's prefill.
+PP_CASES = {
+    "pp2-tp1": {"prefill_pp": 2},
+    "pp2-pp2": {"prefill_pp": 2, "decode_pp": 2},
+}
+if os.environ.get("KVB_INTEROP_FULL"):
+    CASES.update({
+        "tp2-tp2": {"prefill_tp": 2, "decode_tp": 2},
+        "mla-tp2-tp1": {"model": harness.ModelSpec.tiny_mla(), "prefill_tp": 2},
+    })
+
+MATRIX = [pytest.param(p, c, id=f"{p}-{c}") for p in PAIRINGS for c in CASES]
+MATRIX += [pytest.param("mooncake-to-kvbridge", c, id=f"mooncake-to-kvbridge-{c}") for c in PP_CASES]
+
+
+def spec_for(pairing: str, case: str) -> cluster.Spec:
+    prefill, decode, bootstrap = PAIRINGS[pairing]
+    fields = dict(CASES[case] if case in CASES else PP_CASES[case])
+    return cluster.Spec(engine_module="kvbridge", prefill_backend=prefill, decode_backend=decode,
+                        bootstrap_backend=bootstrap, timeout=45, **fields)
+
+
+def room_bytes(spec: cluster.Spec, room: int) -> int:
+    """KV bytes a TP-1 prefill writes for ``room`` (no aux): every page of
+    every buffer, once per decode rank holding a replica (MLA)."""
+    model = spec.model
+    tokens = {r.room: r.tokens for r in spec.workload.plan()}[room]
+    buffers = model.layers * (1 if model.mla else 2)
+    replicas = spec.decode_tp if model.mla else 1
+    return harness.pages_for(tokens, model.page_size) * buffers * model.item_len(1) * replicas
+
+
+@pytest.mark.parametrize("pairing,case", MATRIX)
+def test_backend(pairing, case):
+    spec = spec_for(pairing, case)
+    out = cluster.run(spec)
+    detail = out.report() + "\n" + out.outputs()
+    assert out.ok, detail
+    rooms = [r.room for r in spec.workload.plan()]
+    first = rooms[0]
+    decodes = [p.result for p in out.procs.values() if p.kind == "decode"]
+    prefills = [p.result for p in out.procs.values() if p.kind == "prefill"]
+    if spec.scenario == "kill-decode":
+        for r in prefills:
+            assert sorted(r["failed"]) == sorted(str(x) for x in rooms), detail
+            assert all(r["failed"].values()), detail  # every failure carries a reason
+        return
+    aborted = spec.scenario.startswith("abort")
+    want = [x for x in rooms if not (aborted and x == first)]
+    for r in decodes:
+        assert r["done"] == sorted(want), detail
+        assert r["bad"] == [] and r["untouched_ok"], detail
+        assert r["verified_bytes"] == expected_bytes(spec, want), detail
+        if aborted:
+            assert list(r["failed"]) == [str(first)], detail
+            # The pages of an abort the prefill was told about are reused only
+            # once every prefill rank acknowledged it (deferred KV release).
+            if spec.scenario != "abort-bootstrap":
+                assert r["drained"] == {str(first): True}, detail
+    for r in prefills:
+        assert r["done"] == sorted(want), detail
+        if aborted:
+            assert list(r["failed"]) == [str(first)], detail
+    if spec.prefill_backend == KB and spec.prefill_tp == 1:
+        for r in prefills:
+            for room in want:
+                latency, total = r["metrics"][str(room)]
+                assert total == room_bytes(spec, room), detail
+                assert latency is not None and latency > 0, detail
+
+
+def test_pp_prefill_is_refused():
+    """A PP prefill on the kvbridge backend fails at start, saying why."""
+    spec = cluster.Spec(engine_module="kvbridge", prefill_backend=KB, decode_backend=KB, bootstrap_backend=KB,
+                        prefill_pp=2, timeout=10)
+    out = cluster.run(spec)
+    assert not out.ok
+    for p in out.procs.values():
+        if p.kind == "prefill":
+            assert p.returncode != 0, out.outputs()
+            assert "BackendConfigError" in p.output and "pipeline-parallel prefill" in p.output, p.output
+
+
+def test_malformed_setting_is_refused(monkeypatch):
+    """A malformed sglang setting fails start-up (sglang itself would fall
+    back to the default with a warning)."""
+    monkeypatch.setenv("SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT", "soon")
+    spec = cluster.Spec(engine_module="kvbridge", prefill_backend=KB, decode_backend=KB, bootstrap_backend=KB,
+                        timeout=10)
+    out = cluster.run(spec)
+    assert not out.ok
+    for p in out.procs.values():
+        if p.kind in ("prefill", "decode"):
+            assert "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT='soon' is malformed" in p.output, p.output
+
+
+def test_refused_feature_names_itself(monkeypatch):
+    """A Mooncake-only setting in force fails start-up with its name."""
+    monkeypatch.setenv("SGLANG_MOONCAKE_CUSTOM_MEM_POOL", "NVLINK")
+    spec = cluster.Spec(engine_module="kvbridge", prefill_backend=KB, decode_backend=KB, bootstrap_backend=KB,
+                        timeout=10)
+    out = cluster.run(spec)
+    assert not out.ok
+    for p in out.procs.values():
+        if p.kind in ("prefill", "decode"):
+            assert "SGLANG_MOONCAKE_CUSTOM_MEM_POOL='NVLINK'" in p.output, p.output
