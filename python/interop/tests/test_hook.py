@@ -11,8 +11,8 @@ import sys
 import textwrap
 
 import pytest
-
 from kvbridge import sglang as kvbridge_hook
+
 from conftest import INTEROP
 
 TESTS = os.path.dirname(os.path.abspath(__file__))

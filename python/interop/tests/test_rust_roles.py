@@ -43,7 +43,8 @@ if os.environ.get("KVB_INTEROP_FULL"):
         "gqa-tp4-tp2": {"model": harness.ModelSpec(kv_heads=8), "prefill_tp": 4, "decode_tp": 2},
     })
 
-SGLANG_SIDE = [engine_param("kvbridge")] + ([engine_param("kvtcp")] if STANDIN or os.environ.get("KVB_INTEROP_FULL") else [])
+SGLANG_SIDE = [engine_param("kvbridge")] + (
+    [engine_param("kvtcp")] if STANDIN or os.environ.get("KVB_INTEROP_FULL") else [])
 
 
 def check(spec: cluster.Spec, out: cluster.Outcome) -> None:
