@@ -100,6 +100,10 @@ class Spec:
     #: publishes for plain MHA/MLA pools (README.md, "Layer ids").
     layer_ids: bool = False
     timeout: float = 60.0
+    #: Extra arguments of every sglang rank (pd_worker.py), e.g. ``--bench``.
+    worker_args: List[str] = field(default_factory=list)
+    #: Extra environment of every process of the run.
+    env: Dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -267,7 +271,7 @@ def _run(spec: Spec, procs: Dict[str, Proc], scratch: str) -> Outcome:
     t0 = time.monotonic()
     bport = free_port()
     boot = f"127.0.0.1:{bport}"
-    env = dict(os.environ, KVB_RDV_DIR=scratch)  # FileGroup rendezvous (PP)
+    env = dict(os.environ, KVB_RDV_DIR=scratch, **spec.env)  # KVB_RDV_DIR: FileGroup rendezvous (PP)
     if spec.scenario == "kill-prefill":
         env.setdefault("SGLANG_DISAGGREGATION_WAITING_TIMEOUT", "5")
 
@@ -304,7 +308,7 @@ def _run(spec: Spec, procs: Dict[str, Proc], scratch: str) -> Outcome:
                                              "--tp", str(tp_size), str(tp_rank),
                                              "--pp", str(pp_size), str(pp_rank),
                                              "--send-delay", str(_send_delay(spec))]
-                          + common + _backend_args(spec, backend))
+                          + common + _backend_args(spec, backend) + spec.worker_args)
     killers = {}
     if spec.scenario == "kill-decode" and spec.decode == KVBRIDGE:
         per_rank = min(spec.workload.requests, spec.workload.concurrency)

@@ -307,6 +307,58 @@ class KVPool:
             not self.read_page(b, p).any() for b in range(len(self.kv)) for p in range(self.pages) if p not in used
         )
 
+    # Whole-request variants of fill / verify for host pools (the benchmark's
+    # pools are large): one numpy operation per buffer instead of per page.
+
+    def _pages_view(self, b: int) -> np.ndarray:
+        if not isinstance(self.kv[b], np.ndarray):
+            raise ValueError("whole-request fill/verify work on host (cpu) pools only")
+        return self.kv[b].reshape(self.pages, self.item_len)
+
+    def request_patterns(self, room: int, npages: int) -> List[np.ndarray]:
+        """Per KV buffer, the ``(npages, item_len)`` bytes request ``room``'s
+        pages hold (:func:`pages_pattern`)."""
+        out = []
+        for b in range(len(self.kv)):
+            layer, kv = self.buffer_layer(b)
+            out.append(pages_pattern(self.model, self.rank, room, layer, kv, npages))
+        return out
+
+    def fill_request(self, room: int, pages: Sequence[int], aux_slot: int,
+                     patterns: Optional[List[np.ndarray]] = None) -> None:
+        """:meth:`fill`, one buffer at a time."""
+        patterns = patterns or self.request_patterns(room, len(pages))
+        idx = np.asarray(pages, dtype=np.int64)
+        for b, want in enumerate(patterns):
+            self._pages_view(b)[idx] = want
+        for i, n in enumerate(self.model.aux_item_lens):
+            self.aux_row(i, aux_slot)[:] = aux_pattern(room, i, n)
+
+    def verify_request(self, room: int, pages: Sequence[int], aux_slot: int,
+                       patterns: Optional[List[np.ndarray]] = None) -> Tuple[int, List[tuple]]:
+        """:meth:`verify`, one buffer at a time (same return value)."""
+        patterns = patterns or self.request_patterns(room, len(pages))
+        idx = np.asarray(pages, dtype=np.int64)
+        checked, bad = 0, []
+        for b, want in enumerate(patterns):
+            checked += want.size
+            wrong = np.flatnonzero((self._pages_view(b)[idx] != want).any(axis=1))
+            bad += [(b, int(idx[k])) for k in wrong]
+        for i, n in enumerate(self.model.aux_item_lens):
+            checked += n
+            if not np.array_equal(self.aux_row(i, aux_slot), aux_pattern(room, i, n)):
+                bad.append(("aux", i, aux_slot))
+        return checked, bad
+
+    def clear_request(self, pages: Sequence[int], aux_slot: int) -> None:
+        """Zeroes a request's pages and aux rows (so a later write into them
+        is seen, not an earlier one)."""
+        idx = np.asarray(pages, dtype=np.int64)
+        for b in range(len(self.kv)):
+            self._pages_view(b)[idx] = 0
+        for i in range(len(self.model.aux_item_lens)):
+            self.aux_row(i, aux_slot)[:] = 0
+
 
 # ---------------------------------------------------------------------------
 # Process set-up
@@ -486,11 +538,22 @@ class RoomPlan:
 
 
 def allocate(
-    requests: Sequence[Request], model: ModelSpec, pages: int, aux_slots: int, reverse: bool
+    requests: Sequence[Request], model: ModelSpec, pages: int, aux_slots: int, reverse: bool,
+    scatter_seed: Optional[int] = None,
 ) -> List[RoomPlan]:
     """Gives each request its pages (lowest first, or from the top of the
     pool downwards with ``reverse``, so prefill and decode page numbers
-    differ) and an aux row; raises when the pool is too small."""
+    differ) and an aux row; raises when the pool is too small. With
+    ``scatter_seed`` the pages are scattered instead (:func:`scatter_pages`
+    over the whole pool, the seed varied by ``reverse`` so the two sides
+    differ): no two pages of a request are neighbours in page order."""
+    if scatter_seed is not None:
+        if len(requests) > aux_slots:
+            raise ValueError(f"pool of {pages} pages / {aux_slots} aux rows is too small")
+        counts = [pages_for(r.tokens, model.page_size) for r in requests]
+        runs = scatter_pages(pages, counts, mix(scatter_seed ^ (0x5CA7 if reverse else 0)))
+        return [RoomPlan(r.room, run, (aux_slots - 1 - i) if reverse else i)
+                for i, (r, run) in enumerate(zip(requests, runs))]
     plans, next_page = [], 0
     for i, r in enumerate(requests):
         n = pages_for(r.tokens, model.page_size)
@@ -504,3 +567,132 @@ def allocate(
                 run.reverse()  # ascending run: exercises contiguous-run merging
         plans.append(RoomPlan(r.room, run, (aux_slots - 1 - i) if reverse else i))
     return plans
+
+
+# ---------------------------------------------------------------------------
+# Scattered pages and the room-level benchmark's plan (bench_rooms.py)
+# ---------------------------------------------------------------------------
+
+
+def pages_pattern(model: ModelSpec, rank: RankSpec, room: int, layer: int, kv: int, npages: int) -> np.ndarray:
+    """Pages ``0 .. npages-1`` of request ``room`` in one KV buffer, as an
+    ``(npages, item_len)`` array: row ``k`` equals :func:`page_pattern` ``(...,
+    k)`` (the same formula over all tokens at once, fast for small pages)."""
+    heads = model.local_heads(rank.tp_size)
+    tokens = np.arange(npages * model.page_size, dtype=np.uint64)
+    ghead = np.array([model.global_head(rank.tp_size, rank.tp_rank, h) for h in range(heads)], dtype=np.uint64)
+    seeds = _slice_seeds(room, layer, kv, tokens, ghead)  # [tokens, heads]
+    nwords = -(-model.head_bytes // 8)
+    with np.errstate(over="ignore"):
+        words = seeds[:, :, None] + np.arange(nwords, dtype=np.uint64) * np.uint64(GOLDEN)
+    raw = words.astype("<u8").view(np.uint8).reshape(tokens.size, heads, nwords * 8)
+    return np.ascontiguousarray(raw[:, :, : model.head_bytes]).reshape(npages, -1)
+
+
+def scatter_pages(pool_pages: int, counts: Sequence[int], seed: int) -> List[List[int]]:
+    """Pages for requests of ``counts`` pages from a pool of ``pool_pages``:
+    a seeded shuffle of the free list, cut into runs. Reshuffled until no run
+    holds a page followed by the next page number, so sglang's merging of
+    contiguous page runs (``group_concurrent_contiguous``) finds nothing and
+    every page travels as its own block (descending runs if no shuffle
+    manages within 1000 tries)."""
+    import random
+
+    need = sum(counts)
+    if need > pool_pages:
+        raise ValueError(f"pool of {pool_pages} pages is too small for {need}")
+    rng = random.Random(seed)
+    free = list(range(pool_pages))
+    for _ in range(1000):
+        rng.shuffle(free)
+        runs, at = [], 0
+        for n in counts:
+            runs.append(free[at : at + n])
+            at += n
+        if all(b != a + 1 for run in runs for a, b in zip(run, run[1:])):
+            return runs
+    return [sorted(run, reverse=True) for run in runs]
+
+
+def contiguous_blocks(src: Sequence[int], dst: Sequence[int]) -> int:
+    """Blocks sglang makes of one buffer's pages ``src`` -> ``dst``: runs
+    where both sides step by +1 merge (``group_concurrent_contiguous``)."""
+    if not len(src):
+        return 0
+    return 1 + sum(1 for i in range(len(src) - 1) if not (src[i + 1] - src[i] == 1 and dst[i + 1] - dst[i] == 1))
+
+
+@dataclass(frozen=True)
+class BenchSpec:
+    """The room-level benchmark's workload, derived alike by the prefill and
+    the decode (``pd_worker.py --bench``).
+
+    ``rooms`` requests of ``room_tokens`` tokens each (full pages), sent in
+    chunks of ``chunk_tokens`` (0: one chunk per room), in waves of
+    ``rooms_per_wave``: the decode sends the destinations of a wave's rooms
+    together, waits for all of them, verifies and clears their pages, then
+    starts the next wave. Both pools hold one wave. The prefill fills
+    ``rooms_per_wave`` content slots once; room ``i`` sends slot
+    ``i % rooms_per_wave`` (pattern seed :meth:`content_seed`), so the decode
+    knows every byte it must receive. Pages are scattered on both sides
+    (:func:`scatter_pages`; the decode draws new pages every wave)."""
+
+    rooms: int = 8
+    rooms_per_wave: int = 2
+    room_tokens: int = 1024
+    chunk_tokens: int = 0
+    seed: int = 11
+    #: Seconds between two polls of every open sender / receiver.
+    poll_s: float = 0.001
+    #: Both ranks call sglang's ``freeze_gc`` (what its ``/freeze_gc``
+    #: endpoint does) once set up, before the first room.
+    freeze_gc: bool = False
+
+    def room_ids(self) -> List[int]:
+        """The bootstrap rooms, in sending order."""
+        return [r.room for r in Workload(requests=self.rooms, seed=self.seed).plan()]
+
+    def pages_per_room(self, model: ModelSpec) -> int:
+        return pages_for(self.room_tokens, model.page_size)
+
+    def pool_pages(self, model: ModelSpec) -> int:
+        return self.rooms_per_wave * self.pages_per_room(model)
+
+    def chunk_pages(self, model: ModelSpec) -> int:
+        return pages_for(self.chunk_tokens or self.room_tokens, model.page_size)
+
+    def waves(self) -> List[List[int]]:
+        """Room indices of each wave."""
+        n = self.rooms_per_wave
+        return [list(range(i, min(i + n, self.rooms))) for i in range(0, self.rooms, n)]
+
+    def slot(self, index: int) -> int:
+        """The content slot room ``index`` sends (also its prefill aux row)."""
+        return index % self.rooms_per_wave
+
+    def content_seed(self, slot: int) -> int:
+        """The pattern's room value of content slot ``slot``."""
+        return mix(self.seed ^ 0xC0DE ^ mix(slot + 1)) >> 1
+
+    def prefill_pages(self, model: ModelSpec) -> List[List[int]]:
+        """Prefill pages of each content slot."""
+        n = self.pages_per_room(model)
+        return scatter_pages(self.pool_pages(model), [n] * self.rooms_per_wave, self.seed)
+
+    def decode_pages(self, model: ModelSpec, wave: int) -> List[List[int]]:
+        """Decode pages of each room of wave ``wave``, in wave order."""
+        n = self.pages_per_room(model)
+        k = len(self.waves()[wave])
+        return scatter_pages(self.pool_pages(model), [n] * k, mix(self.seed ^ 0xDEC0 ^ mix(wave + 1)))
+
+    def kv_bytes_per_room(self, model: ModelSpec, rank: RankSpec = RankSpec()) -> int:
+        start, end = rank.layer_range(model.layers)
+        buffers = (1 if model.mla else 2) * (end - start)
+        return self.pages_per_room(model) * buffers * model.item_len(rank.tp_size)
+
+    def bytes_per_room(self, model: ModelSpec, rank: RankSpec = RankSpec()) -> int:
+        """KV plus aux bytes the decode verifies per room."""
+        return self.kv_bytes_per_room(model, rank) + sum(model.aux_item_lens)
+
+    def to_json(self) -> dict:
+        return asdict(self)

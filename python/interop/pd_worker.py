@@ -20,6 +20,13 @@ workload serves the same rooms). The prefill fills each request's pages with
 kvbridge's byte pattern; the decode checks every byte it received, its aux
 rows, and that pages no request owns stayed zero. Each rank prints one line
 ``RESULT {json}`` and exits 0 when it saw what its scenario expects.
+
+``--scatter-pages SEED`` scatters each request's pages over the pool
+(``harness.scatter_pages``) instead of contiguous runs. ``--bench JSON``
+(``harness.BenchSpec``) runs the room-level benchmark's workload instead
+(``bench_rooms.py``): many rooms in waves, scattered pages, room latencies
+and timed engine calls in the prefill's RESULT, every byte verified on the
+decode.
 """
 
 from __future__ import annotations
@@ -27,8 +34,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import sys
+import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -119,7 +128,8 @@ def run_prefill(args) -> int:
     sender_class = kv_class("sender")
     role = f"prefill-tp{args.tp[1]}-pp{args.pp[1]}"
     requests = args.workload.plan()
-    plans = harness.allocate(requests, args.model, args.pages, args.aux_slots, reverse=False)
+    plans = harness.allocate(requests, args.model, args.pages, args.aux_slots, reverse=False,
+                             scatter_seed=args.scatter_pages)
     t0 = time.monotonic()
     mgr, pool = build_manager("prefill", args)
     for plan in plans:  # the "forward pass"
@@ -223,7 +233,8 @@ def run_decode(args) -> int:
     receiver_class = kv_class("receiver")
     role = f"decode-tp{args.tp[1]}-pp{args.pp[1]}"
     requests = args.workload.plan()
-    plans = harness.allocate(requests, args.model, args.pages, args.aux_slots, reverse=True)
+    plans = harness.allocate(requests, args.model, args.pages, args.aux_slots, reverse=True,
+                             scatter_seed=args.scatter_pages)
     by_room = {p.room: p for p in plans}
     t0 = time.monotonic()
     mgr, pool = build_manager("decode", args)
@@ -307,6 +318,251 @@ def run_decode(args) -> int:
                   untouched_ok=untouched, drained=drained, secs=round(time.monotonic() - t0, 3))
 
 
+def _percentile(values, q: float) -> float:
+    """Nearest-rank percentile (the maximum for q=99 below 100 samples)."""
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, math.ceil(q / 100 * len(s)) - 1))]
+
+
+def _instrument(mgr) -> dict:
+    """Counts and times, without changing what they do, the calls sglang's
+    prefill worker makes: ``send_kvcache`` (one per chunk: plans the blocks
+    in Python, then calls the engine) and the engine wrapper's
+    ``batch_transfer_sync`` (KV chunks and aux rows; ``engine_kv_s`` the
+    part inside ``send_kvcache``). Instance attributes
+    over the installed classes' methods; sglang's code is not touched."""
+    stats = {"engine_calls": 0, "engine_blocks": 0, "engine_s": 0.0, "engine_kv_s": 0.0,
+             "send_kvcache_calls": 0, "send_kvcache_s": 0.0}
+    lock, inside = threading.Lock(), threading.local()
+    engine = mgr.engine
+    engine_call, send_kvcache = engine.batch_transfer_sync, mgr.send_kvcache
+
+    def timed_engine(session_id, buffers, peer_buffer_addresses, lengths):
+        t = time.perf_counter()
+        try:
+            return engine_call(session_id, buffers, peer_buffer_addresses, lengths)
+        finally:
+            dt = time.perf_counter() - t
+            with lock:
+                stats["engine_calls"] += 1
+                stats["engine_blocks"] += len(lengths)
+                stats["engine_s"] += dt
+                if getattr(inside, "send_kvcache", False):
+                    stats["engine_kv_s"] += dt
+
+    def timed_send_kvcache(*a, **kw):
+        t = time.perf_counter()
+        inside.send_kvcache = True
+        try:
+            return send_kvcache(*a, **kw)
+        finally:
+            inside.send_kvcache = False
+            dt = time.perf_counter() - t
+            with lock:
+                stats["send_kvcache_calls"] += 1
+                stats["send_kvcache_s"] += dt
+
+    engine.batch_transfer_sync = timed_engine
+    mgr.send_kvcache = timed_send_kvcache
+    return stats
+
+
+def _gc_watch() -> dict:
+    """Counts Python's cyclic garbage collections of this process by
+    generation and the seconds they took (``gc.callbacks``), from now on;
+    ``gc_tracked`` is how many objects a full collection visits now."""
+    import gc
+
+    stats = {"gc_s": 0.0, "gc_runs": [0, 0, 0], "gc_tracked": len(gc.get_objects())}
+    started = {}
+
+    def callback(phase, info):
+        if phase == "start":
+            started["t"] = time.perf_counter()
+        elif "t" in started:
+            stats["gc_s"] += time.perf_counter() - started.pop("t")
+            stats["gc_runs"][info["generation"]] += 1
+
+    gc.callbacks.append(callback)
+    return stats
+
+
+def _maybe_freeze_gc(bench) -> None:
+    """``BenchSpec.freeze_gc``: what sglang's ``/freeze_gc`` endpoint makes
+    a scheduler do (``sglang.srt.utils.common.freeze_gc``): every object
+    alive now moves to the permanent generation, which collections skip."""
+    if bench.freeze_gc:
+        from sglang.srt.utils.common import freeze_gc
+
+        freeze_gc("Scheduler")
+
+
+def _cpu() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+def run_prefill_bench(args) -> int:
+    """``--bench``: the prefill of bench_rooms.py (harness.BenchSpec). Sends
+    every room as soon as the decode asked for it; reports per room the time
+    from ``sender.send`` of its first chunk to ``KVPoll.Success`` seen by
+    polling, and per wave the time from its first send to its last Success."""
+    import numpy as np
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.disaggregation.common.utils import group_concurrent_contiguous
+    from sglang.srt.disaggregation.mooncake import MooncakeKVSender
+
+    role = "prefill-bench"
+    bench, model = args.bench, args.model
+    rooms = bench.room_ids()
+    slot_pages = bench.prefill_pages(model)
+    args.pages, args.aux_slots = bench.pool_pages(model), bench.rooms_per_wave
+    t0 = time.monotonic()
+    mgr, pool = build_manager("prefill", args)
+    for slot, pages in enumerate(slot_pages):  # the "forward pass", once per content slot
+        pool.fill_request(bench.content_seed(slot), pages, slot)
+    setup_s = time.monotonic() - t0
+    log(role, f"pool filled ({setup_s:.2f} s with the manager)")
+    stats = _instrument(mgr)
+    _maybe_freeze_gc(bench)
+    gc_stats = _gc_watch()
+    # Blocks per room as sglang's own planner makes them (both sides derive the plan).
+    blocks = []
+    for w, wave in enumerate(bench.waves()):
+        wave_dst = bench.decode_pages(model, w)
+        for j, i in enumerate(wave):
+            src, dst = slot_pages[bench.slot(i)], wave_dst[j]
+            groups, _ = group_concurrent_contiguous(np.array(src, dtype=np.int32), np.array(dst, dtype=np.int32))
+            blocks.append(len(groups) * len(pool.kv))
+    chunk_pages = bench.chunk_pages(model)
+    boot = f"127.0.0.1:{args.bootstrap_port}"
+    senders = {room: MooncakeKVSender(mgr, boot, room) for room in rooms}
+    index = {room: i for i, room in enumerate(rooms)}
+    sent, done, failed = {}, {}, {}
+    cpu0 = None
+    deadline = time.monotonic() + args.timeout
+    while len(done) + len(failed) < len(rooms) and time.monotonic() < deadline:
+        for room, sender in senders.items():
+            if room in done or room in failed:
+                continue
+            state = sender.poll()
+            if state == KVPoll.WaitingForInput and room not in sent:
+                pages = slot_pages[bench.slot(index[room])]
+                if cpu0 is None:
+                    cpu0 = _cpu()
+                sent[room] = time.perf_counter()
+                sender.init(len(pages), bench.slot(index[room]))
+                left = bench.room_tokens
+                for k in range(0, len(pages), chunk_pages):
+                    chunk = np.array(pages[k : k + chunk_pages], dtype=np.int32)
+                    n = min(len(chunk) * model.page_size, left)
+                    left -= n
+                    sender.send(chunk, None, n)
+            elif state == KVPoll.Success:
+                done[room] = time.perf_counter()
+            elif state == KVPoll.Failed:
+                try:
+                    sender.failure_exception()
+                except Exception as e:  # KVTransferError
+                    failed[room] = str(e)
+        time.sleep(bench.poll_s)
+    cpu_s = _cpu() - (cpu0 if cpu0 is not None else _cpu())
+    log(role, f"{len(done)} rooms done, {len(failed)} failed")
+    ok = len(done) == len(rooms) and not failed
+    latency = [done[r] - sent[r] for r in rooms if r in done]
+    windows = []
+    for wave in bench.waves():
+        ws = [rooms[i] for i in wave]
+        if all(r in done for r in ws):
+            windows.append(max(done[r] for r in ws) - min(sent[r] for r in ws))
+    transfer_s = sum(windows)
+    span_s = (max(done.values()) - min(sent.values())) if done else 0.0
+    kv_bytes = len(done) * bench.kv_bytes_per_room(model, pool.rank)
+    time.sleep(0.5)  # let the last status messages leave
+    mgr.deregister_buffer_to_engine()
+    return result(role, ok, done=sorted(done), failed=failed, rooms=len(rooms), kv_bytes=kv_bytes,
+                  transfer_s=transfer_s, wave_s=windows, span_s=span_s, latency_s=latency,
+                  latency_p50_s=_percentile(latency, 50), latency_p99_s=_percentile(latency, 99),
+                  blocks_per_room=blocks, block_bytes=pool.item_len, cpu_s=cpu_s, setup_s=round(setup_s, 3),
+                  engine_module=type(mgr.engine.engine).__module__, **stats, **gc_stats)
+
+
+def run_decode_bench(args) -> int:
+    """``--bench``: the decode of bench_rooms.py. Wave by wave: destinations
+    of the wave's rooms, wait for every room's Success, check every byte
+    (outside the prefill's timed windows) and zero the pages again."""
+    import numpy as np
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.disaggregation.mooncake import MooncakeKVReceiver
+
+    role = "decode-bench"
+    bench, model = args.bench, args.model
+    rooms = bench.room_ids()
+    args.pages, args.aux_slots = bench.pool_pages(model), bench.rooms_per_wave
+    mgr, pool = build_manager("decode", args)
+    for buf in pool.kv:  # touch every page now: first-write page faults would land in the first wave
+        buf.fill(0)
+    npages = bench.pages_per_room(model)
+    expected = [pool.request_patterns(bench.content_seed(s), npages) for s in range(bench.rooms_per_wave)]
+    log(role, "pool filled with zeros, expected bytes computed")
+    _maybe_freeze_gc(bench)
+    gc_stats = _gc_watch()
+    boot = f"127.0.0.1:{args.bootstrap_port}"
+    deadline = time.monotonic() + args.timeout
+    while not mgr.try_ensure_parallel_info(boot):  # 503 until the prefill registered
+        if time.monotonic() > deadline:
+            return result(role, False, error="prefill never registered")
+        time.sleep(0.2)
+    done, failed, verified, bad, wait_s, verify_s, cpu_s = [], {}, 0, [], 0.0, 0.0, 0.0
+    for w, wave in enumerate(bench.waves()):
+        dst = bench.decode_pages(model, w)
+        receivers = {}
+        for j, i in enumerate(wave):
+            receiver = MooncakeKVReceiver(mgr, boot, rooms[i])
+            receiver.init(0)  # prefill DP rank
+            receivers[rooms[i]] = (receiver, j, i)
+        t, c = time.perf_counter(), _cpu()
+        sent, ended = set(), {}
+        while len(ended) < len(receivers) and time.monotonic() < deadline:
+            for room, (receiver, j, _) in receivers.items():
+                if room in ended:
+                    continue
+                state = receiver.poll()
+                if state == KVPoll.WaitingForInput and room not in sent:
+                    receiver.send_metadata(np.array(dst[j], dtype=np.int32), j)
+                    sent.add(room)
+                elif state == KVPoll.Success:
+                    ended[room] = True
+                elif state == KVPoll.Failed:
+                    try:
+                        receiver.failure_exception()
+                    except Exception as e:
+                        failed[room] = str(e)
+                    ended[room] = False
+            time.sleep(bench.poll_s)
+        wait_s += time.perf_counter() - t
+        cpu_s += _cpu() - c
+        t = time.perf_counter()
+        for room, (_, j, i) in receivers.items():
+            if ended.get(room):
+                n, wrong = pool.verify_request(bench.content_seed(bench.slot(i)), dst[j], j,
+                                               expected[bench.slot(i)])
+                verified += n
+                bad += [(room, *x) for x in wrong]
+                done.append(room)
+            pool.clear_request(dst[j], j)
+        verify_s += time.perf_counter() - t
+        if len(ended) < len(receivers):
+            break  # deadline
+    ok = sorted(done) == sorted(rooms) and not failed and not bad
+    mgr.deregister_buffer_to_engine()
+    return result(role, ok, done=sorted(done), failed=failed, verified_bytes=verified, bad=bad[:10],
+                  expected_bytes=len(rooms) * bench.bytes_per_room(model, pool.rank),
+                  wait_s=wait_s, verify_s=verify_s, cpu_s=cpu_s, **gc_stats)
+
+
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("role", choices=["bootstrap", "prefill", "decode"])
@@ -330,6 +586,11 @@ def parse_args(argv=None):
     ap.add_argument("--scenario", default="ok", choices=sorted(SCENARIOS))
     ap.add_argument("--send-delay", type=float, default=0.0, help="prefill: seconds between WaitingForInput and send")
     ap.add_argument("--timeout", type=float, default=60.0)
+    ap.add_argument("--scatter-pages", type=int, default=None, metavar="SEED",
+                    help="scatter each request's pages over the pool (seeded) instead of contiguous runs")
+    ap.add_argument("--bench", default=None, type=lambda s: harness.BenchSpec(**json.loads(s)),
+                    help="JSON BenchSpec: run bench_rooms.py's workload instead of --workload/--scenario "
+                         "(prefill and decode ranks, TP1, host buffers)")
     return ap.parse_args(argv)
 
 
@@ -338,6 +599,8 @@ def main(argv=None) -> int:
     harness.setup_process(args.engine_module, backend=args.backend)
     logging.basicConfig(level=os.environ.get("KVB_INTEROP_LOGLEVEL", "WARNING"),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if args.bench is not None and args.role != "bootstrap":
+        return {"prefill": run_prefill_bench, "decode": run_decode_bench}[args.role](args)
     return {"bootstrap": run_bootstrap, "prefill": run_prefill, "decode": run_decode}[args.role](args)
 
 
