@@ -185,7 +185,7 @@ def _event(line: str) -> dict:
 
 def _kill_after_started(p: "Proc", rooms: int) -> threading.Thread:
     """Reads a kvbridge decode rank's events as they come and SIGKILLs it
-    once it has sent the destinations of ``rooms`` rooms (``started``
+    0.5 s after it has sent the destinations of ``rooms`` rooms (``started``
     events): a decode that dies between its metadata and the KV."""
     lines: List[str] = []
 
@@ -196,7 +196,9 @@ def _kill_after_started(p: "Proc", rooms: int) -> threading.Thread:
             if line.startswith("{") and _event(line).get("event") == "started":
                 started += 1
                 if started == rooms:
-                    p.popen.kill()
+                    # zmq sends asynchronously: give the last destination
+                    # time to leave (the prefill's forward pass is 1.5 s).
+                    threading.Timer(0.5, p.popen.kill).start()
         p.popen.wait()
         p.output = "".join(lines)
 
