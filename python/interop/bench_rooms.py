@@ -32,6 +32,20 @@ sglang's ``freeze_gc`` first, as its ``/freeze_gc`` endpoint does.
     python bench_rooms.py                      # both engines, 4 KiB / 64 KiB / 1 MiB, 2 rounds
     python bench_rooms.py --json out.json      # also the raw runs
     python bench_rooms.py --engines kvbridge --block-sizes 65536 --rounds 1
+    python bench_rooms.py --backend            # connector vs backend, both on kvbridge's engine
+
+``--backend`` compares, instead of engines, two columns on kvbridge's
+engine: ``connector`` (sglang's Mooncake connector classes, as above) and
+``backend`` (kvbridge's backend classes, ``KVBRIDGE_SGLANG=backend``, for
+bootstrap, prefill and decode), same workload and driver, columns
+alternated per round. It adds the scheduler thread's cost: pd_worker times
+(``time.perf_counter_ns``) every call the driver makes on the calling
+thread -- prefill ``sender.poll()`` / ``init()`` / ``send()``, decode
+receiver construction, ``init()``, ``send_metadata()``, ``poll()`` -- and
+reports per call mean / p50 / p99 and per room the sum, next to requests/s,
+GB/s and p50/p99 latency, and whether issue 17's goal holds per block size
+(backend's scheduler time per room <= 1/10 of the connector's on both sides,
+p50 and p99 latency no higher).
 
 Mooncake's TCP engine rejects a call of more than 2 048 blocks by default
 (per peer: ``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER`` 1024 queued +
@@ -57,6 +71,16 @@ import harness
 
 #: Engine column -> module given to the engine hook (None: Mooncake's own).
 ENGINES = {"kvbridge": "kvbridge", "mooncake": None}
+#: ``--backend`` columns -> cluster.Spec fields. "connector": sglang's
+#: Mooncake connector classes on kvbridge's engine (the "kvbridge" engine
+#: column under another name); "backend": kvbridge's backend classes
+#: (KVBRIDGE_SGLANG=backend) for bootstrap, prefill and decode.
+BACKEND_COLUMNS = {
+    "connector": {"engine_module": "kvbridge"},
+    "backend": {"prefill_backend": "kvbridge", "decode_backend": "kvbridge", "bootstrap_backend": "kvbridge"},
+}
+#: Scheduler-thread calls reported per side (pd_worker's ``sched``).
+SCHED_CALLS = {"prefill": ("send", "poll", "init"), "decode": ("poll", "init", "send_metadata", "create")}
 #: Llama-3-8B's KV per token and layer at TP1: 8 heads x 128 x bf16.
 KV_HEADS, HEAD_BYTES, LAYERS = 8, 256, 32
 DEFAULT_ROOMS = {4096: 4, 65536: 12, 1048576: 16}
@@ -81,7 +105,8 @@ def engine_env(engine: str, mooncake_queue: int) -> Dict[str, str]:
 def run_one(engine: str, block: int, bench: harness.BenchSpec, args) -> dict:
     """One cluster (bootstrap, prefill, decode) on ``engine``; what it measured."""
     model = model_for(block, args.layers)
-    spec = cluster.Spec(model=model, engine_module=ENGINES[engine], timeout=args.timeout,
+    fields = BACKEND_COLUMNS[engine] if engine in BACKEND_COLUMNS else {"engine_module": ENGINES[engine]}
+    spec = cluster.Spec(model=model, timeout=args.timeout, **fields,
                         worker_args=["--bench", json.dumps(bench.to_json())],
                         env=engine_env(engine, args.mooncake_queue))
     t, load_before = time.monotonic(), list(os.getloadavg())
@@ -107,6 +132,8 @@ def run_one(engine: str, block: int, bench: harness.BenchSpec, args) -> dict:
         "verify_s": dec.get("verify_s"), "prefill_gc_s": pre.get("gc_s"), "prefill_gc_runs": pre.get("gc_runs"),
         "prefill_gc_tracked": pre.get("gc_tracked"), "decode_gc_s": dec.get("gc_s"),
         "loadavg_before": load_before, "loadavg_after": list(os.getloadavg()),
+        "prefill_sched": pre.get("sched", {}), "decode_sched": dec.get("sched", {}),
+        "backends": [pre.get("backend"), dec.get("backend")],
     }
     if run["transfer_s"] > 0:
         run["gbps"] = run["kv_bytes"] / run["transfer_s"] / 1e9
@@ -131,16 +158,37 @@ def summarize(runs: List[dict]) -> dict:
             p99_ms=1e3 * _percentile(lat, 99),
             latency_samples=len(lat),
             blocks_per_room=statistics.median(b for r in good for b in r["blocks_per_room"]),
-            engine_share=statistics.median(r["engine_kv_s"] / r["send_kvcache_s"] for r in good
-                                           if r.get("send_kvcache_s")),
+            engine_share=statistics.median([r["engine_kv_s"] / r["send_kvcache_s"] for r in good
+                                            if r.get("send_kvcache_s")] or [0.0]),
             prefill_cpu_per_s=statistics.median(r["prefill_cpu_s"] / r["span_s"] for r in good if r["span_s"]),
             # Per room, on the prefill's transfer thread: all of send_kvcache,
             # the engine call inside it, and Python's garbage collections.
             send_ms_per_room=statistics.median(1e3 * r["send_kvcache_s"] / r["rooms"] for r in good),
             engine_ms_per_room=statistics.median(1e3 * r["engine_kv_s"] / r["rooms"] for r in good),
             gc_ms_per_room=statistics.median(1e3 * r["prefill_gc_s"] / r["rooms"] for r in good),
+            sched=_sched_summary(good),
         )
     return s
+
+
+def _sched_summary(good: List[dict]) -> dict:
+    """Scheduler-thread time per side and call (µs; medians over rounds of
+    each run's per-call mean/p50/p99 and per-room sum), and per room the
+    prefill's send()+poll()+init() and the decode's calls altogether."""
+    out: Dict[str, dict] = {}
+    for side, calls in SCHED_CALLS.items():
+        for call in calls:
+            rs = [r[f"{side}_sched"][call] for r in good if call in r.get(f"{side}_sched", {})]
+            if rs:
+                out[f"{side}.{call}"] = {
+                    k: statistics.median(x[k + "_ns"] for x in rs) / 1e3
+                    for k in ("mean", "p50", "p99", "max", "per_room")} | {
+                    "calls": statistics.median(x["calls"] for x in rs)}
+        per_room = [sum(x["total_ns"] for x in r.get(f"{side}_sched", {}).values()) / r["rooms"] / 1e3
+                    for r in good if r.get(f"{side}_sched")]
+        if per_room:
+            out[f"{side}.all_per_room"] = statistics.median(per_room)
+    return out
 
 
 def _percentile(values, q: float) -> float:
@@ -192,9 +240,58 @@ def breakdown(summary: Dict[str, Dict[str, dict]], engines: List[str]) -> str:
     return "\n".join(lines)
 
 
+def sched_table(summary: Dict[str, Dict[str, dict]], columns: List[str]) -> str:
+    """Scheduler-thread time (µs) per call and per room, with each column's
+    rooms/s, GB/s and latency."""
+    lines = ["| block | column | send() µs/call mean / p50 / p99 | send() µs/room | poll() µs/call mean / p50 / p99 "
+             "| poll() µs/room | prefill calls µs/room | decode calls µs/room | requests/s | GB/s | p50 ms "
+             "| p99 ms |", "|" + " --- |" * 12]
+    for block, per in summary.items():
+        for c in columns:
+            s = per[c]
+            if "sched" not in s:
+                lines.append(f"| {_size(int(block))} | {c} | FAILED |" + " |" * 10)
+                continue
+            sc = s["sched"]
+            cell = []
+            for call in ("send", "poll"):
+                x = sc.get(f"prefill.{call}")
+                cell += ([f"{x['mean']:.1f} / {x['p50']:.1f} / {x['p99']:.1f}", f"{x['per_room']:.0f}"]
+                         if x else ["", ""])
+            lines.append(f"| {_size(int(block))} | {c} | {' | '.join(cell)} | {sc.get('prefill.all_per_room', 0):.0f} "
+                         f"| {sc.get('decode.all_per_room', 0):.0f} | {s['rps']:.1f} | {s['gbps']:.2f} "
+                         f"| {s['p50_ms']:.0f} | {s['p99_ms']:.0f} |")
+    return "\n".join(lines)
+
+
+def verdict(summary: Dict[str, Dict[str, dict]]) -> List[str]:
+    """Issue 17's goal per block size: the backend's scheduler-thread time
+    per room (prefill: send+poll+init; decode: create+init+send_metadata+poll)
+    at most 1/10 of the connector's on both sides, and its p50 and p99 room
+    latency no higher."""
+    out = []
+    for block, per in summary.items():
+        con, bk = per.get("connector", {}), per.get("backend", {})
+        if "sched" not in con or "sched" not in bk:
+            out.append(f"{_size(int(block))}: no result for both columns")
+            continue
+        ratio = bk["sched"]["prefill.all_per_room"] / con["sched"]["prefill.all_per_room"]
+        dec = bk["sched"].get("decode.all_per_room", 0) / max(con["sched"].get("decode.all_per_room", 0), 1e-9)
+        lat = bk["p50_ms"] <= con["p50_ms"] and bk["p99_ms"] <= con["p99_ms"]
+        met = ratio <= 0.1 and dec <= 0.1 and lat
+        out.append(f"{_size(int(block))}: prefill scheduler time backend/connector {ratio:.3f} "
+                   f"(decode {dec:.3f}), p50 {bk['p50_ms']:.0f} vs {con['p50_ms']:.0f} ms, "
+                   f"p99 {bk['p99_ms']:.0f} vs {con['p99_ms']:.0f} ms: goal {'met' if met else 'NOT met'}")
+    return out
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engines", default="kvbridge,mooncake", help="comma-separated: kvbridge, mooncake")
+    ap.add_argument("--backend", action="store_true",
+                    help="compare columns 'connector' (sglang's Mooncake connector classes on kvbridge's engine) "
+                         "and 'backend' (kvbridge's backend classes, KVBRIDGE_SGLANG=backend) instead of engines; "
+                         "adds the scheduler-thread table")
     ap.add_argument("--block-sizes", default="4096,65536,1048576",
                     help="bytes of one page of one KV buffer (page_size x 2 KiB)")
     ap.add_argument("--rounds", type=int, default=2,
@@ -223,6 +320,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     for e in engines:
         if e not in ENGINES:
             ap.error(f"unknown engine {e!r} (kvbridge, mooncake)")
+    if args.backend:
+        engines = list(BACKEND_COLUMNS)
     blocks = [int(b) for b in args.block_sizes.split(",")]
     rooms = dict(DEFAULT_ROOMS)
     if args.rooms:
@@ -250,9 +349,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     summary = {str(b): {e: summarize([r for r in runs if r["engine"] == e and r["block_bytes"] == b])
                         for e in engines} for b in blocks}
     print("\n" + table(summary, engines), file=out)
-    print("\n" + breakdown(summary, engines), file=out)
+    if args.backend:
+        print("\n" + sched_table(summary, engines), file=out)
+        verdicts = verdict(summary)
+        print("\n" + "\n".join(verdicts), file=out)
+    else:
+        print("\n" + breakdown(summary, engines), file=out)
     print(f"\n{len(runs)} runs in {time.monotonic() - t0:.0f} s", file=out)
     doc = {"args": vars(args), "summary": summary, "runs": runs}
+    if args.backend:
+        doc["goal"] = verdicts
     if args.json == "-":
         json.dump(doc, sys.stdout, indent=1)
         print()

@@ -39,6 +39,7 @@ import os
 import sys
 import threading
 import time
+from typing import Dict, List
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness  # noqa: E402
@@ -336,7 +337,9 @@ def _instrument(mgr) -> dict:
     stats = {"engine_calls": 0, "engine_blocks": 0, "engine_s": 0.0, "engine_kv_s": 0.0,
              "send_kvcache_calls": 0, "send_kvcache_s": 0.0}
     lock, inside = threading.Lock(), threading.local()
-    engine = mgr.engine
+    engine = getattr(mgr, "engine", None)
+    if engine is None or not hasattr(mgr, "send_kvcache"):
+        return stats  # kvbridge's backend: no Python transfer thread to time
     engine_call, send_kvcache = engine.batch_transfer_sync, mgr.send_kvcache
 
     def timed_engine(session_id, buffers, peer_buffer_addresses, lengths):
@@ -367,6 +370,37 @@ def _instrument(mgr) -> dict:
     engine.batch_transfer_sync = timed_engine
     mgr.send_kvcache = timed_send_kvcache
     return stats
+
+
+class _CallTimer:
+    """Scheduler-thread cost: ``time.perf_counter_ns`` around every call the
+    bench's driver (the stand-in for sglang's scheduler thread) makes on a
+    sender or receiver, per kind of call and per room."""
+
+    def __init__(self):
+        self.calls: Dict[str, List[int]] = {}
+        self.per_room: Dict[str, Dict[int, int]] = {}
+
+    def __call__(self, kind: str, room: int, fn, *a):
+        t = time.perf_counter_ns()
+        try:
+            return fn(*a)
+        finally:
+            dt = time.perf_counter_ns() - t
+            self.calls.setdefault(kind, []).append(dt)
+            rooms = self.per_room.setdefault(kind, {})
+            rooms[room] = rooms.get(room, 0) + dt
+
+    def report(self) -> dict:
+        """Per kind: calls, total, mean/p50/p99/max per call, and the mean
+        per room of each room's sum (ns)."""
+        out = {}
+        for kind, ns in self.calls.items():
+            per_room = list(self.per_room[kind].values())
+            out[kind] = {"calls": len(ns), "total_ns": sum(ns), "mean_ns": sum(ns) / len(ns),
+                         "p50_ns": _percentile(ns, 50), "p99_ns": _percentile(ns, 99), "max_ns": max(ns),
+                         "rooms": len(per_room), "per_room_ns": sum(per_room) / len(per_room)}
+        return out
 
 
 def _gc_watch() -> dict:
@@ -412,7 +446,6 @@ def run_prefill_bench(args) -> int:
     import numpy as np
     from sglang.srt.disaggregation.base.conn import KVPoll
     from sglang.srt.disaggregation.common.utils import group_concurrent_contiguous
-    from sglang.srt.disaggregation.mooncake import MooncakeKVSender
 
     role = "prefill-bench"
     bench, model = args.bench, args.model
@@ -438,7 +471,9 @@ def run_prefill_bench(args) -> int:
             blocks.append(len(groups) * len(pool.kv))
     chunk_pages = bench.chunk_pages(model)
     boot = f"127.0.0.1:{args.bootstrap_port}"
-    senders = {room: MooncakeKVSender(mgr, boot, room) for room in rooms}
+    sender_class = kv_class("sender")
+    senders = {room: sender_class(mgr, boot, room) for room in rooms}
+    timer = _CallTimer()
     index = {room: i for i, room in enumerate(rooms)}
     sent, done, failed = {}, {}, {}
     cpu0 = None
@@ -447,19 +482,19 @@ def run_prefill_bench(args) -> int:
         for room, sender in senders.items():
             if room in done or room in failed:
                 continue
-            state = sender.poll()
+            state = timer("poll", room, sender.poll)
             if state == KVPoll.WaitingForInput and room not in sent:
                 pages = slot_pages[bench.slot(index[room])]
                 if cpu0 is None:
                     cpu0 = _cpu()
                 sent[room] = time.perf_counter()
-                sender.init(len(pages), bench.slot(index[room]))
+                timer("init", room, sender.init, len(pages), bench.slot(index[room]))
                 left = bench.room_tokens
                 for k in range(0, len(pages), chunk_pages):
                     chunk = np.array(pages[k : k + chunk_pages], dtype=np.int32)
                     n = min(len(chunk) * model.page_size, left)
                     left -= n
-                    sender.send(chunk, None, n)
+                    timer("send", room, sender.send, chunk, None, n)
             elif state == KVPoll.Success:
                 done[room] = time.perf_counter()
             elif state == KVPoll.Failed:
@@ -481,12 +516,15 @@ def run_prefill_bench(args) -> int:
     span_s = (max(done.values()) - min(sent.values())) if done else 0.0
     kv_bytes = len(done) * bench.kv_bytes_per_room(model, pool.rank)
     time.sleep(0.5)  # let the last status messages leave
-    mgr.deregister_buffer_to_engine()
-    return result(role, ok, done=sorted(done), failed=failed, rooms=len(rooms), kv_bytes=kv_bytes,
+    shut_down(mgr)
+    engine = getattr(mgr, "engine", None)
+    engine_module = type(engine.engine).__module__ if engine is not None else type(mgr).__module__
+    return result(role, ok, sched=timer.report(), backend=args.backend,
+                  done=sorted(done), failed=failed, rooms=len(rooms), kv_bytes=kv_bytes,
                   transfer_s=transfer_s, wave_s=windows, span_s=span_s, latency_s=latency,
                   latency_p50_s=_percentile(latency, 50), latency_p99_s=_percentile(latency, 99),
                   blocks_per_room=blocks, block_bytes=pool.item_len, cpu_s=cpu_s, setup_s=round(setup_s, 3),
-                  engine_module=type(mgr.engine.engine).__module__, **stats, **gc_stats)
+                  engine_module=engine_module, **stats, **gc_stats)
 
 
 def run_decode_bench(args) -> int:
@@ -495,7 +533,6 @@ def run_decode_bench(args) -> int:
     (outside the prefill's timed windows) and zero the pages again."""
     import numpy as np
     from sglang.srt.disaggregation.base.conn import KVPoll
-    from sglang.srt.disaggregation.mooncake import MooncakeKVReceiver
 
     role = "decode-bench"
     bench, model = args.bench, args.model
@@ -516,12 +553,13 @@ def run_decode_bench(args) -> int:
             return result(role, False, error="prefill never registered")
         time.sleep(0.2)
     done, failed, verified, bad, wait_s, verify_s, cpu_s = [], {}, 0, [], 0.0, 0.0, 0.0
+    receiver_class, timer = kv_class("receiver"), _CallTimer()
     for w, wave in enumerate(bench.waves()):
         dst = bench.decode_pages(model, w)
         receivers = {}
         for j, i in enumerate(wave):
-            receiver = MooncakeKVReceiver(mgr, boot, rooms[i])
-            receiver.init(0)  # prefill DP rank
+            receiver = timer("create", rooms[i], receiver_class, mgr, boot, rooms[i])
+            timer("init", rooms[i], receiver.init, 0)  # prefill DP rank
             receivers[rooms[i]] = (receiver, j, i)
         t, c = time.perf_counter(), _cpu()
         sent, ended = set(), {}
@@ -529,9 +567,9 @@ def run_decode_bench(args) -> int:
             for room, (receiver, j, _) in receivers.items():
                 if room in ended:
                     continue
-                state = receiver.poll()
+                state = timer("poll", room, receiver.poll)
                 if state == KVPoll.WaitingForInput and room not in sent:
-                    receiver.send_metadata(np.array(dst[j], dtype=np.int32), j)
+                    timer("send_metadata", room, receiver.send_metadata, np.array(dst[j], dtype=np.int32), j)
                     sent.add(room)
                 elif state == KVPoll.Success:
                     ended[room] = True
@@ -557,8 +595,9 @@ def run_decode_bench(args) -> int:
         if len(ended) < len(receivers):
             break  # deadline
     ok = sorted(done) == sorted(rooms) and not failed and not bad
-    mgr.deregister_buffer_to_engine()
-    return result(role, ok, done=sorted(done), failed=failed, verified_bytes=verified, bad=bad[:10],
+    shut_down(mgr)
+    return result(role, ok, sched=timer.report(), backend=args.backend,
+                  done=sorted(done), failed=failed, verified_bytes=verified, bad=bad[:10],
                   expected_bytes=len(rooms) * bench.bytes_per_room(model, pool.rank),
                   wait_s=wait_s, verify_s=verify_s, cpu_s=cpu_s, **gc_stats)
 

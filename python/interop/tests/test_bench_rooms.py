@@ -94,3 +94,37 @@ def test_bench_rooms_tiny(engine, tmp_path):
     for key in ("gbps", "rps", "p50_ms", "p99_ms", "engine_share"):
         assert s[key] > 0, key
     assert s["p99_ms"] >= s["p50_ms"]
+
+
+@pytest.mark.parametrize("_", [_engine("kvbridge")])
+def test_bench_rooms_backend_tiny(_, tmp_path):
+    """``--backend``: sglang's connector on kvbridge's engine against
+    kvbridge's backend classes, same workload; every byte arrives and the
+    scheduler-thread timings are reported (never judged)."""
+    out = tmp_path / "bench.json"
+    rc = bench_rooms.main(["--backend", "--block-sizes", str(BLOCK), "--rounds", "1",
+                           "--rooms", str(ROOMS), "--rooms-per-wave", "2", "--room-tokens", str(ROOM_TOKENS),
+                           "--layers", str(LAYERS), "--timeout", "60", "--json", str(out)])
+    doc = json.loads(out.read_text())
+    assert rc == 0, doc["runs"]
+    model = bench_rooms.model_for(BLOCK, LAYERS)
+    kv_per_room = ROOM_TOKENS // model.page_size * 2 * LAYERS * BLOCK
+    assert sorted(r["engine"] for r in doc["runs"]) == ["backend", "connector"]
+    for run in doc["runs"]:
+        backend = "kvbridge" if run["engine"] == "backend" else "mooncake"
+        assert run["ok"] and run["backends"] == [backend, backend], run["engine"]
+        assert run["rooms"] == run["rooms_done"] == ROOMS == len(run["latency_s"]) and not run["bad"]
+        assert run["verified_bytes"] == run["expected_bytes"] == ROOMS * (kv_per_room + sum(model.aux_item_lens))
+        pre, dec = run["prefill_sched"], run["decode_sched"]
+        assert pre["send"]["calls"] == pre["init"]["calls"] == ROOMS  # one chunk per room
+        assert pre["poll"]["calls"] >= 2 * ROOMS and pre["poll"]["rooms"] == ROOMS
+        assert dec["init"]["calls"] == dec["send_metadata"]["calls"] == ROOMS and dec["poll"]["rooms"] == ROOMS
+        for x in list(pre.values()) + list(dec.values()):
+            assert x["total_ns"] > 0 and x["p99_ns"] >= x["p50_ns"] > 0 and x["per_room_ns"] > 0
+    for column in ("connector", "backend"):
+        s = doc["summary"][str(BLOCK)][column]
+        assert s["ok_runs"] == 1 and s["rooms_done"] == ROOMS
+        for key in ("prefill.send", "prefill.poll", "decode.poll"):
+            assert s["sched"][key]["per_room"] > 0, key
+        assert s["sched"]["prefill.all_per_room"] > 0 and s["sched"]["decode.all_per_room"] > 0
+    assert len(doc["goal"]) == 1 and doc["goal"][0].startswith(bench_rooms._size(BLOCK))
