@@ -133,6 +133,7 @@ def run_one(engine: str, block: int, bench: harness.BenchSpec, args) -> dict:
         "prefill_gc_tracked": pre.get("gc_tracked"), "decode_gc_s": dec.get("gc_s"),
         "loadavg_before": load_before, "loadavg_after": list(os.getloadavg()),
         "prefill_sched": pre.get("sched", {}), "decode_sched": dec.get("sched", {}),
+        "prefill_sleep_late": pre.get("sleep_late", {}), "decode_sleep_late": dec.get("sleep_late", {}),
         "backends": [pre.get("backend"), dec.get("backend")],
     }
     if run["transfer_s"] > 0:
@@ -184,6 +185,13 @@ def _sched_summary(good: List[dict]) -> dict:
                     k: statistics.median(x[k + "_ns"] for x in rs) / 1e3
                     for k in ("mean", "p50", "p99", "max", "per_room")} | {
                     "calls": statistics.median(x["calls"] for x in rs)}
+        late = [r[f"{side}_sleep_late"] for r in good if r.get(f"{side}_sleep_late")]
+        if late:
+            out[f"{side}.sleep_late"] = {k: statistics.median(x[k + "_ns"] for x in late) / 1e3
+                                         for k in ("mean", "p50", "p99", "max")}
+            out[f"{side}.sleep_late"]["per_room"] = statistics.median(
+                x["total_ns"] / r["rooms"] / 1e3 for x, r in zip(late, [r for r in good
+                                                                       if r.get(f"{side}_sleep_late")]))
         per_room = [sum(x["total_ns"] for x in r.get(f"{side}_sched", {}).values()) / r["rooms"] / 1e3
                     for r in good if r.get(f"{side}_sched")]
         if per_room:
@@ -244,13 +252,13 @@ def sched_table(summary: Dict[str, Dict[str, dict]], columns: List[str]) -> str:
     """Scheduler-thread time (µs) per call and per room, with each column's
     rooms/s, GB/s and latency."""
     lines = ["| block | column | send() µs/call mean / p50 / p99 | send() µs/room | poll() µs/call mean / p50 / p99 "
-             "| poll() µs/room | prefill calls µs/room | decode calls µs/room | requests/s | GB/s | p50 ms "
-             "| p99 ms |", "|" + " --- |" * 12]
+             "| poll() µs/room | prefill calls µs/room | decode calls µs/room | prefill sleep overshoot µs/room "
+             "(p99 per sleep) | requests/s | GB/s | p50 ms | p99 ms |", "|" + " --- |" * 13]
     for block, per in summary.items():
         for c in columns:
             s = per[c]
             if "sched" not in s:
-                lines.append(f"| {_size(int(block))} | {c} | FAILED |" + " |" * 10)
+                lines.append(f"| {_size(int(block))} | {c} | FAILED |" + " |" * 11)
                 continue
             sc = s["sched"]
             cell = []
@@ -259,9 +267,14 @@ def sched_table(summary: Dict[str, Dict[str, dict]], columns: List[str]) -> str:
                 cell += ([f"{x['mean']:.1f} / {x['p50']:.1f} / {x['p99']:.1f}", f"{x['per_room']:.0f}"]
                          if x else ["", ""])
             lines.append(f"| {_size(int(block))} | {c} | {' | '.join(cell)} | {sc.get('prefill.all_per_room', 0):.0f} "
-                         f"| {sc.get('decode.all_per_room', 0):.0f} | {s['rps']:.1f} | {s['gbps']:.2f} "
+                         f"| {sc.get('decode.all_per_room', 0):.0f} | {_late(sc.get('prefill.sleep_late'))} "
+                         f"| {s['rps']:.1f} | {s['gbps']:.2f} "
                          f"| {s['p50_ms']:.0f} | {s['p99_ms']:.0f} |")
     return "\n".join(lines)
+
+
+def _late(x: Optional[dict]) -> str:
+    return f"{x['per_room']:.0f} ({x['p99']:.0f})" if x else ""
 
 
 def verdict(summary: Dict[str, Dict[str, dict]]) -> List[str]:
@@ -279,8 +292,14 @@ def verdict(summary: Dict[str, Dict[str, dict]]) -> List[str]:
         dec = bk["sched"].get("decode.all_per_room", 0) / max(con["sched"].get("decode.all_per_room", 0), 1e-9)
         lat = bk["p50_ms"] <= con["p50_ms"] and bk["p99_ms"] <= con["p99_ms"]
         met = ratio <= 0.1 and dec <= 0.1 and lat
+        late_c, late_b = con["sched"].get("prefill.sleep_late"), bk["sched"].get("prefill.sleep_late")
+        stall = ""
+        if late_c and late_b:
+            tot_c = con["sched"]["prefill.all_per_room"] + late_c["per_room"]
+            tot_b = bk["sched"]["prefill.all_per_room"] + late_b["per_room"]
+            stall = f", with sleep overshoot {tot_b / tot_c:.3f}"
         out.append(f"{_size(int(block))}: prefill scheduler time backend/connector {ratio:.3f} "
-                   f"(decode {dec:.3f}), p50 {bk['p50_ms']:.0f} vs {con['p50_ms']:.0f} ms, "
+                   f"(decode {dec:.3f}{stall}), p50 {bk['p50_ms']:.0f} vs {con['p50_ms']:.0f} ms, "
                    f"p99 {bk['p99_ms']:.0f} vs {con['p99_ms']:.0f} ms: goal {'met' if met else 'NOT met'}")
     return out
 

@@ -380,6 +380,7 @@ class _CallTimer:
     def __init__(self):
         self.calls: Dict[str, List[int]] = {}
         self.per_room: Dict[str, Dict[int, int]] = {}
+        self.late: List[int] = []
 
     def __call__(self, kind: str, room: int, fn, *a):
         t = time.perf_counter_ns()
@@ -400,7 +401,25 @@ class _CallTimer:
             out[kind] = {"calls": len(ns), "total_ns": sum(ns), "mean_ns": sum(ns) / len(ns),
                          "p50_ns": _percentile(ns, 50), "p99_ns": _percentile(ns, 99), "max_ns": max(ns),
                          "rooms": len(per_room), "per_room_ns": sum(per_room) / len(per_room)}
+            if kind in ("send", "init", "send_metadata", "create"):  # one per room (chunk): keep them all
+                out[kind]["each_ns"] = ns
         return out
+
+    def sleep(self, seconds: float) -> None:
+        """``time.sleep`` between polling rounds; records how much later than
+        asked it returned (``late_ns``): waking needs the GIL back, so a
+        Python thread holding it (sglang's transfer thread planning blocks,
+        a garbage collection there) shows up here as a scheduler stall."""
+        t = time.perf_counter_ns()
+        time.sleep(seconds)
+        self.late.append(time.perf_counter_ns() - t - int(seconds * 1e9))
+
+    def late_report(self) -> dict:
+        ns = self.late
+        if not ns:
+            return {}
+        return {"calls": len(ns), "total_ns": sum(ns), "mean_ns": sum(ns) / len(ns),
+                "p50_ns": _percentile(ns, 50), "p99_ns": _percentile(ns, 99), "max_ns": max(ns)}
 
 
 def _gc_watch() -> dict:
@@ -502,7 +521,7 @@ def run_prefill_bench(args) -> int:
                     sender.failure_exception()
                 except Exception as e:  # KVTransferError
                     failed[room] = str(e)
-        time.sleep(bench.poll_s)
+        timer.sleep(bench.poll_s)
     cpu_s = _cpu() - (cpu0 if cpu0 is not None else _cpu())
     log(role, f"{len(done)} rooms done, {len(failed)} failed")
     ok = len(done) == len(rooms) and not failed
@@ -519,7 +538,7 @@ def run_prefill_bench(args) -> int:
     shut_down(mgr)
     engine = getattr(mgr, "engine", None)
     engine_module = type(engine.engine).__module__ if engine is not None else type(mgr).__module__
-    return result(role, ok, sched=timer.report(), backend=args.backend,
+    return result(role, ok, sched=timer.report(), sleep_late=timer.late_report(), backend=args.backend,
                   done=sorted(done), failed=failed, rooms=len(rooms), kv_bytes=kv_bytes,
                   transfer_s=transfer_s, wave_s=windows, span_s=span_s, latency_s=latency,
                   latency_p50_s=_percentile(latency, 50), latency_p99_s=_percentile(latency, 99),
@@ -579,7 +598,7 @@ def run_decode_bench(args) -> int:
                     except Exception as e:
                         failed[room] = str(e)
                     ended[room] = False
-            time.sleep(bench.poll_s)
+            timer.sleep(bench.poll_s)
         wait_s += time.perf_counter() - t
         cpu_s += _cpu() - c
         t = time.perf_counter()
@@ -596,7 +615,7 @@ def run_decode_bench(args) -> int:
             break  # deadline
     ok = sorted(done) == sorted(rooms) and not failed and not bad
     shut_down(mgr)
-    return result(role, ok, sched=timer.report(), backend=args.backend,
+    return result(role, ok, sched=timer.report(), sleep_late=timer.late_report(), backend=args.backend,
                   done=sorted(done), failed=failed, verified_bytes=verified, bad=bad[:10],
                   expected_bytes=len(rooms) * bench.bytes_per_room(model, pool.rank),
                   wait_s=wait_s, verify_s=verify_s, cpu_s=cpu_s, **gc_stats)
