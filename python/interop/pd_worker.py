@@ -381,13 +381,19 @@ class _CallTimer:
         self.calls: Dict[str, List[int]] = {}
         self.per_room: Dict[str, Dict[int, int]] = {}
         self.late: List[int] = []
+        #: This thread's CPU time per kind (thread_time_ns, around the wall
+        #: clock reads): wall time well above it is time spent off the CPU
+        #: (preempted on a busy machine, or waiting for the GIL or a lock).
+        self.cpu: Dict[str, int] = {}
 
     def __call__(self, kind: str, room: int, fn, *a):
+        c = time.thread_time_ns()
         t = time.perf_counter_ns()
         try:
             return fn(*a)
         finally:
             dt = time.perf_counter_ns() - t
+            self.cpu[kind] = self.cpu.get(kind, 0) + time.thread_time_ns() - c
             self.calls.setdefault(kind, []).append(dt)
             rooms = self.per_room.setdefault(kind, {})
             rooms[room] = rooms.get(room, 0) + dt
@@ -400,7 +406,8 @@ class _CallTimer:
             per_room = list(self.per_room[kind].values())
             out[kind] = {"calls": len(ns), "total_ns": sum(ns), "mean_ns": sum(ns) / len(ns),
                          "p50_ns": _percentile(ns, 50), "p99_ns": _percentile(ns, 99), "max_ns": max(ns),
-                         "rooms": len(per_room), "per_room_ns": sum(per_room) / len(per_room)}
+                         "rooms": len(per_room), "per_room_ns": sum(per_room) / len(per_room),
+                         "cpu_ns": self.cpu.get(kind, 0)}
             if kind in ("send", "init", "send_metadata", "create"):  # one per room (chunk): keep them all
                 out[kind]["each_ns"] = ns
         return out
