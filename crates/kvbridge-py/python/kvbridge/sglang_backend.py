@@ -397,7 +397,23 @@ class KVManager(BaseKVManager):
         self._rust.teardown()
 
 
-class KVSender(BaseKVSender):
+class _RoomEnds:
+    """How a room ends on either side (``self._rust``: the Rust sender or
+    receiver; ``self.bootstrap_room``)."""
+
+    def failure_exception(self):
+        self.conclude_state = KVPoll.Failed
+        # The room stays known until clear(): sglang may hold its pages and
+        # ask is_abort_release_safe() first.
+        reason, other_rank = self._rust.failure()
+        raise KVTransferError(self.bootstrap_room, reason, is_from_another_rank=other_rank)
+
+    def abort(self):
+        self.conclude_state = KVPoll.Failed
+        self._rust.abort()
+
+
+class KVSender(_RoomEnds, BaseKVSender):
     """One request's prefill side (``MooncakeKVSender``'s signature)."""
 
     def __init__(
@@ -446,20 +462,11 @@ class KVSender(BaseKVSender):
         latency, total = self._rust.transfer_metric()
         return KVTransferMetric(transfer_latency_s=latency, transfer_total_bytes=total)
 
-    def failure_exception(self):
-        self.conclude_state = KVPoll.Failed
-        reason, other_rank = self._rust.failure()
-        raise KVTransferError(self.bootstrap_room, reason, is_from_another_rank=other_rank)
-
-    def abort(self):
-        self.conclude_state = KVPoll.Failed
-        self._rust.abort()
-
     def clear(self):
         self._rust.clear()
 
 
-class KVReceiver(BaseKVReceiver):
+class KVReceiver(_RoomEnds, BaseKVReceiver):
     """One request's decode side (``MooncakeKVReceiver``'s signature)."""
 
     require_staging = False
@@ -516,17 +523,6 @@ class KVReceiver(BaseKVReceiver):
 
     def abort_acknowledged(self) -> bool:
         return self._rust.abort_acknowledged()
-
-    def failure_exception(self):
-        self.conclude_state = KVPoll.Failed
-        # The room stays known until clear(): sglang may hold its pages and
-        # ask is_abort_release_safe() first.
-        reason, other_rank = self._rust.failure()
-        raise KVTransferError(self.bootstrap_room, reason, is_from_another_rank=other_rank)
-
-    def abort(self):
-        self.conclude_state = KVPoll.Failed
-        self._rust.abort()
 
     def clear(self):
         self._rust.clear()

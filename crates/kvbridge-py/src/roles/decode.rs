@@ -10,8 +10,7 @@ use kvbridge_roles::{DecodeManager, KvReceiver};
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 
-use super::args::RoleSpec;
-use super::exc::{config_error, start_error};
+use super::exc::{config_error, role_inputs, start_error};
 use super::indices::{Indices, state_lists_i32};
 use super::prefill::{lock, poll_code};
 use crate::engine::PyTransferEngine;
@@ -43,11 +42,7 @@ impl PyDecodeManager {
         spec: &str,
         config: &str,
     ) -> PyResult<Self> {
-        let spec = RoleSpec::from_json(spec).map_err(config_error)?;
-        let kv_args = spec.to_kv_args().map_err(config_error)?;
-        let secret = kvbridge_engine::ClusterSecret::from_env().map_err(|e| {
-            super::exc::RoleStartError::new_err(format!("loading the cluster secret: {e}"))
-        })?;
+        let (kv_args, secret) = role_inputs(spec)?;
         let config = super::config::decode_config(config, secret).map_err(config_error)?;
         let engine = engine.get().shared_engine()?;
         let manager = py

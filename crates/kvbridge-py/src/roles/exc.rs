@@ -1,7 +1,10 @@
 //! The exceptions the role bindings raise, each carrying the Rust error's
 //! text (with its causes).
 
-use kvbridge_roles::{ConfigError, SendError, StartError};
+use kvbridge_engine::ClusterSecret;
+use kvbridge_roles::{ConfigError, KvArgs, SendError, StartError};
+
+use super::args::RoleSpec;
 use pyo3::PyErr;
 
 pyo3::create_exception!(
@@ -22,6 +25,17 @@ pyo3::create_exception!(
     pyo3::exceptions::PyRuntimeError,
     "A chunk was refused (send before init, more pages than announced, no aux index, manager stopped)."
 );
+
+/// What both managers start from: the role description's `KvArgs` and the
+/// cluster secret from the environment, as Python exceptions on failure.
+pub fn role_inputs(spec: &str) -> Result<(KvArgs, Option<ClusterSecret>), PyErr> {
+    let kv_args = RoleSpec::from_json(spec)
+        .and_then(|s| s.to_kv_args())
+        .map_err(config_error)?;
+    let secret = ClusterSecret::from_env()
+        .map_err(|e| RoleStartError::new_err(format!("loading the cluster secret: {e}")))?;
+    Ok((kv_args, secret))
+}
 
 /// A configuration or layout error as `KvArgsError`.
 pub fn config_error(e: ConfigError) -> PyErr {

@@ -11,8 +11,7 @@ use kvbridge_roles::{KvPoll, KvSender, PrefillManager};
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 
-use super::args::RoleSpec;
-use super::exc::{config_error, send_error, start_error};
+use super::exc::{config_error, role_inputs, send_error, start_error};
 use super::indices::{Indices, state_lists};
 use crate::engine::PyTransferEngine;
 
@@ -51,11 +50,7 @@ impl PyPrefillManager {
         spec: &str,
         config: &str,
     ) -> PyResult<Self> {
-        let spec = RoleSpec::from_json(spec).map_err(config_error)?;
-        let kv_args = spec.to_kv_args().map_err(config_error)?;
-        let secret = kvbridge_engine::ClusterSecret::from_env().map_err(|e| {
-            super::exc::RoleStartError::new_err(format!("loading the cluster secret: {e}"))
-        })?;
+        let (kv_args, secret) = role_inputs(spec)?;
         let config = super::config::prefill_config(config, secret).map_err(config_error)?;
         let engine = engine.get().shared_engine()?;
         let kv_item_lens_sum = kv_args.layout.kv_item_lens.iter().sum();
