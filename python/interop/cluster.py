@@ -362,7 +362,8 @@ def main(argv=None) -> int:
     ap.add_argument("--mla", action="store_true", help="a small MLA model instead of the small MHA one")
     ap.add_argument("--requests", type=int, default=4)
     ap.add_argument("--scenario", default="ok",
-                    choices=["ok", "abort", "abort-prefill", "abort-bootstrap", "kill-decode", "kill-prefill"],
+                    choices=["ok", "abort", "abort-prefill", "abort-bootstrap", "abort-last-stage", "kill-decode",
+                             "kill-prefill"],
                     help="what the sglang ranks do (pd_worker.SCENARIOS)")
     ap.add_argument("--abort-fraction", type=float, default=0.0,
                     help="kvbridge decode ranks abort this fraction of the requests")

@@ -54,6 +54,8 @@ SCENARIOS = {
     "aborts it once its metadata went out (as a router aborting both sides does)",
     "abort-bootstrap": "both sides abort the first room while it is still Bootstrapping (decode: before its "
     "metadata; prefill: before the decode's destination arrived)",
+    "abort-last-stage": "only the prefill's last pipeline stage aborts the first room (in WaitingForInput); "
+    "the other stages send it, PP0's consensus poll fails it; the decode aborts it 1 s after its metadata",
 }
 
 
@@ -148,20 +150,24 @@ def run_prefill(args) -> int:
     metrics = {}
 
     def conclude(room: int) -> None:
-        # process_disagg_prefill_inflight_queue: clear(), then the metric.
-        # A later PP stage keeps its room (sglang clears it on PP0's
-        # consensus, which this driver does not relay), so PP0 reads it.
-        if args.pp[0] == 1 or args.pp[1] == 0:
-            senders[room].clear()
+        # process_disagg_prefill_inflight_queue: clear(), then the metric
+        # (with PP, once PP0 decided the room: below).
+        senders[room].clear()
         m = senders[room].get_transfer_metric()
         metrics[str(room)] = [m.transfer_latency_s, m.transfer_total_bytes]
 
+    pp0_of_many = args.pp[0] > 1 and args.pp[1] == 0
+    later_stage = args.pp[0] > 1 and args.pp[1] > 0
     deadline = time.monotonic() + args.timeout
     while len(done) + len(failed) < len(senders) and time.monotonic() < deadline:
         for room, sender in senders.items():
             if room in done or room in failed:
                 continue
-            state = sender.poll()
+            # sglang's PP0 scheduler polls the lowest state over all stages
+            # (poll_and_all_reduce_prefill_pp) and later stages act on PP0's
+            # answer; here they poll their own until their rooms conclude,
+            # then wait for PP0's decision (below) before clearing them.
+            state = sender.poll_pp_consensus() if pp0_of_many else sender.poll()
             if state == KVPoll.WaitingForInput and room not in sent:
                 since = waiting_since.setdefault(room, time.monotonic())
                 if args.scenario == "kill-prefill":
@@ -169,7 +175,9 @@ def run_prefill(args) -> int:
                         log(role, "scenario kill-prefill: dying before sending any KV")
                         os._exit(0)
                     continue
-                if args.scenario == "abort-prefill" and room == first:
+                last_stage = args.pp[1] == args.pp[0] - 1
+                if room == first and (args.scenario == "abort-prefill"
+                                      or (args.scenario == "abort-last-stage" and last_stage)):
                     sender.abort()  # aborted in WaitingForInput, before any KV
                     continue
                 if time.monotonic() - since < args.send_delay:
@@ -193,31 +201,45 @@ def run_prefill(args) -> int:
                 if args.pp[0] == 1:
                     conclude(room)
             elif state == KVPoll.Failed:
+                if later_stage:
+                    failed[room] = None  # failure_exception once PP0 decided (below)
+                    continue
                 try:
                     sender.failure_exception()
                 except Exception as e:  # KVTransferError
                     failed[room] = str(e)
         time.sleep(0.005)
+    extra = {}
+    if pp0_of_many:
+        # What sglang's PP0 polls: the minimum status over all PP ranks.
+        end = time.monotonic() + 10
+        while time.monotonic() < end and not all(mgr.check_status_pp_consensus(r) == KVPoll.Success for r in done):
+            time.sleep(0.05)
+        extra["pp_consensus_success"] = all(mgr.check_status_pp_consensus(r) == KVPoll.Success for r in done)
+    if args.pp[0] > 1:
+        # pp_sync_polls: the later stages act on rooms only once PP0 has
+        # decided them (a stage's clear() would retract its state from PP0).
+        from sglang.srt.runtime_context import get_parallel
+
+        get_parallel().pp_group.broadcast_object(sorted(done) if pp0_of_many else None, src=0)
+        for room in [r for r, why in failed.items() if why is None]:
+            try:
+                senders[room].failure_exception()
+            except Exception as e:  # KVTransferError
+                failed[room] = str(e)
     rooms = set(senders)
     expect_failed = {
         "kill-decode": rooms,
         "abort": {first},
         "abort-prefill": {first},
+        "abort-last-stage": {first},
         "abort-bootstrap": {first},
     }.get(args.scenario, set())
     # A kvbridge decode aborts these; each may fail or, if the transfer won
     # the race, succeed.
     may_fail = args.workload.aborted_rooms()
     ok = done | set(failed) == rooms and expect_failed <= set(failed) <= expect_failed | may_fail
-    extra = {}
-    if args.pp[0] > 1 and args.pp[1] == 0 and ok:
-        # What sglang's PP0 polls: the minimum status over all PP ranks.
-        end = time.monotonic() + 10
-        while time.monotonic() < end and not all(mgr.check_status_pp_consensus(r) == KVPoll.Success for r in done):
-            time.sleep(0.05)
-        extra["pp_consensus_success"] = all(mgr.check_status_pp_consensus(r) == KVPoll.Success for r in done)
-        ok = ok and extra["pp_consensus_success"]
-    # With PP, PP0 reads the consensus above before any stage clears its room.
+    ok = ok and extra.get("pp_consensus_success", True)
     for room in done - {int(r) for r in metrics}:
         conclude(room)
     time.sleep(0.5)  # let the last status messages leave
@@ -257,7 +279,11 @@ def run_decode(args) -> int:
     sent, done, failed = set(), set(), {}
     drained, held = {}, {}
     release_timeout = envs.SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT.get()
+    abort_at = None
     while (len(done) + len(failed) < len(receivers) or held) and time.monotonic() < deadline:
+        if abort_at is not None and time.monotonic() >= abort_at:
+            receivers[first].abort()
+            abort_at = None
         for room, receiver in receivers.items():
             if room in done or room in failed:
                 continue
@@ -268,6 +294,10 @@ def run_decode(args) -> int:
                 sent.add(room)
                 if args.scenario in ("abort", "abort-prefill") and room == first:
                     receiver.abort()  # local Failed + ABORT to the prefill
+                if args.scenario == "abort-last-stage" and room == first:
+                    # Late, so the prefill's stages settle the room among
+                    # themselves first (the last stage's abort reaches PP0).
+                    abort_at = time.monotonic() + 1.0
                 if args.scenario == "kill-decode" and len(sent) == len(receivers):
                     time.sleep(0.5)  # zmq sends are asynchronous: let the metadata leave
                     log(role, "scenario kill-decode: dying after sending every room's metadata")
@@ -310,6 +340,7 @@ def run_decode(args) -> int:
     expect_failed = {
         "abort": {first},
         "abort-prefill": {first},
+        "abort-last-stage": {first},
         "abort-bootstrap": {first},
         "kill-prefill": rooms,
     }.get(args.scenario, set())

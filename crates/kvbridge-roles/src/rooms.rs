@@ -1,4 +1,6 @@
-//! Room states and failure reasons, with sglang's update rules.
+//! Room states and failure reasons, with sglang's update rules, and an
+//! optional journal of state changes for a watcher that mirrors them
+//! elsewhere (a pipeline-parallel prefill stage reporting to stage 0).
 
 use std::collections::HashMap;
 
@@ -9,6 +11,10 @@ use kvbridge_wire::KvPoll;
 pub struct RoomTable {
     status: HashMap<u64, KvPoll>,
     failures: HashMap<u64, String>,
+    /// Each changed room's latest state (`None`: removed) since the last
+    /// [`RoomTable::take_changes`]; kept only once [`RoomTable::watch`] was
+    /// called, so it is bounded by the rooms touched between two takes.
+    journal: Option<HashMap<u64, Option<KvPoll>>>,
 }
 
 impl RoomTable {
@@ -27,7 +33,18 @@ impl RoomTable {
     /// `Failed` always wins and is terminal; otherwise states only move
     /// forward. Returns the room's state afterwards.
     pub fn update(&mut self, room: u64, status: KvPoll) -> Option<KvPoll> {
-        match self.status.get(&room).copied() {
+        let before = self.status.get(&room).copied();
+        let after = self.apply(before, room, status);
+        if after != before
+            && let Some(journal) = &mut self.journal
+        {
+            journal.insert(room, after);
+        }
+        after
+    }
+
+    fn apply(&mut self, before: Option<KvPoll>, room: u64, status: KvPoll) -> Option<KvPoll> {
+        match before {
             None => {
                 if matches!(status, KvPoll::Bootstrapping | KvPoll::WaitingForInput) {
                     self.status.insert(room, status);
@@ -83,7 +100,27 @@ impl RoomTable {
 
     /// Forgets a room's state (its failure record stays until taken).
     pub fn remove(&mut self, room: u64) -> Option<KvPoll> {
-        self.status.remove(&room)
+        let removed = self.status.remove(&room);
+        if removed.is_some()
+            && let Some(journal) = &mut self.journal
+        {
+            journal.insert(room, None);
+        }
+        removed
+    }
+
+    /// Starts journaling state changes (idempotent).
+    pub fn watch(&mut self) {
+        self.journal.get_or_insert_with(HashMap::new);
+    }
+
+    /// The rooms whose state changed since the last call, each with its
+    /// latest state (`None`: removed); empty when not watched.
+    pub fn take_changes(&mut self) -> Vec<(u64, Option<KvPoll>)> {
+        self.journal
+            .as_mut()
+            .map(|j| j.drain().collect())
+            .unwrap_or_default()
     }
 
     /// Number of live rooms.
@@ -150,6 +187,32 @@ mod tests {
         t.fail(4, "why");
         assert_eq!(t.get(4), Some(KvPoll::Failed));
         assert_eq!(t.failure(4), Some("why"));
+    }
+
+    #[test]
+    fn the_journal_keeps_each_changed_rooms_latest_state() {
+        let mut t = RoomTable::default();
+        t.update(1, KvPoll::Bootstrapping);
+        assert!(t.take_changes().is_empty(), "not watched yet");
+        t.watch();
+        t.update(1, KvPoll::Transferring);
+        t.update(1, KvPoll::WaitingForInput); // no change: states move forward
+        t.update(2, KvPoll::Bootstrapping);
+        t.update(2, KvPoll::Success);
+        t.update(3, KvPoll::Success); // does not create a room
+        let mut changes = t.take_changes();
+        changes.sort();
+        assert_eq!(
+            changes,
+            vec![(1, Some(KvPoll::Transferring)), (2, Some(KvPoll::Success))]
+        );
+        assert!(t.take_changes().is_empty());
+        t.remove(2);
+        t.remove(9); // never existed
+        t.fail(1, "why");
+        let mut changes = t.take_changes();
+        changes.sort();
+        assert_eq!(changes, vec![(1, Some(KvPoll::Failed)), (2, None)]);
     }
 
     #[test]

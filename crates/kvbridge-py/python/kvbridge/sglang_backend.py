@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 from typing import Dict, List, Optional, Tuple
 
 from sglang.srt.disaggregation.base.conn import (
@@ -114,11 +115,6 @@ def _refusals(mode: DisaggregationMode, kv_args: KVArgs) -> List[str]:
             out.append(f"--{flag.replace('_', '-')}: not supported")
     if parallel.num_dp_ranks > 1 or parallel.dp_size > 1:
         out.append(f"data parallelism (dp_size={parallel.dp_size}): not supported yet")
-    if mode == DisaggregationMode.PREFILL and parallel.pp_size > 1:
-        out.append(
-            f"a pipeline-parallel prefill (pp_size={parallel.pp_size}): PP0's consensus poll "
-            "(poll_pp_consensus) is not implemented by kvbridge's roles yet"
-        )
     if get_observability().enable_trace:
         out.append("--enable-trace: per-request connector traces are not emitted by kvbridge's roles")
     if getattr(kv_args, "rust_http_port", None) is not None:
@@ -306,6 +302,60 @@ class _PrefillInfoTable:
         return entry
 
 
+class _PipelineConsensus:
+    """A pipeline-parallel prefill's room states across its stages, what
+    sglang's PP0 scheduler polls (``poll_pp_consensus``): every stage's
+    Rust role journals its room state changes, a daemon thread of stages
+    1.. mirrors them into sglang's own ``PPConsensusStore`` (which replicates
+    them to stage 0 over the PP group's zmq channel, as with sglang's
+    connector), and stage 0 combines its own state with the stages'.
+    No Python runs per transfer: the mirror wakes only on a state change."""
+
+    #: How long one wait for state changes lasts (so teardown is prompt).
+    WAIT_S = 0.1
+
+    def __init__(self, rust, parallel):
+        from sglang.srt.disaggregation.pp_consensus_store import PPConsensusStore
+
+        self.pp_size, self.pp_rank = parallel.pp_size, parallel.pp_rank
+        self._rust = rust
+        self._store = PPConsensusStore(self.pp_size, self.pp_rank, parallel.pp_group)
+        self._stop = threading.Event()
+        self._thread = None
+        if self.pp_rank > 0:
+            rust.watch_statuses()
+            self._thread = threading.Thread(target=self._mirror, name="kvbridge-pp-mirror", daemon=True)
+            self._thread.start()
+
+    def _mirror(self) -> None:
+        try:
+            while not self._stop.is_set():
+                for room, status in self._rust.status_changes(self.WAIT_S):
+                    if status is None:
+                        self._store.pop(room, None)
+                    else:
+                        self._store[room] = status
+        except Exception:  # noqa: BLE001 - said once; stage 0 then times the rooms out
+            logger.exception("kvbridge: PP stage %d stopped reporting room states to stage 0", self.pp_rank)
+
+    def status(self, room: int, local: Optional[int]) -> Tuple[int, List[int]]:
+        """Stage 0: the consensus state of ``room`` (``local``: this stage's)
+        and the stages still bootstrapping it (or not reporting it yet)."""
+        states = [local] + self._store.collect(room)[1:]
+        lagging = [stage for stage, st in enumerate(states) if st is None or st == KVPoll.Bootstrapping]
+        if KVPoll.Failed in states:  # a failed stage fails the room whatever the others say
+            return KVPoll.Failed, lagging
+        if any(st is None for st in states):
+            return KVPoll.Bootstrapping, lagging
+        return min(states), lagging
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2 * self.WAIT_S + 1)
+        self._store.close()
+
+
 class KVManager(BaseKVManager):
     """sglang's ``KVManager`` over kvbridge's prefill or decode role
     (``MooncakeKVManager``'s signature)."""
@@ -340,9 +390,13 @@ class KVManager(BaseKVManager):
         spec = role_spec(args, self.is_mla_backend)
         config = json.dumps(settings)
         self._receivers: Dict[int, "KVReceiver"] = {}
+        self._pp: Optional[_PipelineConsensus] = None
         if disaggregation_mode == DisaggregationMode.PREFILL:
             self._rust = _kvbridge.PrefillManager(engine, spec, config)
             self.transfer_infos: Dict = {}
+            self.bootstrap_timeout = settings["bootstrap_timeout"]
+            if get_parallel().pp_size > 1:
+                self._pp = _PipelineConsensus(self._rust, get_parallel())
         elif disaggregation_mode == DisaggregationMode.DECODE:
             self._rust = _kvbridge.DecodeManager(engine, spec, config)
             self.prefill_info_table = _PrefillInfoTable(self._rust)
@@ -376,6 +430,14 @@ class KVManager(BaseKVManager):
         status = self._rust.room_status(bootstrap_room)
         return KVPoll.Failed if status is None else status
 
+    def check_status_pp_consensus(self, bootstrap_room: int) -> int:
+        """Stage 0 of a PP prefill: the lowest state of the room over all
+        stages (Bootstrapping until every stage reported it)."""
+        local = self._rust.room_status(bootstrap_room)
+        if self._pp is None:
+            return KVPoll.Failed if local is None else local
+        return self._pp.status(bootstrap_room, local)[0]
+
     def render_metrics(self) -> str:
         """kvbridge's own Prometheus metrics of this role, as text."""
         return self._rust.render_metrics()
@@ -394,6 +456,9 @@ class KVManager(BaseKVManager):
 
     def teardown(self) -> None:
         """Stops the role's threads and deregisters its memory."""
+        if self._pp is not None:
+            self._pp.close()
+            self._pp = None
         self._rust.teardown()
 
 
@@ -449,8 +514,29 @@ class KVSender(_RoomEnds, BaseKVSender):
         return status
 
     def poll_pp_consensus(self) -> int:
-        # A PP prefill is refused at start; with PP 1 the local state is the consensus.
-        return self.poll()
+        """What sglang's PP0 scheduler polls: the room's lowest state over
+        all pipeline stages. A room some stage never reported fails after
+        the bootstrap timeout, naming the stages; a room another stage
+        failed fails here with that reason."""
+        pp = self.kv_mgr._pp
+        if pp is None or self.conclude_state is not None:
+            return self.poll()
+        local = self._rust.poll()
+        if local == KVPoll.Failed:
+            self.conclude_state = KVPoll.Failed
+            return local
+        status, lagging = pp.status(self.bootstrap_room, local)
+        room = self.bootstrap_room
+        age = self._rust.age_s
+        if status == KVPoll.Bootstrapping and age >= self.kv_mgr.bootstrap_timeout:
+            self._rust.fail(f"Request {room} timed out after {age:.1f}s in KVPoll.Bootstrapping "
+                            f"(still bootstrapping on pipeline stages {lagging})")
+            status = KVPoll.Failed
+        elif status == KVPoll.Failed:
+            self._rust.fail(f"Request {room} failed on another pipeline stage")
+        if status in (KVPoll.Success, KVPoll.Failed):
+            self.conclude_state = status
+        return status
 
     def pop_decode_prefix_len(self) -> int:
         return self._rust.pop_decode_prefix_len()

@@ -5,7 +5,7 @@
 //! state those threads keep current.
 
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use kvbridge_roles::{KvPoll, KvSender, PrefillManager};
 use pyo3::exceptions::PyRuntimeError;
@@ -14,6 +14,9 @@ use pyo3::prelude::*;
 use super::exc::{config_error, role_inputs, send_error, start_error};
 use super::indices::{Indices, state_lists};
 use crate::engine::PyTransferEngine;
+
+/// How often `status_changes` looks for a change while it waits.
+const CHANGE_POLL: Duration = Duration::from_millis(1);
 
 /// A running prefill role over this process's `kvbridge.TransferEngine`.
 #[derive(Debug)]
@@ -106,6 +109,34 @@ impl PyPrefillManager {
     /// The room's state as an int (`KVPoll`), or None when unknown.
     fn room_status(&self, room: u64) -> PyResult<Option<i32>> {
         Ok(self.manager()?.room_status(room).map(poll_code))
+    }
+
+    /// Starts journaling room state changes (for `status_changes`).
+    fn watch_statuses(&self) -> PyResult<()> {
+        self.manager()?.watch_statuses();
+        Ok(())
+    }
+
+    /// `[(room, KVPoll int or None when cleared)]` for the rooms whose state
+    /// changed since the last call; waits (GIL released) up to `timeout_s`
+    /// for a first change. Empty unless `watch_statuses` was called.
+    fn status_changes(&self, py: Python<'_>, timeout_s: f64) -> PyResult<Vec<(u64, Option<i32>)>> {
+        let manager = self.manager()?;
+        let wait = Duration::try_from_secs_f64(timeout_s.max(0.0)).unwrap_or(Duration::ZERO);
+        let changes = py.detach(move || {
+            let deadline = Instant::now() + wait;
+            loop {
+                let changes = manager.take_status_changes();
+                if !changes.is_empty() || Instant::now() >= deadline {
+                    return changes;
+                }
+                std::thread::sleep(CHANGE_POLL);
+            }
+        });
+        Ok(changes
+            .into_iter()
+            .map(|(room, state)| (room, state.map(poll_code)))
+            .collect())
     }
 
     /// The role's Prometheus metrics, as text.
@@ -239,6 +270,19 @@ impl PyKvSender {
         let st = lock(&self.inner);
         let bytes = st.bytes.unwrap_or_else(|| st.sender.payload_bytes());
         (st.latency_s, bytes)
+    }
+
+    /// Fails the room with `reason` (a pipeline stage that never reported).
+    fn fail(&self, reason: &str) {
+        let mut st = lock(&self.inner);
+        st.snapshot();
+        st.sender.fail(reason);
+    }
+
+    /// Seconds since the sender was created.
+    #[getter]
+    fn age_s(&self) -> f64 {
+        lock(&self.inner).sender.age().as_secs_f64()
     }
 
     /// Aborts the room from the prefill side.

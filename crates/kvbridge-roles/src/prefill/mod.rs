@@ -333,6 +333,18 @@ impl PrefillManager {
         self.shared.rooms.lock().table.get(room)
     }
 
+    /// Starts journaling room state changes for [`PrefillManager::take_status_changes`]
+    /// (a pipeline stage mirroring its states to stage 0).
+    pub fn watch_statuses(&self) {
+        self.shared.rooms.lock().table.watch();
+    }
+
+    /// The rooms whose state changed since the last call, each with its
+    /// latest state (`None`: cleared); empty unless watched.
+    pub fn take_status_changes(&self) -> Vec<(u64, Option<KvPoll>)> {
+        self.shared.rooms.lock().table.take_changes()
+    }
+
     /// Stops every thread (parked workers wake), closes every socket and
     /// deregisters memory; the process can then start the other role.
     pub fn teardown(mut self) {

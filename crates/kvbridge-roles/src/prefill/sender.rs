@@ -190,9 +190,20 @@ impl KvSender {
 
     /// Aborts the room from the prefill side.
     pub fn abort(&mut self) {
+        self.fail("Aborted by AbortReq.");
+    }
+
+    /// Fails the room with `reason` (a give-up decided above the role, e.g.
+    /// a pipeline stage that never reported in time).
+    pub fn fail(&mut self, reason: impl Into<String>) {
         let mut rooms = self.shared.rooms.lock();
-        rooms.table.fail(self.room, "Aborted by AbortReq.");
+        rooms.table.fail(self.room, reason);
         self.conclude_state = Some(KvPoll::Failed);
+    }
+
+    /// Seconds since the sender was created (the bootstrap timeout's clock).
+    pub fn age(&self) -> std::time::Duration {
+        self.init_time.elapsed()
     }
 
     /// Clears the room and returns its failure: the recorded reason, or a
