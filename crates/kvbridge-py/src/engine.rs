@@ -169,7 +169,9 @@ impl PyTransferEngine {
     /// Register `(buffer_addresses[i], capacities[i])` regions, all or
     /// none, so peers may write into them and local transfers read from
     /// them. 0 or -1. The caller keeps the memory alive until it is
-    /// unregistered (as with Mooncake).
+    /// unregistered (as with Mooncake). On the CUDA IPC transport, regions
+    /// in host memory are left out with a warning naming them (the device
+    /// ones are registered) and the call returns -1.
     #[pyo3(signature = (buffer_addresses, capacities))]
     fn batch_register_memory(
         &self,
@@ -271,6 +273,32 @@ impl PyTransferEngine {
 impl PyTransferEngine {
     fn register(&self, py: Python<'_>, regions: Vec<(u64, u64)>) -> PyResult<i32> {
         let engine = self.engine()?;
+        let (regions, left_out) = split_device(engine.moves_host_memory(), regions, |r| r.0);
+        if !left_out.is_empty() {
+            let shown: Vec<String> = left_out
+                .iter()
+                .take(4)
+                .map(|(a, l)| format!("{a:#x}+{l}"))
+                .collect();
+            let msg = format!(
+                "batch_register_memory: {} region(s) not registered ({}{}): the CUDA IPC transport \
+                 moves device memory only, so peers cannot write into them and transfers from \
+                 them fail; the device regions are registered. Under sglang's Mooncake connector \
+                 set SGLANG_MOONCAKE_SEND_AUX_TCP=1 (aux rows live in host memory).",
+                left_out.len(),
+                shown.join(", "),
+                if left_out.len() > shown.len() {
+                    ", ..."
+                } else {
+                    ""
+                },
+            );
+            tracing::warn!("{msg}");
+            crate::log::to_python(py, &msg);
+        }
+        if regions.is_empty() {
+            return Ok(ERR);
+        }
         // SAFETY: Mooncake's contract, which sglang (the caller) keeps: the
         // regions it registers are live buffers (its KV, aux and state
         // pools) that stay allocated until it unregisters them, and it does
@@ -278,11 +306,19 @@ impl PyTransferEngine {
         // binding cannot check either from a pointer; docs/python.md states
         // the contract for every caller.
         let result = py.detach(|| unsafe { engine.batch_register(&regions) });
-        Ok(code(py, "batch_register_memory", result))
+        match code(py, "batch_register_memory", result) {
+            0 if !left_out.is_empty() => Ok(ERR),
+            c => Ok(c),
+        }
     }
 
     fn deregister(&self, py: Python<'_>, addrs: Vec<u64>) -> PyResult<i32> {
         let engine = self.engine()?;
+        // What `register` left out was never registered: not an error.
+        let (addrs, _) = split_device(engine.moves_host_memory(), addrs, |a| *a);
+        if addrs.is_empty() {
+            return Ok(0);
+        }
         let result = py.detach(|| engine.batch_deregister(&addrs));
         Ok(code(py, "batch_unregister_memory", result))
     }
@@ -292,6 +328,20 @@ impl PyTransferEngine {
         let result = py.detach(|| engine.batch_transfer_sync(session, blocks));
         Ok(code(py, "batch_transfer_sync_write", result))
     }
+}
+
+/// On a transport that moves device memory only (`moves_host_memory` false):
+/// the items whose address is device memory, and the rest; otherwise all.
+fn split_device<T>(moves_host: bool, items: Vec<T>, addr: impl Fn(&T) -> u64) -> (Vec<T>, Vec<T>) {
+    if moves_host {
+        return (items, Vec::new());
+    }
+    items.into_iter().partition(|i| {
+        matches!(
+            kvbridge_mem::probe_kind(addr(i)),
+            kvbridge_mem::MemoryKind::Device { .. }
+        )
+    })
 }
 
 /// `ValueError` unless every named list has the first one's length.

@@ -105,6 +105,9 @@ impl IpcEngine {
             )));
         }
         let tcp = TcpEngine::new(cfg)?;
+        // Until something is registered, peers read an empty table (not a
+        // missing one, which they would refuse as malformed).
+        tcp.set_exports(table::encode(&[]));
         Ok(Self {
             shared: Arc::new(Shared {
                 tcp,
