@@ -2,7 +2,11 @@
 # The interop suite on the GPU machine, with KV in device memory (torch
 # tensors): packed by gpu_pack.py next to this script; run by the GPU
 # bundle's run.sh. Usage: bash device_run.sh [pytest args and test ids...]
+#                        bash device_run.sh --backend      (kvbridge's sglang backend: its selection)
 #                        bash device_run.sh --cluster [cluster.py args...]
+#                        bash device_run.sh --bench-rooms [bench_rooms.py args...]
+# MOONCAKE_PROTOCOL picks the engine's transport (nvlink: CUDA IPC; set
+# MC_FORCE_TCP=0 with it, the interop harness defaults to forcing TCP).
 # Needs: python3 with torch (CUDA), numpy and transformers; KVBRIDGE_BIN.
 set -eu
 here="$(cd "$(dirname "$0")" && pwd)"
@@ -53,6 +57,19 @@ cd "$here/interop"
 if [ "${1:-}" = "--cluster" ]; then  # one cluster by hand: cluster.py's arguments
   shift
   exec "$py" cluster.py --buffers "$KVB_INTEROP_BUFFERS" "$@"
+fi
+if [ "${1:-}" = "--bench-rooms" ]; then  # the room-level bench (its buffers: KVB_INTEROP_BUFFERS)
+  shift
+  exec "$py" bench_rooms.py "$@"
+fi
+if [ "${1:-}" = "--backend" ]; then
+  # kvbridge's whole sglang backend (KVBRIDGE_SGLANG=backend): TP 2->1 and
+  # 1->2 on both sides, a PP prefill, and mixed with sglang's connector (on
+  # kvbridge's engine) both ways.
+  shift
+  b=tests/test_backend.py::test_backend
+  set -- "$b[kvbridge-both-tp2-tp1]" "$b[kvbridge-both-tp1-tp2]" "$b[kvbridge-both-pp2-tp1]" \
+    "$b[kvbridge-to-mooncake-tp2-tp1]" "$b[mooncake-to-kvbridge-tp1-tp2]" "$@"
 fi
 # Each case starts 3-5 processes that import torch and sglang (about 25 s a
 # case there): by default a selection that covers TP 2->1 and 1->2, MLA, PP,

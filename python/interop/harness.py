@@ -307,43 +307,53 @@ class KVPool:
             not self.read_page(b, p).any() for b in range(len(self.kv)) for p in range(self.pages) if p not in used
         )
 
-    # Whole-request variants of fill / verify for host pools (the benchmark's
-    # pools are large): one numpy operation per buffer instead of per page.
+    # Whole-request variants of fill / verify (the benchmark's pools are
+    # large): one array operation per buffer instead of per page, on the
+    # pool's own kind of array (numpy, or torch on the pool's device).
 
-    def _pages_view(self, b: int) -> np.ndarray:
-        if not isinstance(self.kv[b], np.ndarray):
-            raise ValueError("whole-request fill/verify work on host (cpu) pools only")
+    def _pages_view(self, b: int):
         return self.kv[b].reshape(self.pages, self.item_len)
 
-    def request_patterns(self, room: int, npages: int) -> List[np.ndarray]:
+    def _on_pool(self, array: np.ndarray):
+        """``array`` as the pool's kind of array (a host pool: itself)."""
+        if isinstance(self.kv[0], np.ndarray):
+            return array
+        import torch
+
+        return torch.from_numpy(np.ascontiguousarray(array)).to(self.kv[0].device)
+
+    def request_patterns(self, room: int, npages: int) -> list:
         """Per KV buffer, the ``(npages, item_len)`` bytes request ``room``'s
-        pages hold (:func:`pages_pattern`)."""
+        pages hold (:func:`pages_pattern`), on the pool's kind of array."""
         out = []
         for b in range(len(self.kv)):
             layer, kv = self.buffer_layer(b)
-            out.append(pages_pattern(self.model, self.rank, room, layer, kv, npages))
+            out.append(self._on_pool(pages_pattern(self.model, self.rank, room, layer, kv, npages)))
         return out
 
     def fill_request(self, room: int, pages: Sequence[int], aux_slot: int,
-                     patterns: Optional[List[np.ndarray]] = None) -> None:
+                     patterns: Optional[list] = None) -> None:
         """:meth:`fill`, one buffer at a time."""
         patterns = patterns or self.request_patterns(room, len(pages))
-        idx = np.asarray(pages, dtype=np.int64)
+        idx = self._on_pool(np.asarray(pages, dtype=np.int64))
         for b, want in enumerate(patterns):
             self._pages_view(b)[idx] = want
         for i, n in enumerate(self.model.aux_item_lens):
             self.aux_row(i, aux_slot)[:] = aux_pattern(room, i, n)
 
     def verify_request(self, room: int, pages: Sequence[int], aux_slot: int,
-                       patterns: Optional[List[np.ndarray]] = None) -> Tuple[int, List[tuple]]:
+                       patterns: Optional[list] = None) -> Tuple[int, List[tuple]]:
         """:meth:`verify`, one buffer at a time (same return value)."""
         patterns = patterns or self.request_patterns(room, len(pages))
         idx = np.asarray(pages, dtype=np.int64)
+        pool_idx = self._on_pool(idx)
         checked, bad = 0, []
         for b, want in enumerate(patterns):
-            checked += want.size
-            wrong = np.flatnonzero((self._pages_view(b)[idx] != want).any(axis=1))
-            bad += [(b, int(idx[k])) for k in wrong]
+            checked += int(want.numel() if hasattr(want, "numel") else want.size)
+            differs = (self._pages_view(b)[pool_idx] != want).any(1)
+            if not isinstance(differs, np.ndarray):
+                differs = differs.cpu().numpy()
+            bad += [(b, int(idx[k])) for k in np.flatnonzero(differs)]
         for i, n in enumerate(self.model.aux_item_lens):
             checked += n
             if not np.array_equal(self.aux_row(i, aux_slot), aux_pattern(room, i, n)):
@@ -353,7 +363,7 @@ class KVPool:
     def clear_request(self, pages: Sequence[int], aux_slot: int) -> None:
         """Zeroes a request's pages and aux rows (so a later write into them
         is seen, not an earlier one)."""
-        idx = np.asarray(pages, dtype=np.int64)
+        idx = self._on_pool(np.asarray(pages, dtype=np.int64))
         for b in range(len(self.kv)):
             self._pages_view(b)[idx] = 0
         for i in range(len(self.model.aux_item_lens)):

@@ -597,7 +597,7 @@ def run_decode_bench(args) -> int:
     args.pages, args.aux_slots = bench.pool_pages(model), bench.rooms_per_wave
     mgr, pool = build_manager("decode", args)
     for buf in pool.kv:  # touch every page now: first-write page faults would land in the first wave
-        buf.fill(0)
+        buf[:] = 0
     npages = bench.pages_per_room(model)
     expected = [pool.request_patterns(bench.content_seed(s), npages) for s in range(bench.rooms_per_wave)]
     log(role, "pool filled with zeros, expected bytes computed")
@@ -686,7 +686,7 @@ def parse_args(argv=None):
                     help="scatter each request's pages over the pool (seeded) instead of contiguous runs")
     ap.add_argument("--bench", default=None, type=lambda s: harness.BenchSpec(**json.loads(s)),
                     help="JSON BenchSpec: run bench_rooms.py's workload instead of --workload/--scenario "
-                         "(prefill and decode ranks, TP1, host buffers)")
+                         "(prefill and decode ranks, TP1; --buffers as for the other workloads)")
     return ap.parse_args(argv)
 
 

@@ -47,6 +47,16 @@ if [ -f "$here/interop/device_run.sh" ]; then
   export KVBRIDGE_BIN="$kv"
   STEP_TIMEOUT=480 step interop-sglang-device-tensors bash "$here/interop/device_run.sh"
   grep -E "passed|failed|skipped" "$logs/interop-sglang-device-tensors.log" 2>/dev/null | tail -n 1 || true
+  # kvbridge as sglang's transfer backend, KV in device tensors, over CUDA IPC.
+  # sglang's connector needs its aux rows (host memory) over its control socket.
+  ipc=(env MOONCAKE_PROTOCOL=nvlink MC_FORCE_TCP=0 SGLANG_MOONCAKE_SEND_AUX_TCP=1)
+  STEP_TIMEOUT=420 step interop-backend-ipc-device-tensors "${ipc[@]}" bash "$here/interop/device_run.sh" --backend
+  grep -E "passed|failed|skipped" "$logs/interop-backend-ipc-device-tensors.log" 2>/dev/null | tail -n 1 || true
+  if [ "$bench" = 1 ]; then
+    STEP_TIMEOUT=540 step bench-rooms-backend-ipc "${ipc[@]}" bash "$here/interop/device_run.sh" --bench-rooms \
+      --backend --rounds 1
+    tail -n 40 "$logs/bench-rooms-backend-ipc.log" 2>/dev/null || true
+  fi
 else
   summary+=("NOT RUN interop-sglang-device-tensors: $(cat "$here/interop-missing.txt" 2>/dev/null || echo 'not bundled')")
   fail=$((fail+1)); echo "${summary[-1]}"
