@@ -78,6 +78,11 @@ pub struct TcpConfig {
     /// milliseconds: a peer that trickles a request is dropped when it
     /// passes (counted in `request_timeouts`).
     pub request_timeout_ms: u64,
+    /// Carry strided runs (heterogeneous-TP head slices) as run
+    /// descriptors, a copy count and strides each, instead of one
+    /// descriptor per copy; the receiver scatters them. Off: runs are
+    /// expanded into blocks before sending.
+    pub native_runs: bool,
     /// Debug aid: treat every region like device memory (stage all bytes
     /// through host bounce buffers), to exercise the staging path.
     #[doc(hidden)]
@@ -119,6 +124,7 @@ impl Default for TcpConfig {
             max_connections: 1024,
             idle_timeout_ms: 600_000,
             request_timeout_ms: 60_000,
+            native_runs: true,
             force_staging: false,
         }
     }
@@ -240,6 +246,7 @@ mod file {
         max_connections: usize,
         idle_timeout_ms: u64,
         request_timeout_ms: u64,
+        native_runs: bool,
         force_staging: bool,
     );
 

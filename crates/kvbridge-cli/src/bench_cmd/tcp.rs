@@ -13,7 +13,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
-use kvbridge_engine::{Batch, Block, EngineConfig, TcpConfig, TcpEngine, TransferEngine};
+use kvbridge_engine::{Batch, Block, EngineConfig, Run, TcpConfig, TcpEngine, TransferEngine};
 use kvbridge_mem::HostBuffer;
 use kvbridge_plan::rng::{GOLDEN, splitmix};
 
@@ -60,6 +60,14 @@ pub struct TcpArgs {
     /// Skip the byte verification.
     #[arg(long)]
     no_verify: bool,
+    /// Submit the blocks as strided runs of this many copies each (what a
+    /// heterogeneous-TP plan hands the engine) instead of one block each.
+    #[arg(long)]
+    runs_of: Option<u64>,
+    /// With `--runs-of`: have the engine expand runs into blocks before
+    /// sending (one descriptor per copy) instead of carrying them natively.
+    #[arg(long)]
+    expand_runs: bool,
     /// Run as the target process (spawned by the initiator).
     #[arg(long, hide = true)]
     serve: bool,
@@ -75,6 +83,7 @@ impl TcpArgs {
                 coalesce_threshold: self.coalesce_threshold.unwrap_or(d.tcp.coalesce_threshold),
                 request_bytes: self.request_bytes.unwrap_or(d.tcp.request_bytes),
                 pipeline_depth: self.pipeline_depth.unwrap_or(d.tcp.pipeline_depth),
+                native_runs: !self.expand_runs,
                 ..d.tcp.clone()
             },
             secret: super::bench_secret(self.auth),
@@ -196,6 +205,8 @@ pub(super) struct Timing {
     inflight: usize,
     /// Whether the target verifies the first run.
     verify: bool,
+    /// Copies per strided run, when blocks are submitted as runs.
+    runs_of: Option<u64>,
 }
 
 impl Timing {
@@ -209,6 +220,18 @@ impl Timing {
             batch_blocks,
             inflight,
             verify,
+            runs_of: None,
+        })
+    }
+
+    /// Submit the blocks as strided runs of `copies` copies each.
+    pub fn with_runs_of(self, copies: Option<u64>) -> Result<Self> {
+        if copies == Some(0) {
+            bail!("--runs-of must be positive");
+        }
+        Ok(Self {
+            runs_of: copies,
+            ..self
         })
     }
 
@@ -232,10 +255,11 @@ impl Timing {
                     let h: kvbridge_engine::BatchHandle = pending.pop_front().context("window")?;
                     h.wait().context("transfer failed")?;
                 }
-                pending.push_back(engine.submit(
-                    kvbridge_engine::Target::any(&target.session),
-                    Batch::Blocks(chunk),
-                ));
+                let to = kvbridge_engine::Target::any(&target.session);
+                pending.push_back(match self.runs_of {
+                    None => engine.submit(to, Batch::Blocks(chunk)),
+                    Some(k) => engine.submit(to, Batch::Runs(&as_runs(chunk, k))),
+                });
             }
             for h in pending {
                 h.wait().context("transfer failed")?;
@@ -260,8 +284,29 @@ impl Timing {
     }
 }
 
+/// Consecutive, equally long and equally spaced `blocks` as runs of at
+/// most `copies` copies.
+fn as_runs(blocks: &[Block], copies: u64) -> Vec<Run> {
+    blocks
+        .chunks(copies as usize)
+        .map(|c| {
+            let (first, len) = (c[0], c[0].len);
+            let stride = |f: fn(&Block) -> u64| c.get(1).map_or(len, |b| f(b) - f(&first));
+            Run {
+                src: first.src,
+                dst: first.dst,
+                len,
+                count: c.len() as u64,
+                src_stride: stride(|b| b.src),
+                dst_stride: stride(|b| b.dst),
+            }
+        })
+        .collect()
+}
+
 fn initiate(args: &TcpArgs) -> Result<()> {
-    let timing = Timing::new(args.runs, args.batch_blocks, args.inflight, !args.no_verify)?;
+    let timing = Timing::new(args.runs, args.batch_blocks, args.inflight, !args.no_verify)?
+        .with_runs_of(args.runs_of)?;
     let mut target = spawn_target(args)?;
     let engine = TcpEngine::new(args.engine_config()).context("starting the tcp engine")?;
     let mut src = buffer(args.bytes)?;

@@ -17,6 +17,10 @@
 //!   C->S Header     op u8 | reserved [3] | count u32 | seq u64 | payload bytes u64
 //!        Write: count x (dst u64, len u64), then the payload (the blocks' bytes in order)
 //!        Check: count x (dst u64, len u64), no payload (destinations of a whole batch)
+//!        WriteRuns: count x (dst u64, len u64, copies u64, dst stride u64), then
+//!               the payload: every run's copies in order (copy i of a run lands
+//!               at dst + i * stride); count x copies at most MAX_WRITE_BLOCKS
+//!        CheckRuns: count x run descriptors as in WriteRuns, no payload
 //!        Ping:  nothing
 //!        Exports: nothing; the ack is followed by len u64 and the
 //!               receiver's export table (CUDA IPC handles, see `ipc`)
@@ -51,6 +55,7 @@ pub(crate) const RESPONSE_LEN: usize = NONCE_LEN;
 pub(crate) const VERDICT_LEN: usize = 8;
 pub(crate) const HEADER_LEN: usize = 24;
 pub(crate) const DESC_LEN: usize = 16;
+pub(crate) const RUN_DESC_LEN: usize = 32;
 pub(crate) const ACK_LEN: usize = 16;
 
 /// Most descriptors one Write request may carry.
@@ -80,6 +85,10 @@ pub(crate) enum Op {
     Lease = 5,
     /// Drop every hold of the connection.
     Release = 6,
+    /// Write the payload at the run descriptors' strided destinations.
+    WriteRuns = 7,
+    /// Check a whole batch's run destinations.
+    CheckRuns = 8,
 }
 
 /// Longest export table a receiver sends (bytes).
@@ -295,6 +304,8 @@ impl Header {
             4 => Op::Exports,
             5 => Op::Lease,
             6 => Op::Release,
+            7 => Op::WriteRuns,
+            8 => Op::CheckRuns,
             _ => return None,
         };
         if b[1..4] != [0, 0, 0] {
@@ -318,6 +329,59 @@ pub(crate) fn push_desc(out: &mut Vec<u8>, dst: u64, len: u64) {
 /// Decode descriptor `i` of a descriptor buffer.
 pub(crate) fn desc_at(b: &[u8], i: usize) -> (u64, u64) {
     (u64_at(b, i * DESC_LEN), u64_at(b, i * DESC_LEN + 8))
+}
+
+/// One run descriptor: `copies` copies of `len` bytes, copy `i` at
+/// `dst + i * stride`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct RunDesc {
+    pub dst: u64,
+    pub len: u64,
+    pub copies: u64,
+    pub stride: u64,
+}
+
+impl RunDesc {
+    /// Append the descriptor.
+    pub(crate) fn push(&self, out: &mut Vec<u8>) {
+        for v in [self.dst, self.len, self.copies, self.stride] {
+            out.extend_from_slice(&v.to_le_bytes());
+        }
+    }
+
+    /// Decode descriptor `i` of a run descriptor buffer.
+    pub(crate) fn at(b: &[u8], i: usize) -> Self {
+        let at = i * RUN_DESC_LEN;
+        Self {
+            dst: u64_at(b, at),
+            len: u64_at(b, at + 8),
+            copies: u64_at(b, at + 16),
+            stride: u64_at(b, at + 24),
+        }
+    }
+
+    /// Bytes from the first copy's start to the last copy's end, if the run
+    /// is acceptable from a peer: at least one copy of at least one byte,
+    /// copies that do not overlap (`stride >= len` when there are several)
+    /// and a span that fits the address space.
+    pub(crate) fn span(&self) -> Option<u64> {
+        if self.len == 0 || self.copies == 0 {
+            return None;
+        }
+        if self.copies > 1 && self.stride < self.len {
+            return None;
+        }
+        let span = (self.copies - 1)
+            .checked_mul(self.stride)?
+            .checked_add(self.len)?;
+        self.dst.checked_add(span)?;
+        Some(span)
+    }
+
+    /// Payload bytes of the run (`None` on overflow).
+    pub(crate) fn bytes(&self) -> Option<u64> {
+        self.len.checked_mul(self.copies)
+    }
 }
 
 /// An ack.

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
-use super::request::{Item, Work};
+use super::request::{Item, Piece, Work};
 use super::send::{LaneBufs, SendError, send_item};
 use super::{Inner, PeerInfo, handshake};
 use crate::session::io;
@@ -279,7 +279,7 @@ pub(crate) fn lane(inner: Arc<Inner>, info: Arc<PeerInfo>, rx: Receiver<Item>) {
                     match &item.work {
                         Work::Check(_) => release_deferred(&inner, &item),
                         Work::Write(p) => {
-                            let n: u64 = p.iter().map(|p| p.len).sum();
+                            let n: u64 = p.iter().map(Piece::bytes).sum();
                             inner.stats.bytes_sent.fetch_add(n, Ordering::Relaxed);
                         }
                     }

@@ -27,7 +27,9 @@
 mod conn;
 mod fence;
 mod handshake;
+mod receive_runs;
 mod request;
+mod runs;
 mod scatter;
 mod send;
 mod server;
@@ -352,9 +354,23 @@ impl TransferEngine for TcpEngine {
     }
 
     fn submit(&self, target: Target<'_>, batch: Batch<'_>) -> BatchHandle {
+        if let Batch::Runs(runs) = batch
+            && self.inner.cfg.tcp.native_runs
+        {
+            let expected = target.incarnation.unwrap_or(0);
+            return match self.plan_runs(target.session, expected, runs) {
+                Ok(Some(h)) => h,
+                Ok(None) => BatchHandle::ready(Ok(())),
+                Err(e) => BatchHandle::ready(Err(e)),
+            };
+        }
         crate::submit_as_blocks(target, batch, |session, expected, blocks| {
             self.plan(session, expected, blocks)
         })
+    }
+
+    fn copies_runs(&self) -> bool {
+        self.inner.cfg.tcp.native_runs
     }
 
     fn probe(&self, session: &str) -> Result<(), TransferError> {
@@ -385,7 +401,7 @@ impl TransferEngine for TcpEngine {
     }
 }
 
-/// Most pieces one `Write` request carries.
+/// Most pieces (copies) one `Write` (`WriteRuns`) request carries.
 const MAX_PIECES: usize = 8192;
 
 impl TcpEngine {
@@ -439,12 +455,7 @@ impl TcpEngine {
             let mut off = 0;
             while off < b.len {
                 let k = (b.len - off).min(step);
-                cur.push(Piece {
-                    src: b.src + off,
-                    dst: b.dst + off,
-                    len: k,
-                    block: i,
-                });
+                cur.push(Piece::single(b.src + off, b.dst + off, k, i));
                 cur_bytes += k;
                 off += k;
                 if cur_bytes >= step || cur.len() >= MAX_PIECES {
@@ -459,6 +470,26 @@ impl TcpEngine {
         if requests.is_empty() {
             return Ok(None);
         }
+        let whole = || {
+            blocks
+                .iter()
+                .enumerate()
+                .filter(|(_, b)| b.len > 0)
+                .map(|(i, b)| Piece::single(b.src, b.dst, b.len, i))
+                .collect()
+        };
+        self.queue(session, expected, requests, whole)
+    }
+
+    /// Queue a batch's requests: alone, or (several) behind one check of
+    /// the whole batch's destinations (`whole`).
+    fn queue(
+        &self,
+        session: &str,
+        expected: u64,
+        mut requests: Vec<Vec<Piece>>,
+        whole: impl FnOnce() -> Vec<Piece>,
+    ) -> Result<Option<BatchHandle>, TransferError> {
         let peer = self.inner.peer(session)?;
         let (handle, completer) = BatchHandle::pending();
         let ctx = BatchCtx::new(
@@ -476,18 +507,7 @@ impl TcpEngine {
                 .map(|p| Item::new(ctx.clone(), Work::Write(p)))
                 .collect();
             ctx.defer(deferred);
-            let whole = blocks
-                .iter()
-                .enumerate()
-                .filter(|(_, b)| b.len > 0)
-                .map(|(i, b)| Piece {
-                    src: b.src,
-                    dst: b.dst,
-                    len: b.len,
-                    block: i,
-                })
-                .collect();
-            Item::new(ctx, Work::Check(whole))
+            Item::new(ctx, Work::Check(whole()))
         };
         // If the lanes are gone the item is dropped, which fails the batch.
         let _ = peer.tx.send(first);

@@ -10,14 +10,56 @@ use parking_lot::Mutex;
 use crate::batch::Completer;
 use crate::{ErrorKind, TransferError};
 
-/// One piece of a block: a whole block, or a slice of a long one.
+/// One piece of a batch: a whole block, a slice of a long one, or some
+/// consecutive copies of a strided run (copy `i` moves `len` bytes from
+/// `src + i * src_stride` to `dst + i * dst_stride`).
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Piece {
     pub src: u64,
     pub dst: u64,
     pub len: u64,
-    /// Index of the block in the submitted batch.
+    /// Copies (1 for a block).
+    pub copies: u64,
+    pub src_stride: u64,
+    pub dst_stride: u64,
+    /// Index of the block (or run) in the submitted batch.
     pub block: usize,
+}
+
+impl Piece {
+    /// A piece of one copy.
+    pub(crate) fn single(src: u64, dst: u64, len: u64, block: usize) -> Self {
+        Self {
+            src,
+            dst,
+            len,
+            copies: 1,
+            src_stride: 0,
+            dst_stride: 0,
+            block,
+        }
+    }
+
+    /// Bytes the piece moves (planning checked it does not overflow).
+    pub(crate) fn bytes(&self) -> u64 {
+        self.len.saturating_mul(self.copies)
+    }
+
+    /// Source bytes from the first copy's start to the last copy's end.
+    pub(crate) fn src_span(&self) -> u64 {
+        self.copies
+            .saturating_sub(1)
+            .saturating_mul(self.src_stride)
+            .saturating_add(self.len)
+    }
+
+    /// Copy `i`'s `(src, dst)`.
+    pub(crate) fn copy_at(&self, i: u64) -> (u64, u64) {
+        (
+            self.src.wrapping_add(i.wrapping_mul(self.src_stride)),
+            self.dst.wrapping_add(i.wrapping_mul(self.dst_stride)),
+        )
+    }
 }
 
 /// What one queued item asks the peer to do.

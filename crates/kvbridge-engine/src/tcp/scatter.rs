@@ -65,7 +65,19 @@ impl ServerConn<'_> {
         }
         let generation = regions.generation();
         drop(regions);
-        let status = self.scatter(generation, &kinds, b)?;
+        self.receive(h, generation, &kinds, b).map(Some)
+    }
+
+    /// Receive a checked request's payload into `self.descs` (of `kinds`,
+    /// checked at registry `generation`) and count its bytes.
+    pub(super) fn receive(
+        &mut self,
+        h: &Header,
+        generation: u64,
+        kinds: &[MemoryKind],
+        b: &mut Budget<'_>,
+    ) -> io::Result<(Status, u32)> {
+        let status = self.scatter(generation, kinds, b)?;
         let stats = &self.inner.stats;
         let total = stats
             .bytes_received
@@ -81,7 +93,7 @@ impl ServerConn<'_> {
                 .frozen
                 .store(true, std::sync::atomic::Ordering::Release);
         }
-        Ok(Some(status))
+        Ok(status)
     }
 
     /// The registry's read guard for one step of a request whose

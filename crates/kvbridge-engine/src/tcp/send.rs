@@ -57,7 +57,7 @@ impl Sources<'_> {
         }
         if g.generation() != self.generation {
             for (p, &kind) in self.item.pieces().iter().zip(&self.kinds) {
-                if !g.find(p.src, p.len).is_some_and(|r| r.kind == kind) {
+                if !g.find(p.src, p.src_span()).is_some_and(|r| r.kind == kind) {
                     return Err(SendError::Conn(TransferError::new(
                         &self.item.batch.session,
                         Some(p.block),
@@ -125,12 +125,15 @@ pub(super) fn send_item(
     let count = u32::try_from(pieces.len())
         .map_err(|_| SendError::Local(item.error(ErrorKind::InvalidArgument, "too many blocks")))?;
     bufs.head.clear();
-    let op = match item.work {
-        Work::Check(_) => Op::Check,
-        Work::Write(_) => Op::Write,
+    let runs = pieces.iter().any(|p| p.copies != 1);
+    let op = match (&item.work, runs) {
+        (Work::Check(_), false) => Op::Check,
+        (Work::Check(_), true) => Op::CheckRuns,
+        (Work::Write(_), false) => Op::Write,
+        (Work::Write(_), true) => Op::WriteRuns,
     };
     let payload = match op {
-        Op::Write => pieces.iter().map(|p| p.len).sum(),
+        Op::Write | Op::WriteRuns => pieces.iter().map(Piece::bytes).sum(),
         _ => 0,
     };
     bufs.head.extend_from_slice(
@@ -143,7 +146,17 @@ pub(super) fn send_item(
         .encode(),
     );
     for p in pieces {
-        wire::push_desc(&mut bufs.head, p.dst, p.len);
+        if runs {
+            let d = wire::RunDesc {
+                dst: p.dst,
+                len: p.len,
+                copies: p.copies,
+                stride: p.dst_stride,
+            };
+            d.push(&mut bufs.head);
+        } else {
+            wire::push_desc(&mut bufs.head, p.dst, p.len);
+        }
     }
     let stop = || inner.is_shutdown();
     let cfg = &inner.cfg;
@@ -152,7 +165,7 @@ pub(super) fn send_item(
         cfg.io_timeout(),
         &stop,
     );
-    if op == Op::Check {
+    if matches!(op, Op::Check | Op::CheckRuns) {
         io::write_all_by(fd, &bufs.head, &mut b).map_err(|e| SendError::Conn(item.io_error(&e)))?;
         return Ok(seq);
     }
@@ -184,14 +197,25 @@ pub(super) fn send_item(
     iovs.push(io::iov(bufs.head.as_ptr(), bufs.head.len()));
     let frame_ptr = bufs.frame.as_mut_ptr();
     let mut used = 0usize;
-    for (i, p) in pieces.iter().enumerate() {
-        let kind = src.kinds[i];
-        let len = p.len as usize;
+    // The source ranges in payload order: a run whose copies lie back to
+    // back is one range.
+    let ranges = pieces.iter().zip(&src.kinds).flat_map(|(p, &kind)| {
+        let whole = p.copies == 1 || p.src_stride == p.len;
+        let (n, len) = if whole {
+            (1, p.bytes())
+        } else {
+            (p.copies, p.len)
+        };
+        (0..n).map(move |c| (p, kind, p.copy_at(c).0, len))
+    });
+    let ranges: Vec<(&Piece, MemoryKind, u64, u64)> = ranges.collect();
+    for (p, kind, from, len64) in ranges {
+        let len = len64 as usize;
         if len == 0 {
             continue;
         }
-        if kind.is_host_accessible() && !force_copy && p.len >= threshold {
-            let ptr = std::ptr::with_exposed_provenance::<u8>(p.src as usize);
+        if kind.is_host_accessible() && !force_copy && len64 >= threshold {
+            let ptr = std::ptr::with_exposed_provenance::<u8>(from as usize);
             iovs.push(io::iov(ptr, len));
             if iovs.len() >= io::MAX_IOV {
                 src.send(fd, iovs, &mut b)?;
@@ -211,10 +235,10 @@ pub(super) fn send_item(
             let dst = unsafe { std::slice::from_raw_parts_mut(frame_ptr.add(used), k) };
             let r = {
                 let _g = src.guard()?;
-                // SAFETY: `[p.src + off, +k)` lies in a registered region of
+                // SAFETY: `[from + off, +k)` lies in a registered region of
                 // `kind` (checked, and re-checked by `guard` if a region went
                 // away), kept registered by the guard.
-                unsafe { access_for(kind).read(p.src + off as u64, dst) }
+                unsafe { access_for(kind).read(from + off as u64, dst) }
             };
             if let Err(e) = r {
                 // Bytes of this request may already be on the wire: drop the connection.
@@ -251,12 +275,15 @@ pub(super) fn send_item(
 
 /// The kind of piece `p`'s source, which must lie in a registered region.
 fn check_source(regions: &RegionRegistry, item: &Item, p: &Piece) -> Result<MemoryKind, SendError> {
-    regions.check(p.src, p.len).map(|r| r.kind).map_err(|e| {
-        SendError::Local(TransferError::new(
-            &item.batch.session,
-            Some(p.block),
-            ErrorKind::OutOfRegion(Side::Local),
-            e.to_string(),
-        ))
-    })
+    regions
+        .check(p.src, p.src_span())
+        .map(|r| r.kind)
+        .map_err(|e| {
+            SendError::Local(TransferError::new(
+                &item.batch.session,
+                Some(p.block),
+                ErrorKind::OutOfRegion(Side::Local),
+                e.to_string(),
+            ))
+        })
 }

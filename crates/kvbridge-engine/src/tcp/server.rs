@@ -315,6 +315,23 @@ impl ServerConn<'_> {
                 }
                 self.check(h.count, &mut b)?
             }
+            Op::CheckRuns => {
+                if h.payload != 0 {
+                    return self.bad_frame("check request with payload", Some(h.seq), &mut b);
+                }
+                self.check_runs(h.count, &mut b)?
+            }
+            Op::WriteRuns => {
+                if h.count > wire::MAX_WRITE_BLOCKS || h.payload > wire::MAX_WRITE_BYTES {
+                    return self.bad_frame("write request over limits", Some(h.seq), &mut b);
+                }
+                match self.write_runs(&h, &mut b)? {
+                    Some(r) => r,
+                    None => {
+                        return self.bad_frame("malformed run write", Some(h.seq), &mut b);
+                    }
+                }
+            }
             Op::Write => {
                 if h.count > wire::MAX_WRITE_BLOCKS || h.payload > wire::MAX_WRITE_BYTES {
                     return self.bad_frame("write request over limits", Some(h.seq), &mut b);
