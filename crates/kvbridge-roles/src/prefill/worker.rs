@@ -192,9 +192,13 @@ impl Worker<'_> {
             0 => usize::MAX,
             n => n,
         };
-        // State and aux blocks exist on the last chunk only.
-        let kv = plan.kv_batches().map(|b| (Part::Kv, Batch::Blocks(b)));
-        let runs = plan.kv_run_batches().map(|r| (Part::Kv, Batch::Runs(r)));
+        // The chunk's KV in batches of up to `cap` descriptors, not one per
+        // buffer pair as the planner groups them (and the reference calls
+        // its engine): each batch costs a request, an ack and a destination
+        // check, which per layer dominated head-sliced (heterogeneous-TP)
+        // chunks. State and aux blocks exist on the last chunk only.
+        let kv = std::iter::once((Part::Kv, Batch::Blocks(plan.kv_blocks())));
+        let runs = std::iter::once((Part::Kv, Batch::Runs(plan.kv_runs())));
         let states = std::iter::once((Part::State, Batch::Blocks(plan.state_blocks())));
         let aux = aux_over_zmq
             .is_none()
