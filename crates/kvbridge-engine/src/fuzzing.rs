@@ -79,8 +79,10 @@ pub fn tcp_verdict(data: &[u8]) {
 }
 
 /// TCP engine request (client → server): the header, strictly decoded,
-/// then as many `(dst, len)` descriptors as it announces and `data` holds.
-/// The header and the descriptors re-encode to the same bytes.
+/// then as many `(dst, len)` descriptors (run descriptors for
+/// `WriteRuns`/`CheckRuns`) as it announces and `data` holds. The header
+/// and the descriptors re-encode to the same bytes; a run the receiver
+/// accepts has a span covering its copies.
 pub fn tcp_request(data: &[u8]) {
     let Some(b) = prefix::<{ tcp_wire::HEADER_LEN }>(data) else {
         return;
@@ -89,6 +91,24 @@ pub fn tcp_request(data: &[u8]) {
         return;
     };
     assert_eq!(&h.encode(), b);
+    if matches!(h.op, tcp_wire::Op::WriteRuns | tcp_wire::Op::CheckRuns) {
+        let descs = &data[tcp_wire::HEADER_LEN..];
+        let n = (h.count as usize).min(descs.len() / tcp_wire::RUN_DESC_LEN);
+        let descs = &descs[..n * tcp_wire::RUN_DESC_LEN];
+        let mut again = Vec::with_capacity(descs.len());
+        for i in 0..n {
+            let r = tcp_wire::RunDesc::at(descs, i);
+            r.push(&mut again);
+            if let Some(span) = r.span() {
+                let last = (r.copies - 1) * r.stride;
+                assert!(r.len > 0 && last + r.len == span);
+                assert!(r.dst.checked_add(span).is_some());
+                assert!(r.copies == 1 || r.stride >= r.len);
+            }
+        }
+        assert_eq!(again, descs);
+        return;
+    }
     let descs = &data[tcp_wire::HEADER_LEN..];
     let n = (h.count as usize).min(descs.len() / tcp_wire::DESC_LEN);
     let descs = &descs[..n * tcp_wire::DESC_LEN];

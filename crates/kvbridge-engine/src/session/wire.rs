@@ -415,6 +415,34 @@ mod tests {
     use super::*;
 
     #[test]
+    fn run_descriptors_round_trip_and_refuse_what_a_peer_must_not_send() {
+        let r = RunDesc {
+            dst: 0x1000,
+            len: 512,
+            copies: 64,
+            stride: 1024,
+        };
+        let mut b = Vec::new();
+        r.push(&mut b);
+        assert_eq!(b.len(), RUN_DESC_LEN);
+        assert_eq!(RunDesc::at(&b, 0), r);
+        assert_eq!(r.span(), Some(63 * 1024 + 512));
+        assert_eq!(r.bytes(), Some(64 * 512));
+        let bad = |f: fn(&mut RunDesc)| {
+            let mut x = r;
+            f(&mut x);
+            x.span()
+        };
+        assert_eq!(bad(|x| x.len = 0), None);
+        assert_eq!(bad(|x| x.copies = 0), None);
+        assert_eq!(bad(|x| x.stride = 511), None, "overlapping copies");
+        assert_eq!(bad(|x| x.stride = u64::MAX / 2), None, "span overflows");
+        assert_eq!(bad(|x| x.dst = u64::MAX - 100), None, "end overflows");
+        // One copy needs no stride.
+        assert_eq!(bad(|x| (x.copies, x.stride) = (1, 0)), Some(512));
+    }
+
+    #[test]
     fn round_trips() {
         let h = Hello {
             version: VERSION,
