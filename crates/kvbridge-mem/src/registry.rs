@@ -32,6 +32,24 @@ impl Region {
     }
 }
 
+/// `count` copies of `len` bytes, the `i`-th from `src + i × src_stride`
+/// to `dst + i × dst_stride` (a strided run, local to one process).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Strided {
+    /// Source of the first copy.
+    pub src: u64,
+    /// Destination of the first copy.
+    pub dst: u64,
+    /// Bytes per copy.
+    pub len: u64,
+    /// Number of copies.
+    pub count: u64,
+    /// Source bytes from one copy to the next.
+    pub src_stride: u64,
+    /// Destination bytes from one copy to the next.
+    pub dst_stride: u64,
+}
+
 /// Registered regions, keyed by start address; no two overlap.
 ///
 /// Not synchronized: the engines keep it behind a read-write lock and hold
@@ -250,6 +268,71 @@ impl RegionRegistry {
             }
         }
         results
+    }
+
+    /// Copies [`Strided`] pieces between registered regions of this
+    /// registry (a local gather or scatter): every source and destination
+    /// span must lie inside one region each, and the two spans must not
+    /// overlap. Host memory is copied directly; device memory through the
+    /// kind's byte access, piece by piece.
+    pub fn copy_strided(&self, c: &Strided) -> Result<(), MemError> {
+        if c.count == 0 || c.len == 0 {
+            return Ok(());
+        }
+        let span = |base: u64, stride: u64| {
+            (c.count - 1)
+                .checked_mul(stride)
+                .and_then(|s| s.checked_add(c.len))
+                .filter(|s| base.checked_add(*s).is_some())
+                .ok_or(MemError::Overflow {
+                    addr: base,
+                    len: c.len,
+                })
+        };
+        let (src_span, dst_span) = (span(c.src, c.src_stride)?, span(c.dst, c.dst_stride)?);
+        let src_region = *self.check(c.src, src_span)?;
+        let dst_region = *self.check(c.dst, dst_span)?;
+        if c.src < c.dst + dst_span && c.dst < c.src + src_span {
+            return Err(MemError::Overlap {
+                addr: c.dst,
+                len: dst_span,
+                existing_addr: c.src,
+                existing_len: src_span,
+            });
+        }
+        if c.count > 1 && c.dst_stride < c.len {
+            return Err(MemError::Overlap {
+                addr: c.dst,
+                len: c.len,
+                existing_addr: c.dst + c.dst_stride,
+                existing_len: c.len,
+            });
+        }
+        let len = usize::try_from(c.len).map_err(|_| MemError::Overflow {
+            addr: c.src,
+            len: c.len,
+        })?;
+        if src_region.kind.is_host_accessible() && dst_region.kind.is_host_accessible() {
+            for i in 0..c.count {
+                let (s, d) = (c.src + i * c.src_stride, c.dst + i * c.dst_stride);
+                // SAFETY: both spans lie inside registered host-accessible
+                // regions (checked above), which the registration contract
+                // keeps valid; the spans do not overlap each other and the
+                // destination pieces do not overlap one another (checked).
+                unsafe { std::ptr::copy_nonoverlapping(s as *const u8, d as *mut u8, len) };
+            }
+            return Ok(());
+        }
+        let mut piece = vec![0u8; len];
+        for i in 0..c.count {
+            let (s, d) = (c.src + i * c.src_stride, c.dst + i * c.dst_stride);
+            // SAFETY: inside registered regions of their kinds (checked above).
+            unsafe {
+                access_for(src_region.kind).read(s, &mut piece)?;
+                access_for(dst_region.kind).write(d, &piece)?;
+            }
+        }
+        Ok(())
     }
 
     /// Read `len` registered bytes at `addr` into a new vector.

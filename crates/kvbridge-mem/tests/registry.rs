@@ -157,3 +157,49 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn strided_copy_gathers_and_refuses_what_is_not_registered() {
+    use kvbridge_mem::Strided;
+    let mut src = HostBuffer::new(64).unwrap();
+    for (i, b) in src.as_mut_slice().iter_mut().enumerate() {
+        *b = i as u8;
+    }
+    let dst = HostBuffer::new(64).unwrap();
+    let other = HostBuffer::new(64).unwrap();
+    let mut r = RegionRegistry::new();
+    // SAFETY: both buffers outlive the registry's use below.
+    unsafe { r.register(&[src.region(), dst.region()]) }.unwrap();
+    // Bytes 2..4 of every 8-byte "token", packed.
+    let gather = Strided {
+        src: src.addr() + 2,
+        dst: dst.addr(),
+        len: 2,
+        count: 8,
+        src_stride: 8,
+        dst_stride: 2,
+    };
+    r.copy_strided(&gather).unwrap();
+    let want: Vec<u8> = (0..8u8).flat_map(|t| [t * 8 + 2, t * 8 + 3]).collect();
+    assert_eq!(&dst.as_slice()[..16], &want[..]);
+    // A span past its region, an unregistered destination, overlapping
+    // destination pieces and a copy onto itself are refused.
+    let past = Strided { count: 9, ..gather };
+    assert!(r.copy_strided(&past).is_err());
+    let unregistered = Strided {
+        dst: other.addr(),
+        ..gather
+    };
+    assert!(r.copy_strided(&unregistered).is_err());
+    let overlapping = Strided {
+        dst_stride: 1,
+        ..gather
+    };
+    assert!(r.copy_strided(&overlapping).is_err());
+    let onto_itself = Strided {
+        dst: src.addr() + 3,
+        ..gather
+    };
+    assert!(r.copy_strided(&onto_itself).is_err());
+    assert!(r.copy_strided(&Strided { count: 0, ..past }).is_ok());
+}

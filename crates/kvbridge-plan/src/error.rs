@@ -418,6 +418,14 @@ pub enum PlanError {
     #[error("last chunk carries no prefill aux index")]
     MissingAuxIndex,
 
+    // ----- staging (heterogeneous TP) ------------------------------------------------------
+    /// The peers' layouts take the per-slice path, not staging.
+    #[error("staging does not apply: {reason}")]
+    StagingUnsupported {
+        /// Why.
+        reason: &'static str,
+    },
+
     // ----- arithmetic -------------------------------------------------------------------------------
     /// An address or length of the plan would not fit in 64 bits.
     #[error("address arithmetic overflows 64 bits")]

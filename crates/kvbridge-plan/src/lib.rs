@@ -65,6 +65,7 @@ mod peer;
 mod plan;
 pub mod rng;
 mod slots;
+mod staging;
 mod state;
 
 #[cfg(feature = "scenario")]
@@ -82,6 +83,10 @@ pub use layout::{
 pub use peer::{KvPath, PreparedPeer};
 pub use plan::{KvBatches, KvRunBatches, Planner, TransferPlan, plan_once};
 pub use slots::{SlotFamily, SlotSpan};
+pub use staging::{
+    HeadSliceParams, StagingSource, StagingTarget, grid_segments, head_slice_params,
+    staging_layout, staging_writers, watermark_ready,
+};
 
 #[cfg(feature = "scenario")]
 pub use scenario::{Scenario, ScenarioError, ScenarioResult, plan_scenario};
