@@ -172,7 +172,7 @@ fn kv_slots(layout: &PrefillLayout) -> Result<(Vec<u64>, u64), PlanError> {
         return Err(unsupported("draft layers take the per-slice path"));
     }
     let n = layout.kv_data_ptrs.len();
-    if n == 0 || n % 2 != 0 {
+    if n == 0 || !n.is_multiple_of(2) {
         return Err(unsupported(
             "a K/V pool has an even, non-zero number of buffers",
         ));
@@ -207,7 +207,8 @@ fn total_heads(layout: &PrefillLayout, tp: u64) -> Result<u64, PlanError> {
 /// Bytes of one head of one token, from a rank's page item length.
 fn head_bytes(item: u64, page_size: u64, heads: u64) -> Result<u64, PlanError> {
     let per_token = item / page_size.max(1);
-    if per_token == 0 || per_token % heads != 0 || item % page_size.max(1) != 0 {
+    if per_token == 0 || !per_token.is_multiple_of(heads) || !item.is_multiple_of(page_size.max(1))
+    {
         return Err(unsupported(
             "a page item is not page_size tokens of whole heads",
         ));
