@@ -115,6 +115,62 @@ impl Default for ProbeConfig {
     }
 }
 
+/// The staging path for heterogeneous TP (sglang's
+/// `SGLANG_DISAGG_STAGING_BUFFER`): a prefill rank gathers a chunk's head
+/// slices for one decode rank into one contiguous write into the decode's
+/// staging ring, which the decode scatters into its pages. Both sides must
+/// enable it; a pair that cannot stage (equal TP, MLA, PP, draft layers)
+/// takes the per-slice path.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct StagingConfig {
+    /// Whether this rank stages (`SGLANG_DISAGG_STAGING_BUFFER`).
+    pub enabled: bool,
+    /// Decode: the staging ring's size in bytes
+    /// (`SGLANG_DISAGG_STAGING_POOL_SIZE_MB` × 2^20; sglang's default 4096 MiB).
+    pub pool_bytes: u64,
+    /// Tokens per staging chunk (sglang's `--chunked-prefill-size`, 8192):
+    /// a room's pages are staged in slots of this many tokens.
+    pub chunk_tokens: u64,
+    /// Prefill: each transfer worker's gather buffer in MiB; a chunk larger
+    /// than it is written in several pieces, never refused.
+    pub buffer_mb: u64,
+    /// Prefill: longest a chunk waits for its ring allocation or for ring
+    /// space (back-pressure) before its room fails.
+    #[serde(with = "duration_secs")]
+    pub wait_timeout: Duration,
+}
+
+impl Default for StagingConfig {
+    fn default() -> Self {
+        Self {
+            enabled: false,
+            pool_bytes: 4096 << 20,
+            chunk_tokens: 8192,
+            buffer_mb: 64,
+            wait_timeout: Duration::from_secs(60),
+        }
+    }
+}
+
+impl StagingConfig {
+    /// Applies sglang's staging environment variables over `self`.
+    pub fn with_env(mut self) -> Self {
+        if let Some(v) = env_bool("SGLANG_DISAGG_STAGING_BUFFER") {
+            self.enabled = v;
+        }
+        if let Some(v) = env::<u64>("SGLANG_DISAGG_STAGING_POOL_SIZE_MB") {
+            self.pool_bytes = v.saturating_mul(1 << 20);
+        }
+        self
+    }
+
+    /// Pages per staging chunk for `page_size`-token pages.
+    pub fn chunk_pages(&self, page_size: u64) -> u64 {
+        (self.chunk_tokens / page_size.max(1)).max(1)
+    }
+}
+
 /// A prefill role's settings.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
@@ -178,6 +234,8 @@ pub struct PrefillConfig {
     /// or written to a config file.
     #[serde(skip)]
     pub secret: Option<kvbridge_engine::ClusterSecret>,
+    /// The staging path for heterogeneous TP.
+    pub staging: StagingConfig,
 }
 
 impl Default for PrefillConfig {
@@ -203,6 +261,7 @@ impl Default for PrefillConfig {
             metrics_addr: None,
             nvlink_intra: false,
             secret: None,
+            staging: StagingConfig::default(),
         }
     }
 }
@@ -238,6 +297,7 @@ impl PrefillConfig {
             self.probe.idle_timeout = secs(v);
         }
         self.nvlink_intra |= crate::local::nvlink_intra_env();
+        self.staging = self.staging.with_env();
         self
     }
 
@@ -311,6 +371,8 @@ pub struct DecodeConfig {
     /// sglang-compatible open mode. Never read from or written to a config file.
     #[serde(skip)]
     pub secret: Option<kvbridge_engine::ClusterSecret>,
+    /// The staging path for heterogeneous TP.
+    pub staging: StagingConfig,
 }
 
 impl Default for DecodeConfig {
@@ -332,6 +394,7 @@ impl Default for DecodeConfig {
             metrics_addr: None,
             nvlink_intra: false,
             secret: None,
+            staging: StagingConfig::default(),
         }
     }
 }
@@ -359,6 +422,7 @@ impl DecodeConfig {
             self.zmq_send_timeout = secs(v);
         }
         self.nvlink_intra |= crate::local::nvlink_intra_env();
+        self.staging = self.staging.with_env();
         self
     }
 }

@@ -31,7 +31,7 @@ mod role;
 pub mod rooms;
 mod stop;
 
-pub use config::{DecodeConfig, ParallelRank, PrefillConfig, ProbeConfig};
+pub use config::{DecodeConfig, ParallelRank, PrefillConfig, ProbeConfig, StagingConfig};
 pub use error::{ConfigError, KvTransferError, SendError, StartError};
 pub use kv_args::KvArgs;
 pub use kvbridge_wire::KvPoll;

@@ -46,9 +46,15 @@ impl LocalMemory {
     ///
     /// # Safety
     /// As for `TransferEngine::batch_register`: every buffer of `kv_args`
-    /// stays valid until the role is torn down.
-    pub unsafe fn new(kv_args: &KvArgs, intra: bool) -> Result<Self, MemError> {
-        let all = kv_args.registerable_regions();
+    /// and every `extra` region (the role's own staging memory) stays valid
+    /// until the role is torn down.
+    pub unsafe fn new(
+        kv_args: &KvArgs,
+        intra: bool,
+        extra: &[(u64, u64)],
+    ) -> Result<Self, MemError> {
+        let mut all = kv_args.registerable_regions();
+        all.extend_from_slice(extra);
         let mut registry = RegionRegistry::new();
         // SAFETY: forwarded caller contract.
         unsafe { registry.register(&all) }?;
@@ -111,11 +117,11 @@ mod tests {
             state_data_lens: vec![],
         };
         // SAFETY: the buffers outlive both registries.
-        let off = unsafe { LocalMemory::new(&args, false) }.unwrap();
+        let off = unsafe { LocalMemory::new(&args, false, &[]) }.unwrap();
         assert_eq!(off.engine_regions.len(), 2);
         assert!(!off.ships_over_zmq(kv.addr(), 8));
         // SAFETY: as above.
-        let on = unsafe { LocalMemory::new(&args, true) }.unwrap();
+        let on = unsafe { LocalMemory::new(&args, true, &[]) }.unwrap();
         assert!(
             on.engine_regions.is_empty(),
             "host memory is never registered in intra mode"

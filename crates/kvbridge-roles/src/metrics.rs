@@ -40,6 +40,8 @@ pub struct Metrics {
     pub transfer_latency: Histogram,
     /// One chunk's engine time, seconds.
     pub chunk_latency: Histogram,
+    /// KV bytes gathered into (prefill) or scattered from (decode) staging.
+    pub staged_bytes: Counter,
 }
 
 impl Default for Metrics {
@@ -61,6 +63,7 @@ impl Metrics {
         let dropped_messages = Family::<Labels, Counter>::default();
         let transfer_latency = Histogram::new(exponential_buckets(0.0005, 2.0, 20));
         let chunk_latency = Histogram::new(exponential_buckets(0.0001, 2.0, 20));
+        let staged_bytes = Counter::default();
         registry.register(
             "kvbridge_rooms",
             "Rooms concluded, by result",
@@ -102,6 +105,11 @@ impl Metrics {
             "Engine time of one chunk",
             chunk_latency.clone(),
         );
+        registry.register(
+            "kvbridge_staged_bytes",
+            "KV bytes gathered into or scattered from staging buffers",
+            staged_bytes.clone(),
+        );
         Self {
             registry,
             rooms,
@@ -113,6 +121,7 @@ impl Metrics {
             dropped_messages,
             transfer_latency,
             chunk_latency,
+            staged_bytes,
         }
     }
 

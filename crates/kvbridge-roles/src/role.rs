@@ -27,11 +27,12 @@ pub(crate) unsafe fn register_memory(
     kv_args: &KvArgs,
     engine: &Arc<dyn TransferEngine>,
     nvlink_intra: bool,
+    extra: &[(u64, u64)],
 ) -> Result<(LocalMemory, Registration), StartError> {
     kv_args.validate()?;
     let intra = nvlink_intra || !engine.moves_host_memory();
     // SAFETY: forwarded caller contract.
-    let local = unsafe { LocalMemory::new(kv_args, intra)? };
+    let local = unsafe { LocalMemory::new(kv_args, intra, extra)? };
     // SAFETY: as above.
     let registration = unsafe { Registration::new(engine, &local.engine_regions)? };
     Ok((local, registration))

@@ -9,11 +9,9 @@
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use kvbridge_wire::{
-    AbortAck, AuxData, ChunkReady, KvPoll, Limits, StagingReq, StateData, Status, ToDecode,
-};
+use kvbridge_wire::{AbortAck, AuxData, KvPoll, Limits, StateData, Status, ToDecode};
 
-use super::Shared;
+use super::{Shared, staging};
 use crate::control::PullSocket;
 use crate::role;
 
@@ -93,15 +91,12 @@ pub(crate) fn handle(shared: &Shared, frames: &[Vec<u8>], batch: &mut StateBatch
         Ok(ToDecode::Status(s)) => on_status(shared, &s),
         Ok(ToDecode::AuxData(a)) => on_aux(shared, &a),
         Ok(ToDecode::StateData(s)) => on_state(shared, &s, batch),
-        Ok(ToDecode::ChunkReady(c)) => on_chunk_ready(shared, &c),
-        Ok(ToDecode::StagingReq(r)) => on_staging_req(shared, &r),
+        Ok(ToDecode::ChunkReady(c)) => staging::on_chunk_ready(shared, &c),
+        Ok(ToDecode::StagingReq(r)) => staging::on_staging_req(shared, &r),
         Ok(ToDecode::AbortAck(a)) => on_abort_ack(shared, &a),
         Err(e) => role::drop_malformed(&shared.metrics, &e, frames.len()),
     }
 }
-
-/// Most staging notices kept per room.
-const MAX_CHUNK_NOTICES_PER_ROOM: usize = 4096;
 
 /// sglang `apply_prefill_status`: Success counts once per prefill rank until
 /// every expected rank reported; Failed records the reason. Only the room's
@@ -136,6 +131,21 @@ fn on_status(shared: &Shared, s: &Status<'_>) {
             let count = responded.len() as u64;
             match expected {
                 Some(n) if count >= n => {
+                    // Every writer's CHUNK_READY precedes its status on the
+                    // same socket: a chunk still unscattered now was never
+                    // written, and the room is not complete.
+                    let pending = rooms.staging.get(&s.room).map_or(0, |r| r.pending());
+                    if pending > 0 {
+                        let reason = format!(
+                            "{pending} staging chunk(s) of room {} were allocated but never \
+                             written before every prefill rank reported success",
+                            s.room
+                        );
+                        rooms.table.fail(s.room, reason);
+                        drop(rooms);
+                        shared.metrics.room_concluded(false);
+                        return;
+                    }
                     rooms.table.update(s.room, KvPoll::Success);
                     drop(rooms);
                     shared.metrics.room_concluded(true);
@@ -221,31 +231,6 @@ fn on_state(shared: &Shared, s: &StateData<'_>, batch: &mut StateBatch) {
     }
     batch.bytes += s.data.len();
     batch.items.push((s.room, s.dst_addr, s.data.to_vec()));
-}
-
-fn on_chunk_ready(shared: &Shared, c: &ChunkReady<'_>) {
-    let mut rooms = shared.rooms.lock();
-    if !rooms.table.contains(c.room) {
-        return;
-    }
-    let notices = rooms.chunk_ready.entry(c.room).or_default();
-    if notices.len() < MAX_CHUNK_NOTICES_PER_ROOM {
-        notices.insert(c.chunk_idx);
-    } else {
-        drop(rooms);
-        shared.metrics.dropped("chunk_ready");
-    }
-}
-
-fn on_staging_req(shared: &Shared, r: &StagingReq<'_>) {
-    // The staging data path is not built yet: no allocator answers. Record
-    // it so an operator sees a staging-enabled prefill talking to us.
-    shared.metrics.dropped("staging_req");
-    tracing::warn!(
-        room = r.room,
-        chunk = r.chunk_idx,
-        "STAGING_REQ received but staging is not enabled here"
-    );
 }
 
 /// An ACK counts once per rank of the room, and only with the generation

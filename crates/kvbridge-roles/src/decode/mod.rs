@@ -6,7 +6,9 @@
 mod heartbeat;
 mod inbox;
 mod receiver;
+mod ring;
 mod slots;
+mod staging;
 pub(crate) mod state;
 pub mod topology;
 
@@ -47,6 +49,8 @@ pub(crate) struct Shared {
     /// Our buffers for local writes (`AUX_DATA`, `STATE_DATA`), and what
     /// the engine has registered.
     pub local: crate::local::LocalMemory,
+    /// The staging ring, when staging is on.
+    pub staging: Option<staging::DecodeStaging>,
 }
 
 impl Shared {
@@ -113,8 +117,13 @@ impl DecodeManager {
     ) -> Result<Self, StartError> {
         // SAFETY: the caller promises the buffers outlive the manager; the
         // manager deregisters them in `teardown` (a failed start at once).
+        let intra = config.nvlink_intra || !engine.moves_host_memory();
+        let staging = staging::DecodeStaging::new(&config.staging, &kv_args, intra)?;
+        let extra: Vec<(u64, u64)> = staging.iter().map(staging::DecodeStaging::region).collect();
+        // SAFETY: as above; the staging ring lives in `Shared`, which
+        // outlives the registration (released by the lifecycle first).
         let (local, registration) =
-            unsafe { role::register_memory(&kv_args, &engine, config.nvlink_intra)? };
+            unsafe { role::register_memory(&kv_args, &engine, config.nvlink_intra, &extra)? };
         let (mut lifecycle, stop_signal) =
             Lifecycle::new("decode", registration, config.secret.as_ref())?;
         let pull = lifecycle.bind_inbox(&config.local_ip, config.zmq_max_message_bytes)?;
@@ -132,6 +141,7 @@ impl DecodeManager {
             stopped: AtomicBool::new(false),
             stop_signal,
             local,
+            staging,
         });
         let s = shared.clone();
         let started = lifecycle
@@ -194,6 +204,15 @@ impl DecodeManager {
         let mut batch = inbox::StateBatch::default();
         inbox::handle(&self.shared, frames, &mut batch);
         batch.flush(&self.shared);
+    }
+
+    /// Staging ring allocations held (`None` without a ring): zero once
+    /// every chunk was scattered or its room cleared.
+    pub fn staging_allocations(&self) -> Option<usize> {
+        self.shared
+            .staging
+            .as_ref()
+            .map(staging::DecodeStaging::held)
     }
 
     /// The transfer engine's session id.

@@ -329,6 +329,12 @@ impl KvReceiver {
             self.shared.engine.session_id(),
             self.shared.engine.incarnation(),
         );
+        let mut registration = registration;
+        if let Some(staging) = &self.shared.staging {
+            let (base, size) = staging.region();
+            registration.staging_base_ptr = base;
+            registration.staging_total_size = size;
+        }
         let frames = registration.encode();
         for info in &infos {
             if let Err(e) = self
@@ -365,6 +371,20 @@ impl KvReceiver {
             self.room,
             RoomSlots::new(kv_indices, aux_index, state_indices),
         );
+        if let Some(m) = &self.mapping {
+            let prefills = infos
+                .iter()
+                .filter(|i| !i.is_dummy)
+                .map(|i| (i.pp_rank, i.endpoint()))
+                .collect();
+            super::staging::register_room(
+                &self.shared,
+                self.room,
+                kv_indices,
+                m.prefill_attn_tp_size,
+                prefills,
+            );
+        }
         let required = self.mapping.as_ref().map_or(1, |m| m.required_dst_info_num);
         let session = self.shared.engine.session_id().to_owned();
         for info in &infos {
@@ -577,7 +597,9 @@ impl KvReceiver {
         rooms.abort_acks.remove(&self.room);
         rooms.expected.remove(&self.room);
         rooms.slots.remove(&self.room);
-        rooms.chunk_ready.remove(&self.room);
+        drop(rooms);
+        super::staging::release_room(&self.shared, self.room);
+        let mut rooms = self.shared.rooms.lock();
         if let Some(set) = rooms.addr_rooms.get_mut(&self.bootstrap_addr) {
             set.remove(&self.room);
         }

@@ -67,8 +67,8 @@ pub(crate) struct DecodeRooms {
     pub abort_acks: HashMap<u64, AbortAcks>,
     /// Last abort generation handed out.
     pub generation: u64,
-    /// Staging notices received: `(room, chunk)`.
-    pub chunk_ready: HashMap<u64, HashSet<u64>>,
+    /// Rooms that receive through the staging ring.
+    pub staging: HashMap<u64, super::staging::StagingRoom>,
     /// The prefill ranks each room expects to hear from.
     pub expected: HashMap<u64, ExpectedRanks>,
     /// The slots each room's prefill ranks may write outside the engine.

@@ -39,6 +39,8 @@ pub struct RankMapping {
     pub required_dst_info_num: u64,
     /// Success messages this decode rank waits for per room.
     pub required_prefill_response_num: u64,
+    /// The prefill server's attention TP size.
+    pub prefill_attn_tp_size: u64,
 }
 
 /// Checks the prefill's topology against ours and maps ranks. Every size
@@ -88,6 +90,7 @@ pub fn resolve(
             required_prefill_response_num: p,
             target_cp_ranks: Vec::new(),
             target_pp_ranks: Vec::new(),
+            prefill_attn_tp_size: p,
         }
     } else if d == p {
         RankMapping {
@@ -97,6 +100,7 @@ pub fn resolve(
             required_prefill_response_num: 1,
             target_cp_ranks: Vec::new(),
             target_pp_ranks: Vec::new(),
+            prefill_attn_tp_size: p,
         }
     } else if d > p {
         if d % p != 0 {
@@ -110,6 +114,7 @@ pub fn resolve(
             required_prefill_response_num: 1,
             target_cp_ranks: Vec::new(),
             target_pp_ranks: Vec::new(),
+            prefill_attn_tp_size: p,
         }
     } else {
         if p % d != 0 {
@@ -124,6 +129,7 @@ pub fn resolve(
             required_prefill_response_num: if local.is_mla { 1 } else { ratio },
             target_cp_ranks: Vec::new(),
             target_pp_ranks: Vec::new(),
+            prefill_attn_tp_size: p,
         }
     };
     if info.attn_cp_size == 1 {

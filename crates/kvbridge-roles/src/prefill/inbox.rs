@@ -5,10 +5,11 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use kvbridge_plan::{PreparedPeer, TransferRequest};
+use kvbridge_plan::{PreparedPeer, StagingSource, TransferRequest};
 use kvbridge_wire::{Abort, KvPoll, Limits, Register, StagingRsp, ToPrefill, Transfer, Watermark};
 
 use super::Shared;
+use super::staged::{self, StagingDest};
 use super::state::{AckTarget, Concluded, Peer, PeerEntry, TransferInfo};
 use crate::control::PullSocket;
 use crate::kv_args::peer_registration;
@@ -73,16 +74,51 @@ fn on_register(shared: &Shared, r: &Register<'_>) {
             Peer::Rejected(format!("decode registration from {session} rejected: {e}"))
         }
     };
+    let staging = staging_dest(shared, r, &peer);
     let generation = shared.next_generation.fetch_add(1, Ordering::SeqCst);
+    // A registration is a new ring (or none): the old one's watermark
+    // says nothing about it.
+    shared.rooms.lock().staging.watermarks.remove(&session);
     shared.peers.write().insert(
         session.clone(),
         Arc::new(PeerEntry {
             generation,
             incarnation: r.incarnation.unwrap_or(0),
             peer,
+            staging,
         }),
     );
     shared.health.lock().recovered(&session);
+}
+
+/// How we stage towards a registered decode rank: both sides stage, and
+/// the pair's layouts stage (another TP size, a plain MHA/GQA pool).
+fn staging_dest(shared: &Shared, r: &Register<'_>, peer: &Peer) -> Option<StagingDest> {
+    shared.staging.as_ref()?;
+    let Peer::Ready(prepared) = peer else {
+        return None;
+    };
+    if r.staging_base_ptr == 0 || r.staging_total_size == 0 {
+        return None;
+    }
+    match StagingSource::new(&shared.kv_args.layout, prepared.registration()) {
+        Ok(source) => {
+            tracing::info!(
+                session = %r.mooncake_session_id,
+                ring = r.staging_total_size,
+                "staging towards this decode rank"
+            );
+            Some(StagingDest {
+                source,
+                ring_base: r.staging_base_ptr,
+                ring_size: r.staging_total_size,
+            })
+        }
+        Err(e) => {
+            tracing::debug!(session = %r.mooncake_session_id, error = %e, "no staging towards this decode rank");
+            None
+        }
+    }
 }
 
 fn on_transfer(shared: &Shared, t: &Transfer<'_>) {
@@ -183,9 +219,12 @@ fn on_transfer(shared: &Shared, t: &Transfer<'_>) {
     let complete = infos.len() as u64 == t.required_dst_info_num;
     if complete {
         let prefix = infos.iter().find_map(|i| i.decode_prefix_len).unwrap_or(0);
+        let infos = infos.to_vec();
         rooms.prefix_len.insert(room, prefix);
         rooms.table.update(room, KvPoll::WaitingForInput);
+        drop(rooms);
         tracing::debug!(room, "all decode destinations known");
+        staged::prefetch(shared, room, &infos);
     }
 }
 
@@ -234,6 +273,9 @@ fn on_watermark(shared: &Shared, w: &Watermark<'_>) {
     }
 }
 
+/// Most staging allocations kept per room and decode rank.
+const MAX_STAGED_CHUNKS_PER_ROOM: usize = 1 << 16;
+
 fn on_staging_rsp(shared: &Shared, s: &StagingRsp<'_>) {
     let mut rooms = shared.rooms.lock();
     let known = rooms
@@ -244,10 +286,12 @@ fn on_staging_rsp(shared: &Shared, s: &StagingRsp<'_>) {
         tracing::warn!(room = s.room, session = %s.session_id, "STAGING_RSP for an unknown destination");
         return;
     }
-    rooms
+    let chunks = rooms
         .staging
         .allocations
         .entry((s.room, s.session_id.to_string()))
-        .or_default()
-        .push((s.chunk_idx, s.offset, s.round, s.end));
+        .or_default();
+    if chunks.len() < MAX_STAGED_CHUNKS_PER_ROOM || chunks.contains_key(&s.chunk_idx) {
+        chunks.insert(s.chunk_idx, (s.offset, s.round, s.end));
+    }
 }

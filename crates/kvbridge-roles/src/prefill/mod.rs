@@ -12,6 +12,7 @@ mod pipeline;
 mod probe;
 mod sender;
 mod ship;
+mod staged;
 pub(crate) mod state;
 mod worker;
 
@@ -62,6 +63,8 @@ pub(crate) struct Shared {
     pub in_flight: usize,
     /// Our buffers for local reads, and what the engine has registered.
     pub local: crate::local::LocalMemory,
+    /// The staging gather buffers, when staging is on.
+    pub staging: Option<staged::PrefillStaging>,
 }
 
 impl Shared {
@@ -221,8 +224,16 @@ impl PrefillManager {
         // SAFETY: the caller promises (this function's contract) that every
         // buffer in `kv_args` outlives the manager; the manager deregisters
         // them in `teardown` before returning (a failed start at once).
+        let intra = config.nvlink_intra || !engine.moves_host_memory();
+        let staging =
+            staged::PrefillStaging::new(&config.staging, &kv_args, queue_count.max(1), intra)?;
+        let extra = staging
+            .as_ref()
+            .map_or_else(Vec::new, staged::PrefillStaging::regions);
+        // SAFETY: as above; the gather buffers live in `Shared`, which
+        // outlives the registration (released by the lifecycle first).
         let (local, registration) =
-            unsafe { role::register_memory(&kv_args, &engine, config.nvlink_intra)? };
+            unsafe { role::register_memory(&kv_args, &engine, config.nvlink_intra, &extra)? };
         let (mut lifecycle, stop_signal) =
             Lifecycle::new("prefill", registration, config.secret.as_ref())?;
         let pull = lifecycle.bind_inbox(&config.local_ip, config.zmq_max_message_bytes)?;
@@ -251,6 +262,7 @@ impl PrefillManager {
             queues: senders,
             in_flight,
             local,
+            staging,
         });
         let started = Self::spawn_threads(&shared, &mut lifecycle, pull, receivers);
         let manager = Self {
@@ -282,7 +294,7 @@ impl PrefillManager {
         lifecycle.spawn("kvb-prefill-inbox".into(), move || inbox::run(&s, pull))?;
         for (i, rx) in receivers.into_iter().enumerate() {
             let s = shared.clone();
-            lifecycle.spawn(format!("kvb-prefill-w{i}"), move || worker::run(&s, &rx))?;
+            lifecycle.spawn(format!("kvb-prefill-w{i}"), move || worker::run(&s, &rx, i))?;
         }
         if shared.config.probe.enabled {
             let s = shared.clone();

@@ -124,6 +124,9 @@ struct RoomState {
     tickets: usize,
     /// The room's last chunk, once closed.
     last: Option<Ticket>,
+    /// Tickets of the room still open (a chunk whose staged writes wait
+    /// for the decode's ring stays open): the room is not ready before.
+    open: usize,
     /// Whether a batch of the room failed while it was tracked.
     failed: bool,
 }
@@ -177,7 +180,9 @@ impl Pipeline {
                 failed: false,
             },
         );
-        self.rooms.entry(room).or_default().tickets += 1;
+        let r = self.rooms.entry(room).or_default();
+        r.tickets += 1;
+        r.open += 1;
         self.next_ticket
     }
 
@@ -203,12 +208,15 @@ impl Pipeline {
         let Some(t) = self.tickets.get_mut(&ticket) else {
             return;
         };
-        t.open = false;
+        let was_open = std::mem::replace(&mut t.open, false);
         let room = t.room;
-        if t.is_last
-            && let Some(r) = self.rooms.get_mut(&room)
-        {
-            r.last = Some(ticket);
+        if let Some(r) = self.rooms.get_mut(&room) {
+            if was_open {
+                r.open = r.open.saturating_sub(1);
+            }
+            if t.is_last {
+                r.last = Some(ticket);
+            }
         }
         self.settle(ticket);
     }
@@ -266,7 +274,7 @@ impl Pipeline {
         let drained = self
             .rooms
             .get(&room)
-            .filter(|r| r.in_flight == 0)
+            .filter(|r| r.in_flight == 0 && r.open == 0)
             .and_then(|r| r.last.map(|last| (last, r.failed)));
         if let Some((_, false)) = drained {
             self.events.push_back(Event::RoomReady { room });
@@ -371,6 +379,21 @@ mod tests {
             ]
         );
         assert!(p.is_idle());
+    }
+
+    #[test]
+    fn an_earlier_chunk_still_open_holds_the_room() {
+        let mut p = Pipeline::new(4);
+        let first = p.open(1, false);
+        let last = p.open(1, true);
+        p.close(last);
+        assert!(
+            events(&mut p).is_empty(),
+            "room ready with a chunk still open"
+        );
+        p.close(first);
+        let ev = events(&mut p);
+        assert!(ev.iter().any(|e| e.starts_with("ready")), "{ev:?}");
     }
 
     #[test]

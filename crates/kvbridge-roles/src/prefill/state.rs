@@ -57,6 +57,8 @@ pub(crate) struct PeerEntry {
     pub incarnation: u64,
     /// The registration, prepared or rejected.
     pub peer: Peer,
+    /// The decode rank's staging ring, when we stage towards it.
+    pub staging: Option<super::staged::StagingDest>,
 }
 
 /// A decode session's registration, prepared for planning or rejected.
@@ -76,16 +78,16 @@ pub(crate) struct AckTarget {
     pub generation: Option<u64>,
 }
 
-/// One staging allocation: `(chunk, offset, round, end)`.
-pub(crate) type StagingAllocation = (u64, i64, i64, i64);
+/// One staging allocation the decode answered: `(offset, round, end)`.
+pub(crate) type StagingAllocation = (i64, i64, i64);
 
-/// Staging-path control messages, recorded until the staging data path uses them.
+/// What decode ranks told us about their staging rings.
 #[derive(Debug, Default)]
 pub(crate) struct StagingRecords {
-    /// Latest watermark per session: `(round, tail)`.
+    /// Latest watermark per decode session: `(round, tail)`.
     pub watermarks: HashMap<String, (u64, u64)>,
-    /// Allocations per `(room, session)`: `(chunk, offset, round, end)`.
-    pub allocations: HashMap<(u64, String), Vec<StagingAllocation>>,
+    /// Allocations per `(room, session)`, by chunk.
+    pub allocations: HashMap<(u64, String), HashMap<u64, StagingAllocation>>,
 }
 
 /// Room-level state of the prefill side.

@@ -12,11 +12,11 @@
 //! while another could proceed (a slow destination holds only its own
 //! batches' slots), or trusts a batch's result it has not been told.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
-use crossbeam_channel::{Receiver, TryRecvError};
+use crossbeam_channel::{Receiver, RecvTimeoutError, TryRecvError};
 use kvbridge_engine::{Batch, ErrorKind, TransferError};
 use kvbridge_plan::{Block, Planner, TransferChunk, TransferPlan, TransferRequest};
 use kvbridge_wire::KvPoll;
@@ -24,25 +24,36 @@ use kvbridge_wire::KvPoll;
 use super::flight::Flight;
 use super::pipeline::{Event, Failure, Part, Submitted, Ticket};
 use super::ship;
-use super::state::{Peer, PeerEntry, TransferInfo};
+use super::staged::{self, Grid, StagedTask, Step};
+use super::state::{Peer, PeerEntry, RoomsState, TransferInfo};
 use super::{QueuedChunk, Shared};
 
 /// Batches a worker keeps in flight at least, whatever the thread pool size:
 /// enough to overlap planning, sending and acknowledgements.
 const MIN_IN_FLIGHT: usize = 4;
 
+/// How long a worker with staged chunks waiting (allocation, ring space)
+/// sleeps between attempts when nothing else is to be done.
+const STAGED_RETRY: Duration = Duration::from_millis(1);
+
 /// Processes chunks until a `None` sentinel (teardown) or a closed queue;
-/// between chunks it accounts for finished batches and acts on them.
-pub(crate) fn run(shared: &Shared, queue: &Receiver<Option<QueuedChunk>>) {
+/// between chunks it accounts for finished batches and acts on them, and
+/// retries staged chunks that wait for the decode's ring.
+pub(crate) fn run(shared: &Shared, queue: &Receiver<Option<QueuedChunk>>, index: usize) {
     let mut planner = Planner::new();
     planner.set_strided_kv(shared.engine.copies_runs());
     let mut worker = Worker {
         shared,
         flight: Flight::new(shared.in_flight.max(MIN_IN_FLIGHT)),
         finales: HashMap::new(),
+        index,
+        grid: Grid::default(),
+        deferred: VecDeque::new(),
+        waiting: HashMap::new(),
     };
     loop {
         worker.handle_events();
+        worker.retry_deferred();
         let next = if !worker.flight.is_idle() {
             match queue.try_recv() {
                 Ok(next) => next,
@@ -53,6 +64,12 @@ pub(crate) fn run(shared: &Shared, queue: &Receiver<Option<QueuedChunk>>) {
                     continue;
                 }
                 Err(TryRecvError::Disconnected) => None,
+            }
+        } else if !worker.deferred.is_empty() {
+            match queue.recv_timeout(STAGED_RETRY) {
+                Ok(next) => next,
+                Err(RecvTimeoutError::Timeout) => continue,
+                Err(RecvTimeoutError::Disconnected) => None,
             }
         } else {
             queue.recv().ok().flatten()
@@ -86,6 +103,15 @@ struct Worker<'s> {
     flight: Flight,
     /// Rooms whose last chunk is submitted for every decode rank.
     finales: HashMap<u64, Vec<Finale>>,
+    /// This worker's number (its staging buffer).
+    index: usize,
+    /// Rooms' pages not yet forming a whole staging chunk.
+    grid: Grid,
+    /// Staged chunks waiting for their allocation or ring space.
+    deferred: VecDeque<StagedTask>,
+    /// Staged chunks still waiting per open chunk (ticket): the ticket
+    /// closes once none is left.
+    waiting: HashMap<Ticket, usize>,
 }
 
 impl Worker<'_> {
@@ -106,9 +132,61 @@ impl Worker<'_> {
         let ticket = self.flight.open(room, queued.chunk.is_last_chunk);
         match infos {
             Some(infos) => self.send_chunk(planner, ticket, room, &queued.chunk, &infos),
-            None => tracing::debug!(room, "skipping chunk of a failed or cleared room"),
+            None => {
+                self.grid.forget(room);
+                tracing::debug!(room, "skipping chunk of a failed or cleared room");
+            }
         }
-        self.flight.close(ticket);
+        if !self.waiting.contains_key(&ticket) {
+            self.flight.close(ticket);
+        }
+    }
+
+    /// Tries a staged chunk now; one that must wait is kept (its ticket
+    /// stays open, so the room's status waits for it).
+    fn stage(&mut self, task: StagedTask) {
+        let buffer = self
+            .shared
+            .staging
+            .as_ref()
+            .and_then(|s| s.buffer(self.index));
+        let step = match buffer {
+            Some(buffer) => staged::attempt(self.shared, buffer, &task),
+            None => Step::Done,
+        };
+        if step == Step::NotReady {
+            *self.waiting.entry(task.ticket).or_default() += 1;
+            self.deferred.push_back(task);
+        }
+    }
+
+    /// Retries every waiting staged chunk once, in order.
+    fn retry_deferred(&mut self) {
+        let Some(buffer) = self
+            .shared
+            .staging
+            .as_ref()
+            .and_then(|s| s.buffer(self.index))
+        else {
+            return;
+        };
+        for _ in 0..self.deferred.len() {
+            let Some(task) = self.deferred.pop_front() else {
+                break;
+            };
+            if staged::attempt(self.shared, buffer, &task) == Step::NotReady {
+                self.deferred.push_back(task);
+                continue;
+            }
+            let left = self.waiting.get_mut(&task.ticket).map(|n| {
+                *n -= 1;
+                *n
+            });
+            if left == Some(0) {
+                self.waiting.remove(&task.ticket);
+                self.flight.close(task.ticket);
+            }
+        }
     }
 
     /// Submits the chunk's batches for every decode rank of the room; on
@@ -124,6 +202,9 @@ impl Worker<'_> {
         let shared = self.shared;
         let mut finales = Vec::new();
         let mut recorded = false;
+        // The room's whole staging chunks this chunk completes (computed
+        // once per chunk, for every staging destination).
+        let mut grid_chunks: Option<Vec<staged::GridChunk>> = None;
         for info in infos {
             let Some(request) = &info.request else {
                 // A dummy destination holds no KV from this rank: it succeeds on
@@ -144,10 +225,39 @@ impl Worker<'_> {
                 }
             };
             let started = Instant::now();
+            let staging = shared.staging.as_ref().filter(|_| entry.staging.is_some());
+            if let Some(staging) = staging {
+                if grid_chunks.is_none() {
+                    let g = staging.chunk_pages;
+                    let start = chunk.index_slice_start;
+                    let pages = &chunk.prefill_kv_indices;
+                    match self.grid.add(room, start, pages, chunk.is_last_chunk, g) {
+                        Ok(c) => grid_chunks = Some(c),
+                        Err(reason) => {
+                            fail(shared, room, reason);
+                            break;
+                        }
+                    }
+                }
+                let deadline = Instant::now() + staging.wait_timeout;
+                for c in grid_chunks.iter().flatten() {
+                    self.stage(StagedTask {
+                        ticket,
+                        room,
+                        info: info.clone(),
+                        entry: entry.clone(),
+                        chunk_idx: c.index,
+                        page_start: c.page_start,
+                        pages: c.pages.clone(),
+                        deadline,
+                    });
+                }
+            }
             let aux = (chunk.is_last_chunk && (shared.config.send_aux_tcp || shared.local.intra))
                 .then_some((chunk.prefill_aux_index, request.dst_aux_index));
             let incarnation = entry.incarnation;
-            let Some(host_states) = self.send_plan(ticket, room, info, incarnation, plan, aux)
+            let kv = staging.is_none();
+            let Some(host_states) = self.send_plan(ticket, room, info, incarnation, plan, aux, kv)
             else {
                 break;
             };
@@ -173,11 +283,13 @@ impl Worker<'_> {
         }
     }
 
-    /// The one loop that moves a plan: every batch (KV blocks, KV runs, and
-    /// on the last chunk state and aux blocks unless aux goes over zmq) in
-    /// pieces of at most `max_batch_blocks`, through the pipeline. Returns
-    /// the host-sourced state blocks kept for after the KV, or `None` when
-    /// the room stopped (aborted, failed).
+    /// The one loop that moves a plan: every batch (KV blocks and runs
+    /// unless `kv` is false (staged), and on the last chunk state and aux
+    /// blocks unless aux goes over zmq) in pieces of at most
+    /// `max_batch_blocks`, through the pipeline. Returns the host-sourced
+    /// state blocks kept for after the KV, or `None` when the room stopped
+    /// (aborted, failed).
+    #[allow(clippy::too_many_arguments)]
     fn send_plan(
         &mut self,
         ticket: Ticket,
@@ -186,6 +298,7 @@ impl Worker<'_> {
         incarnation: u64,
         plan: &TransferPlan,
         aux_over_zmq: Option<(Option<u64>, u64)>,
+        kv: bool,
     ) -> Option<Vec<Block>> {
         let shared = self.shared;
         let cap = match shared.config.max_batch_blocks {
@@ -197,8 +310,13 @@ impl Worker<'_> {
         // its engine): each batch costs a request, an ack and a destination
         // check, which per layer dominated head-sliced (heterogeneous-TP)
         // chunks. State and aux blocks exist on the last chunk only.
-        let kv = std::iter::once((Part::Kv, Batch::Blocks(plan.kv_blocks())));
-        let runs = std::iter::once((Part::Kv, Batch::Runs(plan.kv_runs())));
+        let (blocks, runs): (&[Block], &[kvbridge_plan::Run]) = if kv {
+            (plan.kv_blocks(), plan.kv_runs())
+        } else {
+            (&[], &[])
+        };
+        let kv = std::iter::once((Part::Kv, Batch::Blocks(blocks)));
+        let runs = std::iter::once((Part::Kv, Batch::Runs(runs)));
         let states = std::iter::once((Part::State, Batch::Blocks(plan.state_blocks())));
         let aux = aux_over_zmq
             .is_none()
@@ -336,8 +454,14 @@ impl Worker<'_> {
         shared.conclude(room, status, Some(targets), reason);
     }
 
-    /// Waits for every batch in flight and acts on each.
+    /// Waits for every batch in flight and acts on each; staged chunks
+    /// still waiting are given up (the manager is stopping).
     fn drain(&mut self) {
+        for task in std::mem::take(&mut self.deferred) {
+            if self.waiting.remove(&task.ticket).is_some() {
+                self.flight.close(task.ticket);
+            }
+        }
         loop {
             self.handle_events();
             if self.flight.is_idle() {
@@ -466,10 +590,12 @@ fn fail(shared: &Shared, room: u64, reason: String) {
 }
 
 fn room_failed(shared: &Shared, room: u64) -> bool {
-    matches!(
-        shared.rooms.lock().table.get(room),
-        None | Some(KvPoll::Failed)
-    )
+    is_stopped(&shared.rooms.lock(), room)
+}
+
+/// Whether `room` takes no more writes (failed, aborted or cleared).
+pub(crate) fn is_stopped(rooms: &RoomsState, room: u64) -> bool {
+    matches!(rooms.table.get(room), None | Some(KvPoll::Failed))
 }
 
 /// Counts an engine failure and blacklists the session, only on

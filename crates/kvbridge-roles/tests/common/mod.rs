@@ -17,6 +17,7 @@ use kvbridge_plan::PrefillLayout;
 use kvbridge_roles::bootstrap::BootstrapServer;
 use kvbridge_roles::{
     DecodeConfig, DecodeManager, KvArgs, KvPoll, ParallelRank, PrefillConfig, PrefillManager,
+    StagingConfig,
 };
 
 /// KV pools of one rank: `layers` K buffers then `layers` V buffers of
@@ -293,6 +294,39 @@ impl Cluster {
         pages: u64,
         engine: impl Fn() -> Arc<dyn TransferEngine>,
     ) -> Self {
+        Self::build(
+            model, prefill_tp, prefill_pp, decode_tp, pages, engine, None,
+        )
+    }
+
+    /// [`Cluster::new`] with `staging` on every rank.
+    pub fn staged(
+        model: ModelSpec,
+        prefill_tp: u64,
+        decode_tp: u64,
+        pages: u64,
+        staging: StagingConfig,
+    ) -> Self {
+        Self::build(
+            model,
+            prefill_tp,
+            1,
+            decode_tp,
+            pages,
+            tcp_engine,
+            Some(staging),
+        )
+    }
+
+    fn build(
+        model: ModelSpec,
+        prefill_tp: u64,
+        prefill_pp: u64,
+        decode_tp: u64,
+        pages: u64,
+        engine: impl Fn() -> Arc<dyn TransferEngine>,
+        staging: Option<StagingConfig>,
+    ) -> Self {
         let bootstrap = bootstrap();
         // Positional PP pairing (no layer ids, as sglang's plain pools)
         // needs equal stages; an uneven split pairs by layer id on both sides.
@@ -317,6 +351,9 @@ impl Cluster {
                 let mut config = prefill_config(bootstrap.local_addr(), prefill_tp, tp);
                 config.rank.pp_size = prefill_pp;
                 config.rank.pp_rank = pp;
+                if let Some(s) = &staging {
+                    config.staging = s.clone();
+                }
                 let manager = start_prefill(config, kv_args(&pools), engine());
                 prefill.push((manager, pools));
             }
@@ -330,7 +367,11 @@ impl Cluster {
                 pp_rank: 0,
             };
             let pools = RankPools::new(model.clone(), rank, pages, 8).expect("pools");
-            let manager = start_decode(decode_config(decode_tp), kv_args(&pools), tcp_engine());
+            let mut config = decode_config(decode_tp);
+            if let Some(s) = &staging {
+                config.staging = s.clone();
+            }
+            let manager = start_decode(config, kv_args(&pools), tcp_engine());
             decode.push((manager, pools));
         }
         Self {

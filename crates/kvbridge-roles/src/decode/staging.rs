@@ -1,0 +1,479 @@
+//! The decode side of staging (sglang `DecodeStagingHandler` and
+//! `handle_staging_req`): a ring registered with the engine, an allocation
+//! per `(room, chunk)` on `STAGING_REQ` answered with `STAGING_RSP`, the
+//! scatter into the room's pages once every writer's `CHUNK_READY` is in,
+//! and a `WATERMARK` to every prefill rank that asked whenever freeing
+//! moves it.
+//!
+//! **Owns:** the ring memory and allocator, each room's chunk
+//! allocations, and the rule that a room succeeds only once every
+//! allocated chunk is scattered.
+//! **Never:** scatters into a room that takes no writes (aborted, failed,
+//! cleared), or anywhere but the room's own pages, from the room's own
+//! allocation, at the sizes it allocated.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+
+use kvbridge_mem::{HostBuffer, Strided, probe_kind};
+use kvbridge_plan::StagingTarget;
+use kvbridge_wire::{ChunkReady, KvPoll, StagingReq, StagingRsp, Watermark};
+use parking_lot::Mutex;
+
+use super::Shared;
+use super::ring::{Allocation, Ring};
+use crate::config::StagingConfig;
+use crate::error::ConfigError;
+use crate::kv_args::KvArgs;
+
+/// `STAGING_RSP` offset for a chunk larger than the whole ring (sglang
+/// `StagingAllocator.ALLOC_OVERSIZED`).
+pub(crate) const ALLOC_OVERSIZED: i64 = -2;
+
+/// Most chunks one room may hold allocations for.
+const MAX_CHUNKS_PER_ROOM: usize = 1 << 16;
+
+/// Most prefill endpoints that get watermark updates.
+const MAX_SUBSCRIBERS: usize = 4096;
+
+/// The ring and who hears about it.
+#[derive(Debug)]
+pub(crate) struct DecodeStaging {
+    buffer: HostBuffer,
+    ring: Mutex<Ring>,
+    /// Prefill rank endpoints that asked for allocations.
+    subscribers: Mutex<HashSet<String>>,
+    chunk_pages: u64,
+}
+
+impl DecodeStaging {
+    /// The ring for `config`, or `None` where staging is off or cannot
+    /// apply (an MLA pool); refused for device-memory KV, which this side
+    /// scatters with the CPU.
+    pub fn new(
+        config: &StagingConfig,
+        kv_args: &KvArgs,
+        intra: bool,
+    ) -> Result<Option<Self>, ConfigError> {
+        if !config.enabled {
+            return Ok(None);
+        }
+        let layout = &kv_args.layout;
+        if layout.is_any_mla() {
+            tracing::info!("staging enabled but the KV pool is MLA (whole pages): no staging ring");
+            return Ok(None);
+        }
+        if intra {
+            tracing::info!(
+                "staging enabled but the intra-node transport copies head slices itself: no staging ring"
+            );
+            return Ok(None);
+        }
+        if layout
+            .kv_data_ptrs
+            .iter()
+            .any(|p| !probe_kind(*p).is_host_accessible())
+        {
+            return Err(ConfigError::Setting(
+                "SGLANG_DISAGG_STAGING_BUFFER: the staging scatter runs on the CPU and the KV pool \
+                 is in device memory; unset it (the CUDA IPC transport copies head slices on the \
+                 GPU, the network engines as strided runs)"
+                    .into(),
+            ));
+        }
+        let bytes = usize::try_from(config.pool_bytes)
+            .ok()
+            .filter(|b| *b > 0)
+            .ok_or_else(|| {
+                ConfigError::Setting(format!(
+                    "a staging ring of {} bytes (SGLANG_DISAGG_STAGING_POOL_SIZE_MB) is not usable",
+                    config.pool_bytes
+                ))
+            })?;
+        let buffer = HostBuffer::new(bytes).map_err(|e| {
+            ConfigError::Setting(format!("cannot allocate a {bytes}-byte staging ring: {e}"))
+        })?;
+        tracing::info!(
+            bytes,
+            addr = format_args!("{:#x}", buffer.addr()),
+            "staging ring allocated"
+        );
+        Ok(Some(Self {
+            ring: Mutex::new(Ring::new(bytes as u64)),
+            buffer,
+            subscribers: Mutex::new(HashSet::new()),
+            chunk_pages: config.chunk_pages(layout.page_size),
+        }))
+    }
+
+    /// Allocations held.
+    pub fn held(&self) -> usize {
+        self.ring.lock().held()
+    }
+
+    /// The ring's memory, `(address, length)`, for registration.
+    pub fn region(&self) -> (u64, u64) {
+        self.buffer.region()
+    }
+}
+
+/// Where a chunk's allocation stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum SlotState {
+    /// Allocated, waiting for its writers.
+    Held(Allocation),
+    /// Larger than the whole ring.
+    Oversized,
+    /// Scattered into the pages and freed.
+    Scattered,
+}
+
+/// One chunk's allocation in a room.
+#[derive(Debug)]
+struct ChunkSlot {
+    state: SlotState,
+    /// Pages the allocation was sized for.
+    pages: u64,
+    /// Writers (prefill unique ranks) whose `CHUNK_READY` arrived.
+    arrived: HashSet<u64>,
+}
+
+/// A room that receives through the staging ring.
+#[derive(Debug)]
+pub(crate) struct StagingRoom {
+    target: Arc<StagingTarget>,
+    /// The room's destination pages, as sent to the prefill.
+    pages: Vec<i32>,
+    /// `(pp rank, endpoint)` of the room's prefill ranks.
+    prefills: Vec<(u64, String)>,
+    chunks: HashMap<u64, ChunkSlot>,
+}
+
+impl StagingRoom {
+    /// Chunks allocated and not yet scattered.
+    pub fn pending(&self) -> usize {
+        self.chunks
+            .values()
+            .filter(|c| matches!(c.state, SlotState::Held(_)))
+            .count()
+    }
+}
+
+/// Registers `room` for staging when this pair stages: staging on here,
+/// a prefill of another TP size, a layout that stages.
+pub(crate) fn register_room(
+    shared: &Shared,
+    room: u64,
+    pages: &[i32],
+    prefill_tp: u64,
+    prefills: Vec<(u64, String)>,
+) {
+    if shared.staging.is_none() {
+        return;
+    }
+    let target = match StagingTarget::new(&shared.kv_args.layout, prefill_tp) {
+        Ok(t) => Arc::new(t),
+        Err(e) => {
+            tracing::debug!(room, error = %e, "room takes the per-slice path");
+            return;
+        }
+    };
+    let mut rooms = shared.rooms.lock();
+    release_locked(shared, &mut rooms.staging, room);
+    rooms.staging.insert(
+        room,
+        StagingRoom {
+            target,
+            pages: pages.to_vec(),
+            prefills,
+            chunks: HashMap::new(),
+        },
+    );
+}
+
+/// `STAGING_REQ`: allocate once per `(room, chunk)` (several prefill ranks
+/// ask for the same one) and answer the asking stage's ranks.
+pub(crate) fn on_staging_req(shared: &Shared, r: &StagingReq<'_>) {
+    let Some(staging) = &shared.staging else {
+        shared.metrics.dropped("staging_req");
+        tracing::warn!(
+            room = r.room,
+            chunk = r.chunk_idx,
+            "STAGING_REQ received but staging is not enabled here (SGLANG_DISAGG_STAGING_BUFFER)"
+        );
+        return;
+    };
+    let (answer, targets) = {
+        let mut rooms = shared.rooms.lock();
+        let live = matches!(
+            rooms.table.get(r.room),
+            Some(KvPoll::WaitingForInput | KvPoll::Transferring)
+        );
+        let Some(room) = rooms.staging.get_mut(&r.room).filter(|_| live) else {
+            drop(rooms);
+            shared.metrics.dropped("staging_req");
+            tracing::warn!(
+                room = r.room,
+                chunk = r.chunk_idx,
+                "STAGING_REQ for a room not staging here"
+            );
+            return;
+        };
+        let chunk_end = r
+            .chunk_idx
+            .saturating_add(1)
+            .saturating_mul(staging.chunk_pages);
+        let pages_fit = r.chunk_num_pages > 0
+            && r.chunk_num_pages <= staging.chunk_pages
+            && chunk_end.saturating_sub(staging.chunk_pages) < room.pages.len() as u64;
+        if !pages_fit {
+            drop(rooms);
+            shared.metrics.dropped("staging_req");
+            tracing::warn!(
+                room = r.room,
+                chunk = r.chunk_idx,
+                pages = r.chunk_num_pages,
+                "STAGING_REQ for a chunk the room does not have"
+            );
+            return;
+        }
+        if !room.chunks.contains_key(&r.chunk_idx) && room.chunks.len() >= MAX_CHUNKS_PER_ROOM {
+            drop(rooms);
+            shared.metrics.dropped("staging_req");
+            return;
+        }
+        let target = room.target.clone();
+        let slot = room.chunks.entry(r.chunk_idx).or_insert_with(|| {
+            let required = target.required(r.chunk_num_pages).ok();
+            let mut ring = staging.ring.lock();
+            let alloc = required.and_then(|n| ring.assign(n));
+            if alloc.is_none() {
+                tracing::error!(
+                    room = r.room,
+                    chunk = r.chunk_idx,
+                    need = ?required,
+                    ring = ring.size(),
+                    "a staging chunk exceeds the ring; increase SGLANG_DISAGG_STAGING_POOL_SIZE_MB"
+                );
+            }
+            ChunkSlot {
+                state: alloc.map_or(SlotState::Oversized, SlotState::Held),
+                pages: r.chunk_num_pages,
+                arrived: HashSet::new(),
+            }
+        });
+        let answer = match slot.state {
+            SlotState::Held(a) => (a.offset as i64, a.round as i64, (a.offset + a.len) as i64),
+            SlotState::Oversized => (ALLOC_OVERSIZED, 0, -1),
+            SlotState::Scattered => {
+                // Written and freed: its old place may hold another chunk now.
+                drop(rooms);
+                tracing::debug!(
+                    room = r.room,
+                    chunk = r.chunk_idx,
+                    "STAGING_REQ for a chunk already scattered"
+                );
+                return;
+            }
+        };
+        let targets: Vec<String> = room
+            .prefills
+            .iter()
+            .filter(|(pp, _)| r.requester_pp_rank.is_none_or(|want| *pp == want))
+            .map(|(_, e)| e.clone())
+            .collect();
+        (answer, targets)
+    };
+    let (offset, round, end) = answer;
+    let rsp = StagingRsp {
+        room: r.room,
+        chunk_idx: r.chunk_idx,
+        offset,
+        round,
+        end,
+        session_id: r.session_id.clone(),
+    };
+    let frames = rsp.encode();
+    let watermark = staging.ring.lock().watermark();
+    for endpoint in &targets {
+        if let Err(e) = shared
+            .push
+            .send(endpoint, frames.iter().map(|f| f.as_ref()))
+        {
+            tracing::warn!(room = r.room, %endpoint, error = %e, "cannot send STAGING_RSP");
+        }
+        // A new subscriber hears the current watermark at once, so its
+        // first wrapped allocation never waits on an update it missed.
+        let new = {
+            let mut subs = staging.subscribers.lock();
+            subs.len() < MAX_SUBSCRIBERS && subs.insert(endpoint.clone())
+        };
+        if new {
+            send_watermark(shared, endpoint, watermark);
+        }
+    }
+}
+
+/// `CHUNK_READY`: counts the writer; once every writer of the chunk is in,
+/// scatters the chunk into the room's pages and frees its allocation.
+pub(crate) fn on_chunk_ready(shared: &Shared, c: &ChunkReady<'_>) {
+    let Some(staging) = &shared.staging else {
+        shared.metrics.dropped("chunk_ready");
+        return;
+    };
+    let mut rooms = shared.rooms.lock();
+    let live = matches!(
+        rooms.table.get(c.room),
+        Some(KvPoll::WaitingForInput | KvPoll::Transferring)
+    );
+    let writer = c.prefill_unique_rank.unwrap_or(u64::MAX);
+    let Some(room) = rooms.staging.get_mut(&c.room).filter(|_| live) else {
+        drop(rooms);
+        shared.metrics.dropped("chunk_ready");
+        tracing::debug!(
+            room = c.room,
+            chunk = c.chunk_idx,
+            "CHUNK_READY for a room not taking writes"
+        );
+        return;
+    };
+    let writers = room.target.writers();
+    let Some(slot) = room.chunks.get_mut(&c.chunk_idx) else {
+        drop(rooms);
+        shared.metrics.dropped("chunk_ready");
+        tracing::warn!(
+            room = c.room,
+            chunk = c.chunk_idx,
+            "CHUNK_READY for a chunk never allocated"
+        );
+        return;
+    };
+    let SlotState::Held(alloc) = slot.state else {
+        return;
+    };
+    let start = usize::try_from(c.page_start).ok();
+    let end = start.and_then(|s| s.checked_add(usize::try_from(c.num_pages).ok()?));
+    let pages = match (start, end) {
+        (Some(s), Some(e)) if c.num_pages == slot.pages && e <= room.pages.len() => {
+            room.pages[s..e].to_vec()
+        }
+        _ => {
+            drop(rooms);
+            shared.metrics.dropped("chunk_ready");
+            tracing::warn!(
+                room = c.room,
+                chunk = c.chunk_idx,
+                page_start = c.page_start,
+                pages = c.num_pages,
+                "CHUNK_READY names pages outside the chunk's allocation"
+            );
+            return;
+        }
+    };
+    slot.arrived.insert(writer);
+    if (slot.arrived.len() as u64) < writers {
+        return;
+    }
+    slot.state = SlotState::Scattered;
+    let target = room.target.clone();
+    // The scatter runs under the rooms lock: an abort or clear of this
+    // room waits for it, so no scatter lands after the room stopped.
+    let scattered = scatter(shared, staging, &target, alloc, &pages);
+    if let Err(reason) = scattered {
+        rooms.table.fail(c.room, reason.clone());
+        drop(rooms);
+        shared.metrics.room_concluded(false);
+        tracing::error!(room = c.room, %reason, "staging scatter failed");
+    } else {
+        drop(rooms);
+    }
+    free(shared, staging, alloc.id);
+}
+
+fn scatter(
+    shared: &Shared,
+    staging: &DecodeStaging,
+    target: &StagingTarget,
+    alloc: Allocation,
+    pages: &[i32],
+) -> Result<(), String> {
+    let region = staging.buffer.addr() + alloc.offset;
+    let mut runs = Vec::new();
+    target
+        .scatter(region, pages, &mut runs)
+        .map_err(|e| format!("cannot plan the staging scatter: {e}"))?;
+    let mut bytes = 0u64;
+    for run in &runs {
+        let copy = Strided {
+            src: run.src,
+            dst: run.dst,
+            len: run.len,
+            count: run.count,
+            src_stride: run.src_stride,
+            dst_stride: run.dst_stride,
+        };
+        shared
+            .local
+            .registry
+            .copy_strided(&copy)
+            .map_err(|e| format!("staging scatter: {e}"))?;
+        bytes = bytes.saturating_add(run.bytes());
+    }
+    if bytes > alloc.len {
+        return Err(format!(
+            "staging scatter of {bytes} bytes exceeds its {}-byte allocation",
+            alloc.len
+        ));
+    }
+    shared.metrics.staged_bytes.inc_by(bytes);
+    Ok(())
+}
+
+fn free(shared: &Shared, staging: &DecodeStaging, id: u64) {
+    let (moved, watermark) = {
+        let mut ring = staging.ring.lock();
+        (ring.free(id), ring.watermark())
+    };
+    if moved {
+        let subscribers: Vec<String> = staging.subscribers.lock().iter().cloned().collect();
+        for endpoint in &subscribers {
+            send_watermark(shared, endpoint, watermark);
+        }
+    }
+}
+
+fn send_watermark(shared: &Shared, endpoint: &str, (round, tail): (u64, u64)) {
+    let message = Watermark {
+        wm_round: round,
+        wm_tail: tail,
+        session_id: shared.engine.session_id().into(),
+    };
+    if let Err(e) = shared
+        .push
+        .send(endpoint, message.encode().iter().map(|f| f.as_ref()))
+    {
+        tracing::debug!(%endpoint, error = %e, "cannot send WATERMARK");
+    }
+}
+
+/// Frees every allocation `room` still holds (cleared, or re-registered).
+fn release_locked(shared: &Shared, rooms: &mut HashMap<u64, StagingRoom>, room: u64) {
+    let Some(staging) = &shared.staging else {
+        return;
+    };
+    let Some(r) = rooms.remove(&room) else {
+        return;
+    };
+    for (chunk, slot) in r.chunks {
+        if let SlotState::Held(a) = slot.state {
+            tracing::debug!(room, chunk, "releasing an unscattered staging allocation");
+            free(shared, staging, a.id);
+        }
+    }
+}
+
+/// Frees every allocation `room` still holds (the room is cleared).
+pub(crate) fn release_room(shared: &Shared, room: u64) {
+    let mut rooms = shared.rooms.lock();
+    release_locked(shared, &mut rooms.staging, room);
+}

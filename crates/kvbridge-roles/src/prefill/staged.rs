@@ -1,0 +1,481 @@
+//! The prefill side of staging (the reference's `_do_staging_transfer`,
+//! `send_kvcache_staged`, `_prefetch_staging_reqs`): for a decode rank of
+//! another TP size that registered a staging ring, a room's pages go in
+//! chunks of `chunk_pages` (the reference's grid): each chunk's head
+//! slices are gathered into the worker's buffer, written with one bulk
+//! write per piece into the allocation the decode answered, and announced
+//! with `CHUNK_READY`, after which the decode scatters it.
+//!
+//! **Owns:** the per-worker gather buffers, asking for allocations as soon
+//! as a room's destinations are known (`STAGING_REQ`), grouping a room's
+//! pages into grid chunks, waiting (bounded, never blocking other rooms)
+//! for an allocation and for ring space (the watermark), and the order
+//! write → `CHUNK_READY`.
+//! **Never:** writes an allocation the watermark has not released, writes
+//! outside the allocation the decode answered, or sends `CHUNK_READY`
+//! before its bytes are written.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvbridge_engine::{Batch, Target};
+use kvbridge_mem::{HostBuffer, Strided, probe_kind};
+use kvbridge_plan::{Block, Run, StagingSource, watermark_ready};
+use kvbridge_wire::{ChunkReady, StagingReq};
+
+use super::Shared;
+use super::state::{PeerEntry, TransferInfo};
+use crate::config::StagingConfig;
+use crate::error::ConfigError;
+use crate::kv_args::KvArgs;
+
+/// `STAGING_RSP` offset for a chunk larger than the whole ring.
+const ALLOC_OVERSIZED: i64 = -2;
+
+/// A decode rank's staging ring, and how we stage towards it.
+#[derive(Debug)]
+pub(crate) struct StagingDest {
+    /// Our gather geometry towards that rank.
+    pub source: StagingSource,
+    /// The ring's address in the decode's memory.
+    pub ring_base: u64,
+    /// The ring's size.
+    pub ring_size: u64,
+}
+
+/// The prefill's staging memory: one gather buffer per transfer worker.
+#[derive(Debug)]
+pub(crate) struct PrefillStaging {
+    buffers: Vec<HostBuffer>,
+    /// Pages per staging chunk.
+    pub chunk_pages: u64,
+    /// Longest a chunk waits for its allocation or ring space.
+    pub wait_timeout: Duration,
+}
+
+impl PrefillStaging {
+    /// Gather buffers for `workers` workers, or `None` where staging is off
+    /// or cannot apply; refused for device-memory KV (gathered by the CPU).
+    pub fn new(
+        config: &StagingConfig,
+        kv_args: &KvArgs,
+        workers: usize,
+        intra: bool,
+    ) -> Result<Option<Self>, ConfigError> {
+        if !config.enabled {
+            return Ok(None);
+        }
+        let layout = &kv_args.layout;
+        if layout.is_any_mla() || intra {
+            tracing::info!(
+                mla = layout.is_any_mla(),
+                intra,
+                "staging enabled but this rank copies whole pages or runs on the GPU: no gather buffers"
+            );
+            return Ok(None);
+        }
+        if layout
+            .kv_data_ptrs
+            .iter()
+            .any(|p| !probe_kind(*p).is_host_accessible())
+        {
+            return Err(ConfigError::Setting(
+                "SGLANG_DISAGG_STAGING_BUFFER: the staging gather runs on the CPU and the KV pool \
+                 is in device memory; unset it (the CUDA IPC transport copies head slices on the \
+                 GPU, the network engines as strided runs)"
+                    .into(),
+            ));
+        }
+        let chunk_pages = config.chunk_pages(layout.page_size);
+        // At least one buffer's worth of a whole chunk, so a piece is never
+        // smaller than one slot.
+        let slot = layout
+            .kv_item_lens
+            .iter()
+            .max()
+            .copied()
+            .unwrap_or(0)
+            .saturating_mul(chunk_pages);
+        let bytes = config
+            .buffer_mb
+            .saturating_mul(1 << 20)
+            .max(slot)
+            .max(1 << 20);
+        let bytes = usize::try_from(bytes)
+            .map_err(|_| ConfigError::Setting(format!("a {bytes}-byte gather buffer")))?;
+        let buffers = (0..workers)
+            .map(|_| HostBuffer::new(bytes))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| ConfigError::Setting(format!("cannot allocate gather buffers: {e}")))?;
+        tracing::info!(
+            workers,
+            bytes,
+            chunk_pages,
+            "staging gather buffers allocated"
+        );
+        Ok(Some(Self {
+            buffers,
+            chunk_pages,
+            wait_timeout: config.wait_timeout,
+        }))
+    }
+
+    /// Every buffer's `(address, length)`, for registration.
+    pub fn regions(&self) -> Vec<(u64, u64)> {
+        self.buffers.iter().map(HostBuffer::region).collect()
+    }
+
+    /// Worker `i`'s buffer.
+    pub fn buffer(&self, i: usize) -> Option<(u64, u64)> {
+        self.buffers.get(i).map(HostBuffer::region)
+    }
+}
+
+/// Asks every staging destination of a complete room for all its chunks'
+/// allocations at once (the reference's prefetch), so the decode
+/// allocates while the prefill computes.
+pub(crate) fn prefetch(shared: &Shared, room: u64, infos: &[Arc<TransferInfo>]) {
+    let Some(staging) = &shared.staging else {
+        return;
+    };
+    let peers = shared.peers.read();
+    for info in infos {
+        let (Some(request), Some(entry)) = (&info.request, peers.get(&info.session)) else {
+            continue;
+        };
+        if entry.staging.is_none() || entry.generation != info.registration {
+            continue;
+        }
+        let total = request.dst_kv_indices.len() as u64;
+        let g = staging.chunk_pages;
+        for chunk in 0..total.div_ceil(g) {
+            let message = StagingReq {
+                room,
+                chunk_idx: chunk,
+                chunk_num_pages: g.min(total - chunk * g),
+                session_id: info.session.as_str().into(),
+                requester_pp_rank: Some(shared.config.rank.pp_rank),
+            };
+            if let Err(e) = shared.push.send(
+                &info.zmq_endpoint(),
+                message.encode().iter().map(|f| f.as_ref()),
+            ) {
+                tracing::warn!(room, chunk, error = %e, "cannot send STAGING_REQ");
+            }
+        }
+    }
+}
+
+/// One grid chunk of a room to stage to one decode rank.
+#[derive(Debug)]
+pub(crate) struct StagedTask {
+    /// The pipeline chunk (ticket) it belongs to.
+    pub ticket: u64,
+    pub room: u64,
+    pub info: Arc<TransferInfo>,
+    pub entry: Arc<PeerEntry>,
+    pub chunk_idx: u64,
+    /// First page of the chunk in the room's destination pages.
+    pub page_start: u64,
+    /// Our pages of the chunk.
+    pub pages: Arc<Vec<i32>>,
+    /// When waiting for the allocation or ring space gives up.
+    pub deadline: Instant,
+}
+
+/// What one attempt at a task came to.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Step {
+    /// Written and announced, or dropped (room stopped or failed now).
+    Done,
+    /// Allocation or ring space not there yet: try again later.
+    NotReady,
+}
+
+/// One whole grid chunk of a room: its index, first destination page and
+/// our pages.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct GridChunk {
+    pub index: u64,
+    pub page_start: u64,
+    pub pages: Arc<Vec<i32>>,
+}
+
+/// A room's pages not yet staged (an incomplete grid chunk).
+#[derive(Debug, Default)]
+pub(crate) struct Pending {
+    /// First destination page of the held pages.
+    start: u64,
+    pages: Vec<i32>,
+}
+
+/// Groups each room's pages into grid chunks across `send` calls.
+#[derive(Debug, Default)]
+pub(crate) struct Grid {
+    pending: HashMap<u64, Pending>,
+}
+
+impl Grid {
+    /// Adds a chunk's pages (`start`: its first destination page); returns
+    /// the grid chunks now complete as `(chunk index, first page, pages)`,
+    /// the held rest too when `last`. `Err` when the pages do not follow
+    /// the ones held.
+    /// Returns the chunks as [`GridChunk`]s.
+    pub fn add(
+        &mut self,
+        room: u64,
+        start: u64,
+        pages: &[i32],
+        last: bool,
+        g: u64,
+    ) -> Result<Vec<GridChunk>, String> {
+        let p = self.pending.entry(room).or_insert_with(|| Pending {
+            start,
+            pages: Vec::new(),
+        });
+        if p.start + p.pages.len() as u64 != start {
+            self.pending.remove(&room);
+            return Err(format!(
+                "room {room}: a chunk starting at page {start} does not follow the pages sent \
+                 before it (staging needs the room's pages in order)"
+            ));
+        }
+        p.pages.extend_from_slice(pages);
+        let mut out = Vec::new();
+        loop {
+            let boundary = (p.start / g + 1) * g;
+            let end = p.start + p.pages.len() as u64;
+            if end < boundary && !(last && end > p.start) {
+                break;
+            }
+            let take = (boundary.min(end) - p.start) as usize;
+            let rest = p.pages.split_off(take);
+            let chunk = std::mem::replace(&mut p.pages, rest);
+            out.push(GridChunk {
+                index: p.start / g,
+                page_start: p.start,
+                pages: Arc::new(chunk),
+            });
+            p.start += take as u64;
+        }
+        if last {
+            self.pending.remove(&room);
+        }
+        Ok(out)
+    }
+
+    /// Forgets a room.
+    pub fn forget(&mut self, room: u64) {
+        self.pending.remove(&room);
+    }
+}
+
+/// One attempt at `task` with worker `buffer` (`(address, length)`).
+pub(crate) fn attempt(shared: &Shared, buffer: (u64, u64), task: &StagedTask) -> Step {
+    let room = task.room;
+    let Some(dest) = task.entry.staging.as_ref() else {
+        return Step::Done;
+    };
+    let session = task.info.session.as_str();
+    let (alloc, watermark) = {
+        let rooms = shared.rooms.lock();
+        if super::worker::is_stopped(&rooms, room) {
+            return Step::Done;
+        }
+        let alloc = rooms
+            .staging
+            .allocations
+            .get(&(room, session.to_owned()))
+            .and_then(|m| m.get(&task.chunk_idx))
+            .copied();
+        let wm = rooms
+            .staging
+            .watermarks
+            .get(session)
+            .copied()
+            .unwrap_or((0, 0));
+        (alloc, wm)
+    };
+    let waited = shared
+        .staging
+        .as_ref()
+        .map_or(0.0, |s| s.wait_timeout.as_secs_f64());
+    let (offset, round, end) = match alloc {
+        None if Instant::now() >= task.deadline => {
+            return fail(
+                shared,
+                task,
+                format!(
+                    "no staging allocation for chunk {} of room {room} from decode {} within \
+                     {waited:.0}s (is SGLANG_DISAGG_STAGING_BUFFER set there?)",
+                    task.chunk_idx,
+                    task.info.host_port()
+                ),
+            );
+        }
+        None => return Step::NotReady,
+        Some((o, _, _)) if o == ALLOC_OVERSIZED => {
+            return fail(
+                shared,
+                task,
+                format!(
+                    "a staging chunk of room {room} exceeds decode {}'s staging ring; increase \
+                     SGLANG_DISAGG_STAGING_POOL_SIZE_MB there or reduce the staging chunk size",
+                    task.info.host_port()
+                ),
+            );
+        }
+        Some(a) => a,
+    };
+    if !watermark_ready(watermark, round, end) {
+        if Instant::now() >= task.deadline {
+            return fail(
+                shared,
+                task,
+                format!(
+                    "decode {}'s staging ring stayed full for {waited:.0}s (chunk {} of room {room})",
+                    task.info.host_port(),
+                    task.chunk_idx
+                ),
+            );
+        }
+        return Step::NotReady;
+    }
+    match write_chunk(shared, buffer, task, dest, offset, end) {
+        Ok(()) => Step::Done,
+        Err(reason) => fail(shared, task, reason),
+    }
+}
+
+fn fail(shared: &Shared, task: &StagedTask, reason: String) -> Step {
+    shared.metrics.failure("staging");
+    shared.conclude(task.room, kvbridge_wire::KvPoll::Failed, None, Some(reason));
+    Step::Done
+}
+
+/// Gathers the chunk piece by piece into `buffer`, writes each piece into
+/// the allocation `[offset, end)`, then sends `CHUNK_READY`.
+fn write_chunk(
+    shared: &Shared,
+    (buf, cap): (u64, u64),
+    task: &StagedTask,
+    dest: &StagingDest,
+    offset: i64,
+    end: i64,
+) -> Result<(), String> {
+    let room = task.room;
+    let source = &dest.source;
+    let pages = task.pages.len() as u64;
+    let plan_err = |e: kvbridge_plan::PlanError| format!("cannot plan staging of room {room}: {e}");
+    let (part, total) = source.placement(pages).map_err(plan_err)?;
+    let slot_bytes = source.slot_bytes(pages).map_err(plan_err)?;
+    let (Ok(offset), Ok(end)) = (u64::try_from(offset), u64::try_from(end)) else {
+        return Err(format!(
+            "decode answered a negative staging allocation for room {room}"
+        ));
+    };
+    if end < offset || end - offset < total || end > dest.ring_size {
+        return Err(format!(
+            "decode's staging allocation [{offset}, {end}) for room {room} cannot hold the \
+             chunk's {total} bytes inside its {}-byte ring",
+            dest.ring_size
+        ));
+    }
+    let per_piece = usize::try_from((cap / slot_bytes.max(1)).max(1)).unwrap_or(1);
+    let slots = source.slot_count();
+    let target = Target::exact(&task.info.session, task.entry.incarnation);
+    let mut runs: Vec<Run> = Vec::new();
+    let mut first = 0usize;
+    while first < slots {
+        let last = (first + per_piece).min(slots);
+        runs.clear();
+        source
+            .gather(&task.pages, first..last, buf, &mut runs)
+            .map_err(plan_err)?;
+        for r in &runs {
+            let copy = Strided {
+                src: r.src,
+                dst: r.dst,
+                len: r.len,
+                count: r.count,
+                src_stride: r.src_stride,
+                dst_stride: r.dst_stride,
+            };
+            shared
+                .local
+                .registry
+                .copy_strided(&copy)
+                .map_err(|e| format!("staging gather of room {room}: {e}"))?;
+        }
+        let len = slot_bytes * (last - first) as u64;
+        let block = Block {
+            src: buf,
+            dst: dest.ring_base + offset + part + slot_bytes * first as u64,
+            len,
+        };
+        let result = shared
+            .engine
+            .submit(target, Batch::Blocks(std::slice::from_ref(&block)))
+            .wait();
+        if let Err(e) = result {
+            super::worker::engine_failure(shared, &task.info, &e);
+            return Err(format!(
+                "Failed to send kv chunk of {room} to {} (staged): {e}",
+                task.info.host_port()
+            ));
+        }
+        shared.metrics.bytes.inc_by(len);
+        shared.metrics.blocks.inc();
+        shared.metrics.staged_bytes.inc_by(len);
+        shared.rooms.lock().count_payload(room, len);
+        first = last;
+    }
+    let ready = ChunkReady {
+        room,
+        chunk_idx: task.chunk_idx,
+        page_start: task.page_start,
+        num_pages: pages,
+        session_id: task.info.session.as_str().into(),
+        prefill_unique_rank: Some(shared.unique_rank),
+    };
+    shared
+        .push
+        .send(
+            &task.info.zmq_endpoint(),
+            ready.encode().iter().map(|f| f.as_ref()),
+        )
+        .map_err(|e| format!("cannot send CHUNK_READY of room {room}: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grid_groups_pages_across_sends() {
+        let mut g = Grid::default();
+        assert!(g.add(1, 0, &[10, 11, 12], false, 4).unwrap().is_empty());
+        let out = g
+            .add(1, 3, &[13, 14, 15, 16, 17, 18, 19, 20], false, 4)
+            .unwrap();
+        let got: Vec<_> = out
+            .iter()
+            .map(|c| (c.index, c.page_start, c.pages.to_vec()))
+            .collect();
+        assert_eq!(
+            got,
+            vec![(0, 0, vec![10, 11, 12, 13]), (1, 4, vec![14, 15, 16, 17])]
+        );
+        let out = g.add(1, 11, &[21], true, 4).unwrap();
+        let got: Vec<_> = out
+            .iter()
+            .map(|c| (c.index, c.page_start, c.pages.to_vec()))
+            .collect();
+        assert_eq!(got, vec![(2, 8, vec![18, 19, 20, 21])]);
+        // A gap fails the room's staging; an empty last send flushes nothing.
+        assert!(g.add(2, 0, &[1], false, 4).unwrap().is_empty());
+        assert!(g.add(2, 5, &[2], false, 4).is_err());
+        assert!(g.add(3, 0, &[], true, 4).unwrap().is_empty());
+    }
+}
