@@ -218,10 +218,8 @@ pub(crate) struct Grid {
 
 impl Grid {
     /// Adds a chunk's pages (`start`: its first destination page); returns
-    /// the grid chunks now complete as `(chunk index, first page, pages)`,
-    /// the held rest too when `last`. `Err` when the pages do not follow
-    /// the ones held.
-    /// Returns the chunks as [`GridChunk`]s.
+    /// the grid chunks now complete, the held rest too when `last`. `Err`
+    /// when the pages do not follow the ones held.
     pub fn add(
         &mut self,
         room: u64,
