@@ -5,11 +5,10 @@
 
 mod common;
 
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::*;
-use kvbridge_engine::{ClusterSecret, EngineConfig, TcpEngine, TransferEngine};
+use kvbridge_engine::ClusterSecret;
 use kvbridge_roles::bootstrap::{BootstrapConfig, BootstrapServer};
 use kvbridge_roles::synthetic::{ModelSpec, RankPools, RankSpec};
 use kvbridge_roles::{DecodeManager, KvPoll, KvReceiver, KvSender, PrefillManager, StartError};
@@ -159,18 +158,6 @@ fn dead_prefill_fails_its_rooms_within_the_heartbeat_window() {
     for (m, _) in decode {
         m.teardown();
     }
-}
-
-fn engine_on(port: u16) -> Arc<dyn TransferEngine> {
-    Arc::new(
-        TcpEngine::new(EngineConfig {
-            port,
-            io_timeout_ms: 2000,
-            connect_timeout_ms: 1000,
-            ..EngineConfig::default()
-        })
-        .expect("engine"),
-    )
 }
 
 #[test]

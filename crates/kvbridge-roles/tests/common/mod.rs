@@ -112,6 +112,28 @@ pub fn pattern(seed: u64, buffer: u64, i: u64) -> u8 {
     (x ^ (x >> 29)) as u8
 }
 
+/// A TCP engine on `port` (0: any), with short I/O timeouts.
+pub fn engine_on(port: u16) -> Arc<dyn TransferEngine> {
+    Arc::new(
+        TcpEngine::new(EngineConfig {
+            port,
+            io_timeout_ms: 2000,
+            connect_timeout_ms: 1000,
+            ..EngineConfig::default()
+        })
+        .expect("engine"),
+    )
+}
+
+/// The port of a TCP engine's session id (`ip:port`).
+pub fn session_port(session: &str) -> u16 {
+    session
+        .rsplit(':')
+        .next()
+        .and_then(|p| p.parse().ok())
+        .expect("session id ends with a port")
+}
+
 pub fn tcp_engine() -> Arc<dyn TransferEngine> {
     Arc::new(TcpEngine::new(EngineConfig::default()).expect("tcp engine"))
 }
@@ -307,15 +329,22 @@ impl Cluster {
         pages: u64,
         staging: StagingConfig,
     ) -> Self {
-        Self::build(
-            model,
-            prefill_tp,
-            1,
-            decode_tp,
-            pages,
-            tcp_engine,
-            Some(staging),
-        )
+        let both = Some((staging.clone(), staging));
+        Self::build(model, prefill_tp, 1, decode_tp, pages, tcp_engine, both)
+    }
+
+    /// [`Cluster::new`] with `prefill` staging on the prefill ranks and
+    /// `decode` on the decode ranks.
+    pub fn staged_per_side(
+        model: ModelSpec,
+        prefill_tp: u64,
+        decode_tp: u64,
+        pages: u64,
+        prefill: StagingConfig,
+        decode: StagingConfig,
+    ) -> Self {
+        let sides = Some((prefill, decode));
+        Self::build(model, prefill_tp, 1, decode_tp, pages, tcp_engine, sides)
     }
 
     fn build(
@@ -325,7 +354,7 @@ impl Cluster {
         decode_tp: u64,
         pages: u64,
         engine: impl Fn() -> Arc<dyn TransferEngine>,
-        staging: Option<StagingConfig>,
+        staging: Option<(StagingConfig, StagingConfig)>,
     ) -> Self {
         let bootstrap = bootstrap();
         // Positional PP pairing (no layer ids, as sglang's plain pools)
@@ -351,7 +380,7 @@ impl Cluster {
                 let mut config = prefill_config(bootstrap.local_addr(), prefill_tp, tp);
                 config.rank.pp_size = prefill_pp;
                 config.rank.pp_rank = pp;
-                if let Some(s) = &staging {
+                if let Some((s, _)) = &staging {
                     config.staging = s.clone();
                 }
                 let manager = start_prefill(config, kv_args(&pools), engine());
@@ -368,7 +397,7 @@ impl Cluster {
             };
             let pools = RankPools::new(model.clone(), rank, pages, 8).expect("pools");
             let mut config = decode_config(decode_tp);
-            if let Some(s) = &staging {
+            if let Some((_, s)) = &staging {
                 config.staging = s.clone();
             }
             let manager = start_decode(config, kv_args(&pools), tcp_engine());

@@ -1,0 +1,361 @@
+//! The staging path under pressure and faults: a ring that wraps under
+//! many concurrent rooms, a full ring as back-pressure (and its deadline),
+//! aborts before, during and while waiting for ring space, a decode
+//! restarted mid-stream, and staging enabled on one side only.
+// Test code: a failed unwrap is a failed test.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+use kvbridge_roles::synthetic::{RankPools, RankSpec};
+use kvbridge_roles::{KvPoll, KvReceiver, KvSender, StagingConfig};
+
+const T: Duration = Duration::from_secs(20);
+
+fn staging(chunk_tokens: u64, ring: u64, wait: Duration) -> StagingConfig {
+    StagingConfig {
+        enabled: true,
+        pool_bytes: ring,
+        chunk_tokens,
+        buffer_mb: 1,
+        wait_timeout: wait,
+    }
+}
+
+/// One room opened on every rank: receivers with their metadata sent,
+/// senders initialised and filled, not yet sent.
+struct Room {
+    id: u64,
+    src: Vec<i32>,
+    dst: Vec<i32>,
+    aux: u64,
+    rx: Vec<KvReceiver>,
+    tx: Vec<KvSender>,
+}
+
+fn open(c: &mut Cluster, id: u64, src: Vec<i32>, dst: Vec<i32>, aux: u64) -> Room {
+    let addr = c.bootstrap.local_addr().to_string();
+    let mut rx = Vec::new();
+    for (m, _) in &c.decode {
+        let mut r = m.receiver(&addr, id);
+        assert_eq!(r.init(0), KvPoll::WaitingForInput);
+        r.send_metadata(&dst, aux, &[], None);
+        rx.push(r);
+    }
+    let mut tx = Vec::new();
+    for (m, pools) in &mut c.prefill {
+        pools.fill(id, &src, aux);
+        let mut t = m.sender(id);
+        t.init(src.len() as u64, Some(aux));
+        tx.push(t);
+    }
+    for t in &mut tx {
+        assert!(wait_for(T, KvPoll::WaitingForInput, || t.poll()) >= KvPoll::WaitingForInput);
+    }
+    Room {
+        id,
+        src,
+        dst,
+        aux,
+        rx,
+        tx,
+    }
+}
+
+impl Room {
+    /// Sends pages `[from, to)` of the room from every prefill rank.
+    fn send(&mut self, from: usize, to: usize, chunk: usize) {
+        for t in &mut self.tx {
+            for pages in self.src[from..to].chunks(chunk) {
+                t.send(pages, None, None).unwrap();
+            }
+        }
+    }
+
+    fn send_all(&mut self, chunk: usize) {
+        self.send(0, self.src.len(), chunk);
+    }
+
+    /// Waits for every rank and checks every byte; clears the room.
+    fn finish_ok(mut self, c: &Cluster) {
+        for t in &mut self.tx {
+            assert_eq!(
+                wait_terminal(T, || t.poll()),
+                KvPoll::Success,
+                "room {}",
+                self.id
+            );
+            t.clear();
+        }
+        for (r, (_, pools)) in self.rx.iter_mut().zip(&c.decode) {
+            assert_eq!(
+                wait_terminal(T, || r.poll()),
+                KvPoll::Success,
+                "room {}",
+                self.id
+            );
+            let v = pools.verify(self.id, &self.dst, self.aux);
+            assert_eq!(v.mismatched, 0, "room {}: {v:?}", self.id);
+            r.clear();
+        }
+    }
+
+    /// Aborts from the decode side, waits for the prefill ranks to fail it
+    /// and acknowledge, and clears it everywhere.
+    fn abort_from_decode(self) {
+        self.abort_racing(false);
+    }
+
+    /// As [`Room::abort_from_decode`]; with `raced`, a prefill rank that
+    /// finished its sends before the abort reached it may end in Success.
+    fn abort_racing(mut self, raced: bool) {
+        for r in &mut self.rx {
+            r.abort();
+        }
+        for t in &mut self.tx {
+            let end = wait_terminal(T, || t.poll());
+            assert!(
+                end == KvPoll::Failed || (raced && end == KvPoll::Success),
+                "{end:?}"
+            );
+            t.clear();
+        }
+        for r in &mut self.rx {
+            let deadline = Instant::now() + T;
+            while !r.abort_acknowledged() {
+                assert!(Instant::now() < deadline, "abort never acknowledged");
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            r.clear();
+        }
+    }
+}
+
+fn allocations(c: &Cluster) -> usize {
+    c.decode
+        .iter()
+        .map(|(m, _)| m.staging_allocations().unwrap_or(0))
+        .sum()
+}
+
+fn wait_allocations(c: &Cluster, at_least: usize) {
+    let deadline = Instant::now() + T;
+    while allocations(c) < at_least {
+        assert!(Instant::now() < deadline, "the decode never allocated");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+fn decode_staged(c: &Cluster) -> u64 {
+    c.decode
+        .iter()
+        .map(|(m, _)| m.metrics().staged_bytes.get())
+        .sum()
+}
+
+fn concurrent(prefill_tp: u64, decode_tp: u64) {
+    // 2 KiB..16 KiB per chunk of 2 pages; a 20 KiB ring wraps every few chunks.
+    let config = staging(8, 20 << 10, T);
+    let mut c = Cluster::staged(tiny_model(false, 2), prefill_tp, decode_tp, 64, config);
+    let mut rooms: Vec<Room> = (0..6u64)
+        .map(|k| {
+            let src = (0..9).map(|i| (k * 10 + i) as i32).collect();
+            let dst = (0..9).map(|i| (63 - k * 10 - i) as i32).collect();
+            open(&mut c, 100 + k, src, dst, k)
+        })
+        .collect();
+    for r in &mut rooms {
+        r.send_all(3);
+    }
+    for r in rooms {
+        r.finish_ok(&c);
+    }
+    assert!(
+        decode_staged(&c) > 3 * (20 << 10),
+        "the ring wrapped several times"
+    );
+    assert_eq!(allocations(&c), 0, "ring space left held");
+    c.shutdown();
+}
+
+#[test]
+fn many_concurrent_rooms_wrap_the_ring_tp_2_to_4() {
+    concurrent(2, 4);
+}
+
+#[test]
+fn many_concurrent_rooms_wrap_the_ring_tp_4_to_2() {
+    concurrent(4, 2);
+}
+
+/// TP 2 -> 1: a chunk of 2 pages is 16 KiB, the ring exactly one chunk.
+fn one_chunk_ring(wait: Duration) -> Cluster {
+    Cluster::staged(tiny_model(false, 2), 2, 1, 64, staging(8, 16 << 10, wait))
+}
+
+#[test]
+fn a_full_ring_is_back_pressure_not_failure() {
+    let mut c = one_chunk_ring(T);
+    let mut a = open(&mut c, 1, vec![1, 2], vec![10, 11], 0);
+    wait_allocations(&c, 1);
+    // B's chunk wraps onto A's, which is never written until A is sent.
+    let mut b = open(&mut c, 2, vec![3, 4], vec![12, 13], 1);
+    wait_allocations(&c, 2);
+    b.send_all(2);
+    std::thread::sleep(Duration::from_millis(300));
+    for t in &mut b.tx {
+        assert!(t.poll() < KvPoll::Success, "B went ahead over A's chunk");
+    }
+    a.send_all(2);
+    a.finish_ok(&c);
+    b.finish_ok(&c);
+    assert_eq!(allocations(&c), 0);
+    c.shutdown();
+}
+
+#[test]
+fn a_ring_full_past_the_deadline_fails_the_room_with_a_reason() {
+    let mut c = one_chunk_ring(Duration::from_millis(500));
+    let a = open(&mut c, 1, vec![1, 2], vec![10, 11], 0);
+    wait_allocations(&c, 1);
+    let mut b = open(&mut c, 2, vec![3, 4], vec![12, 13], 1);
+    wait_allocations(&c, 2);
+    b.send_all(2);
+    for t in &mut b.tx {
+        assert_eq!(wait_terminal(T, || t.poll()), KvPoll::Failed);
+        let e = t.failure_exception();
+        assert!(e.reason.contains("staging ring stayed full"), "{e}");
+    }
+    for r in &mut b.rx {
+        assert_eq!(wait_terminal(T, || r.poll()), KvPoll::Failed);
+        r.clear();
+    }
+    a.abort_from_decode();
+    assert_eq!(allocations(&c), 0, "aborted rooms' ring space reclaimed");
+    c.shutdown();
+}
+
+#[test]
+fn aborts_in_every_staging_state_reclaim_the_ring() {
+    let mut c = one_chunk_ring(T);
+    // Allocated, nothing sent.
+    let a = open(&mut c, 1, vec![1, 2, 3, 4], vec![10, 11, 12, 13], 0);
+    wait_allocations(&c, 2);
+    a.abort_from_decode();
+    assert_eq!(allocations(&c), 0);
+
+    // Waiting for ring space behind another room's allocation.
+    let mut hold = open(&mut c, 2, vec![1, 2], vec![10, 11], 0);
+    wait_allocations(&c, 1);
+    let mut w = open(&mut c, 3, vec![3, 4], vec![12, 13], 1);
+    wait_allocations(&c, 2);
+    w.send_all(2);
+    std::thread::sleep(Duration::from_millis(200));
+    w.abort_from_decode();
+    hold.send_all(2);
+    hold.finish_ok(&c);
+    assert_eq!(allocations(&c), 0);
+
+    // Mid-stream: the first chunk scattered, then the abort; nothing is
+    // scattered after it, whatever the prefill still sends.
+    let mut m = open(&mut c, 4, vec![5, 6, 7, 8], vec![20, 21, 22, 23], 2);
+    m.send(0, 2, 2);
+    let deadline = Instant::now() + T;
+    while c.decode[0].1.verify_kv(4, &[20, 21]).mismatched != 0 {
+        assert!(Instant::now() < deadline, "first chunk never scattered");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let scattered = decode_staged(&c);
+    for r in &mut m.rx {
+        r.abort();
+    }
+    m.send(2, 4, 2);
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(
+        decode_staged(&c),
+        scattered,
+        "a chunk was scattered after the abort"
+    );
+    m.rx.iter_mut()
+        .for_each(|r| assert_eq!(r.poll(), KvPoll::Failed));
+    // The rest may have been written before the abort reached the prefill.
+    m.abort_racing(true);
+    assert_eq!(allocations(&c), 0);
+    c.shutdown();
+}
+
+#[test]
+fn a_restarted_decode_gets_a_fresh_ring() {
+    let mut c = Cluster::staged(tiny_model(false, 2), 2, 1, 64, staging(8, 64 << 10, T));
+    let port = session_port(c.decode[0].0.session_id());
+    let mut r1 = open(&mut c, 1, vec![1, 2, 3, 4], vec![10, 11, 12, 13], 0);
+    r1.send(0, 2, 2);
+    let deadline = Instant::now() + T;
+    while c.decode[0].1.verify_kv(1, &[10, 11]).mismatched != 0 {
+        assert!(Instant::now() < deadline, "first chunk never scattered");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // The decode dies and comes back on its address with new pools and a new ring.
+    r1.rx.clear();
+    let (old, _) = c.decode.pop().unwrap();
+    old.teardown();
+    let rank = RankSpec {
+        tp_size: 1,
+        tp_rank: 0,
+        pp_size: 1,
+        pp_rank: 0,
+    };
+    let mut pools = RankPools::new(tiny_model(false, 2), rank, 64, 8).unwrap();
+    pools.poison(&[12, 13], 0x5a);
+    let mut config = decode_config(1);
+    config.staging = staging(8, 64 << 10, T);
+    let fresh = start_decode(config, pools.kv_args(), engine_on(port));
+    c.decode.push((fresh, pools));
+    // The rest of room 1 was planned for the dead incarnation: refused.
+    r1.send(2, 4, 2);
+    for t in &mut r1.tx {
+        assert_eq!(wait_terminal(T, || t.poll()), KvPoll::Failed);
+        t.clear();
+    }
+    assert!(
+        c.decode[0].1.still_poisoned(&[12, 13], 0x5a),
+        "old room written into the new incarnation"
+    );
+    // A new room through the new ring.
+    let mut r2 = open(&mut c, 2, vec![5, 6, 7], vec![30, 31, 32], 1);
+    r2.send_all(2);
+    r2.finish_ok(&c);
+    assert!(decode_staged(&c) > 0, "room 2 was staged");
+    assert_eq!(allocations(&c), 0);
+    c.shutdown();
+}
+
+#[test]
+fn staging_on_one_side_only_takes_the_per_slice_path() {
+    for (prefill_on, decode_on) in [(true, false), (false, true)] {
+        let on = staging(8, 64 << 10, T);
+        let off = StagingConfig::default();
+        let mut c = Cluster::staged_per_side(
+            tiny_model(false, 2),
+            2,
+            4,
+            64,
+            if prefill_on { on.clone() } else { off.clone() },
+            if decode_on { on } else { off },
+        );
+        let mut r = open(&mut c, 7, vec![1, 2, 3, 4, 5], vec![40, 41, 42, 43, 44], 0);
+        r.send_all(2);
+        r.finish_ok(&c);
+        assert_eq!(decode_staged(&c), 0);
+        let gathered: u64 = c
+            .prefill
+            .iter()
+            .map(|(m, _)| m.metrics().staged_bytes.get())
+            .sum();
+        assert_eq!(gathered, 0);
+        c.shutdown();
+    }
+}
