@@ -76,6 +76,16 @@ def result(role: str, ok: bool, **fields) -> int:
     return 0 if ok else 1
 
 
+def staged_bytes(mgr) -> int:
+    """The kvbridge backend's staged-bytes counter (gathered on a prefill,
+    scattered on a decode); 0 for sglang's connector."""
+    text = mgr.render_metrics() if hasattr(mgr, "render_metrics") else ""
+    for line in text.splitlines():
+        if line.startswith("kvbridge_staged_bytes_total "):
+            return int(float(line.split()[1]))
+    return 0
+
+
 def model_from_arg(text: str) -> harness.ModelSpec:
     """``tiny``, ``tiny-mla`` or a JSON ModelSpec object."""
     if text == "tiny":
@@ -345,9 +355,11 @@ def run_decode(args) -> int:
         "kill-prefill": rooms,
     }.get(args.scenario, set())
     ok = done == rooms - expect_failed and set(failed) == expect_failed and not bad and untouched
+    staged = staged_bytes(mgr)
     shut_down(mgr)
     return result(role, ok, done=sorted(done), failed=failed, verified_bytes=verified, bad=bad[:10],
-                  untouched_ok=untouched, drained=drained, secs=round(time.monotonic() - t0, 3))
+                  untouched_ok=untouched, drained=drained, staged_bytes=staged,
+                  secs=round(time.monotonic() - t0, 3))
 
 
 def _percentile(values, q: float) -> float:

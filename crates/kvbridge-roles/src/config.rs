@@ -132,14 +132,19 @@ pub struct StagingConfig {
     /// Tokens per staging chunk (sglang's `--chunked-prefill-size`, 8192):
     /// a room's pages are staged in slots of this many tokens.
     pub chunk_tokens: u64,
-    /// Prefill: each transfer worker's gather buffer in MiB; a chunk larger
-    /// than it is written in several pieces, never refused.
-    pub buffer_mb: u64,
+    /// Prefill: each transfer worker's gather memory in bytes, used as
+    /// [`STAGING_SLOTS`] slots so gathering one piece overlaps writing the
+    /// previous ones; a chunk larger than a slot is written in several
+    /// pieces, never refused (a slot holds at least one layer of a chunk).
+    pub buffer_bytes: u64,
     /// Prefill: longest a chunk waits for its ring allocation or for ring
     /// space (back-pressure) before its room fails.
     #[serde(with = "duration_secs")]
     pub wait_timeout: Duration,
 }
+
+/// Gather slots per prefill transfer worker.
+pub const STAGING_SLOTS: u64 = 4;
 
 impl Default for StagingConfig {
     fn default() -> Self {
@@ -147,7 +152,7 @@ impl Default for StagingConfig {
             enabled: false,
             pool_bytes: 4096 << 20,
             chunk_tokens: 8192,
-            buffer_mb: 64,
+            buffer_bytes: 64 << 20,
             wait_timeout: Duration::from_secs(60),
         }
     }

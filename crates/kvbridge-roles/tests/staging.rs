@@ -19,7 +19,7 @@ fn staging(chunk_tokens: u64, ring: u64) -> StagingConfig {
         enabled: true,
         pool_bytes: ring,
         chunk_tokens,
-        buffer_mb: 1,
+        buffer_bytes: 1 << 20,
         wait_timeout: Duration::from_secs(20),
     }
 }
@@ -58,13 +58,11 @@ fn assert_ring_empty(c: &Cluster) {
 /// Three rooms of different lengths, sent in chunks of 3 pages (not the
 /// grid's 2 or 4): every byte of every decode rank, all of it staged.
 fn check(heads: u64, prefill_tp: u64, decode_tp: u64) {
-    let mut c = Cluster::staged(
-        model(heads),
-        prefill_tp,
-        decode_tp,
-        64,
-        staging(8, 64 << 10),
-    );
+    check_with(heads, prefill_tp, decode_tp, staging(8, 64 << 10));
+}
+
+fn check_with(heads: u64, prefill_tp: u64, decode_tp: u64, config: StagingConfig) {
+    let mut c = Cluster::staged(model(heads), prefill_tp, decode_tp, 64, config);
     for (k, room) in [21u64, 22, 23].into_iter().enumerate() {
         let n = 5 + k * 4;
         let src: Vec<i32> = (0..n as i32).map(|i| 2 * i + k as i32).collect();
@@ -110,6 +108,18 @@ fn staged_tp_8_to_2_with_replicated_prefill_heads() {
 #[test]
 fn staged_tp_2_to_8_with_replicated_decode_heads() {
     check(4, 2, 8);
+}
+
+#[test]
+fn staged_in_several_pieces_through_small_gather_slots() {
+    // Gather slots of one staging layer each: every chunk takes several
+    // bulk writes, and the worker's four slots are reused many times.
+    let config = StagingConfig {
+        buffer_bytes: 0,
+        ..staging(8, 64 << 10)
+    };
+    check_with(8, 1, 2, config.clone());
+    check_with(8, 4, 2, config);
 }
 
 #[test]

@@ -20,7 +20,7 @@ fn staging(chunk_tokens: u64, ring: u64, wait: Duration) -> StagingConfig {
         enabled: true,
         pool_bytes: ring,
         chunk_tokens,
-        buffer_mb: 1,
+        buffer_bytes: 1 << 20,
         wait_timeout: wait,
     }
 }

@@ -128,6 +128,26 @@ def test_backend(pairing, case):
             assert all(latency is not None and latency > 0 for latency, _ in stages), detail
 
 
+@pytest.mark.parametrize("case", ["tp2-tp1", "tp1-tp2"])
+def test_backend_staging(monkeypatch, case):
+    """sglang's staging knobs on the kvbridge backend: with
+    ``SGLANG_DISAGG_STAGING_BUFFER=1`` the roles gather, bulk-write and
+    scatter through a 1 MiB decode ring (``SGLANG_DISAGG_STAGING_POOL_SIZE_MB``),
+    every byte still exact."""
+    monkeypatch.setenv("SGLANG_DISAGG_STAGING_BUFFER", "1")
+    monkeypatch.setenv("SGLANG_DISAGG_STAGING_POOL_SIZE_MB", "1")
+    spec = spec_for("kvbridge-both", case)
+    out = cluster.run(spec)
+    detail = out.report() + "\n" + out.outputs()
+    assert out.ok, detail
+    rooms = sorted(r.room for r in spec.workload.plan())
+    decodes = [p.result for p in out.procs.values() if p.kind == "decode"]
+    for r in decodes:
+        assert r["done"] == rooms and r["bad"] == [] and r["untouched_ok"], detail
+        assert r["verified_bytes"] == expected_bytes(spec, rooms), detail
+        assert r["staged_bytes"] > 0, detail
+
+
 def test_malformed_setting_is_refused(monkeypatch):
     """A malformed sglang setting fails start-up (sglang itself would fall
     back to the default with a warning)."""

@@ -26,7 +26,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use kvbridge_engine::{EngineConfig, TcpConfig};
 use kvbridge_roles::bootstrap::{BootstrapConfig, BootstrapServer, DEFAULT_ENTRY_CLEANUP_INTERVAL};
 use kvbridge_roles::synthetic::{ModelSpec, Placement, RankSpec};
-use kvbridge_roles::{DecodeConfig, PrefillConfig};
+use kvbridge_roles::{DecodeConfig, PrefillConfig, StagingConfig};
 
 use crate::rank::events::Event;
 use crate::rank::workload::Workload;
@@ -104,6 +104,17 @@ pub struct DemoArgs {
     /// memory goes to the engine, host blocks over zmq. On with `--engine ipc`.
     #[arg(long)]
     nvlink_intra: bool,
+    /// Heterogeneous TP through the staging path, as sglang's
+    /// `SGLANG_DISAGG_STAGING_BUFFER=1`: each prefill rank gathers a
+    /// chunk's head slices for a decode rank into one bulk write into that
+    /// rank's staging ring, which the decode scatters into its pages.
+    /// Pairs of equal TP, MLA models and PP stages are not staged.
+    #[arg(long)]
+    staging: bool,
+    /// With `--staging`: each decode rank's staging ring, MiB
+    /// (`SGLANG_DISAGG_STAGING_POOL_SIZE_MB`).
+    #[arg(long, default_value_t = 256)]
+    staging_pool_mb: u64,
     /// Give up on the whole run after this many seconds.
     #[arg(long, default_value_t = 600)]
     timeout_s: u64,
@@ -223,6 +234,14 @@ fn plan(args: &DemoArgs, bootstrap: SocketAddr) -> Result<Plan> {
     } else {
         Duration::from_secs(120)
     };
+    // The staging grid follows the prefill chunks, as sglang's follows
+    // its chunked-prefill size.
+    let staging = StagingConfig {
+        enabled: args.staging,
+        pool_bytes: args.staging_pool_mb.saturating_mul(1 << 20),
+        chunk_tokens: workload.chunk_tokens,
+        ..StagingConfig::default()
+    };
     let timeouts = |p: &mut PrefillConfig| {
         p.bootstrap_timeout = bootstrap_timeout;
         p.probe.interval = Duration::from_millis(200);
@@ -239,6 +258,7 @@ fn plan(args: &DemoArgs, bootstrap: SocketAddr) -> Result<Plan> {
             let mut prefill = PrefillConfig {
                 bootstrap_addr: bootstrap.to_string(),
                 nvlink_intra: args.nvlink_intra,
+                staging: staging.clone(),
                 ..PrefillConfig::default()
             };
             timeouts(&mut prefill);
@@ -294,6 +314,7 @@ fn plan(args: &DemoArgs, bootstrap: SocketAddr) -> Result<Plan> {
                 bootstrap_timeout: Duration::from_secs(60),
                 waiting_timeout: Duration::from_secs(120),
                 nvlink_intra: args.nvlink_intra,
+                staging: staging.clone(),
                 ..DecodeConfig::default()
             },
             bootstrap_addr: Some(bootstrap.to_string()),
@@ -636,7 +657,7 @@ fn summarize(
     Summary {
         model: plan.model.name.clone(),
         topology: format!(
-            "prefill TP{} PP{} -> decode TP{}, {} engine{}",
+            "prefill TP{} PP{} -> decode TP{}, {} engine{}{}",
             args.prefill_tp,
             args.prefill_pp,
             args.decode_tp,
@@ -649,7 +670,8 @@ fn summarize(
                 (None, _) => String::new(),
                 (Some(d), 0) => format!(", KV on GPU {d}"),
                 (Some(d), n) => format!(", KV on GPU {d} ({n} prefill buffers in host memory)"),
-            }
+            },
+            if args.staging { ", staging on" } else { "" }
         ),
         requests: requests.len() as u64,
         succeeded,

@@ -46,6 +46,7 @@ from sglang.srt.runtime_context import (
     get_memory,
     get_observability,
     get_parallel,
+    get_schedule,
     get_serving,
 )
 
@@ -74,8 +75,6 @@ class BackendConfigError(ValueError):
 
 #: Environment variables the kvbridge backend refuses when set, with why.
 REFUSED_ENV = {
-    "SGLANG_DISAGG_STAGING_BUFFER": "heterogeneous-TP staging buffers are not implemented by kvbridge's roles "
-    "(kvbridge slices heads per token without staging)",
     "SGLANG_MOONCAKE_CUSTOM_MEM_POOL": "Mooncake's custom memory pools (NVLINK/BAREX) are Mooncake-specific",
     "SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER": "attention context parallelism is not supported yet",
     "SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK": "data-parallel prefill is not supported yet",
@@ -154,6 +153,7 @@ def role_settings(mode: DisaggregationMode, kv_args: KVArgs, local_ip: str) -> d
         "zmq_send_timeout": float(_env("SGLANG_DISAGGREGATION_ZMQ_SEND_TIMEOUT")),
     }
     deferred = bool(_env("SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE"))
+    common["staging"] = _staging_settings(kv_args)
     if mode == DisaggregationMode.PREFILL:
         host = _bootstrap_host()
         port = get_disagg().disaggregation_bootstrap_port
@@ -198,6 +198,55 @@ def role_settings(mode: DisaggregationMode, kv_args: KVArgs, local_ip: str) -> d
         bootstrap_timeout=float(_env("SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT")),
         deferred_release=deferred,
     )
+
+
+def _staging_settings(kv_args: KVArgs) -> dict:
+    """The roles' staging configuration from ``SGLANG_DISAGG_STAGING_BUFFER``,
+    ``SGLANG_DISAGG_STAGING_POOL_SIZE_MB`` and the staging grid sglang's
+    scheduler cuts sends on (``staging_grid_tokens`` of the chunked-prefill
+    size)."""
+    enabled = bool(_env("SGLANG_DISAGG_STAGING_BUFFER"))
+    page = max(1, int(getattr(kv_args, "page_size", 1) or 1))
+    cps = getattr(get_schedule(), "chunked_prefill_size", None) or 8192
+    if enabled and (cps <= 0 or cps % page != 0):
+        raise BackendConfigError(
+            f"SGLANG_DISAGG_STAGING_BUFFER requires a positive chunked_prefill_size that is a "
+            f"multiple of page_size ({page}); got {cps}"
+        )
+    return {
+        "enabled": enabled,
+        "pool_bytes": int(_env("SGLANG_DISAGG_STAGING_POOL_SIZE_MB")) << 20,
+        "chunk_tokens": max(1, cps // page) * page,
+    }
+
+
+class _StagingRing:
+    """What sglang's scheduler checks of a staging allocator when
+    ``SGLANG_DISAGG_STAGING_BUFFER`` is set (its ``DecodeStagingHandler``
+    is created against the manager): kvbridge's decode ring. sglang's
+    handler is never handed a room (every receiver says
+    ``require_staging = False``); the Rust decode role allocates, scatters
+    and reports watermarks itself."""
+
+    def __init__(self, base_ptr: int, total_size: int):
+        self.base_ptr = base_ptr
+        self.total_size = total_size
+        self._scatter_stream = None
+
+    def get_base_ptr(self) -> int:
+        return self.base_ptr
+
+    def get_total_size(self) -> int:
+        return self.total_size
+
+
+class _StagingContext:
+    """sglang's ``DecodeStagingContext`` shape over kvbridge's ring."""
+
+    def __init__(self, ring: Optional[_StagingRing]):
+        self.allocator = ring
+        self.room_bootstrap: Dict = {}
+        self.room_receivers: Dict = {}
 
 
 #: KVArgs attributes kvbridge maps (the rest of what sglang may set is
@@ -403,8 +452,24 @@ class KVManager(BaseKVManager):
         else:
             raise ValueError(f"Unsupported DisaggregationMode: {disaggregation_mode}")
         self.rank_port = self._rust.rank_port
-        logger.info("kvbridge %s manager on %s:%d (engine %s)", disaggregation_mode.value, self.local_ip,
-                    self.rank_port, self._rust.session_id)
+        self.attn_tp_size = get_parallel().attn_tp_size
+        self.kv_buffer_tensors = None
+        ring = self._rust.staging_ring() if disaggregation_mode == DisaggregationMode.DECODE else None
+        self._staging_ctx = _StagingContext(_StagingRing(*ring) if ring else None)
+        self._staging_handler = None
+        logger.info("kvbridge %s manager on %s:%d (engine %s%s)", disaggregation_mode.value, self.local_ip,
+                    self.rank_port, self._rust.session_id, ", staging" if settings["staging"]["enabled"] else "")
+
+    def set_kv_buffer_tensors(self, k_buffers, v_buffers, page_size, slot_layer_ids=None):
+        """Kept for sglang's scheduler (its staging handler reads the device
+        of these tensors); kvbridge's roles gather and scatter from the
+        registered KV buffers themselves."""
+        self.kv_buffer_tensors = {
+            "k_buffers": k_buffers,
+            "v_buffers": v_buffers,
+            "page_size": page_size,
+            "slot_layer_ids": list(slot_layer_ids or []),
+        }
 
     def register_to_bootstrap(self):
         """Nothing to do: the prefill role registered with the bootstrap

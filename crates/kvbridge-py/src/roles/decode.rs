@@ -105,6 +105,16 @@ impl PyDecodeManager {
             .map(|s| (s.dp_size, s.follow_bootstrap_room)))
     }
 
+    /// `(address, length)` of the staging ring when staging is on, else None.
+    fn staging_ring(&self) -> PyResult<Option<(u64, u64)>> {
+        Ok(self.manager()?.staging_ring())
+    }
+
+    /// Staging ring allocations held (None without a ring).
+    fn staging_allocations(&self) -> PyResult<Option<usize>> {
+        Ok(self.manager()?.staging_allocations())
+    }
+
     /// The role's Prometheus metrics, as text.
     fn render_metrics(&self) -> PyResult<String> {
         Ok(self.manager()?.metrics().render())

@@ -206,6 +206,14 @@ impl DecodeManager {
         batch.flush(&self.shared);
     }
 
+    /// The staging ring's `(address, length)` in our memory, when staging is on.
+    pub fn staging_ring(&self) -> Option<(u64, u64)> {
+        self.shared
+            .staging
+            .as_ref()
+            .map(staging::DecodeStaging::region)
+    }
+
     /// Staging ring allocations held (`None` without a ring): zero once
     /// every chunk was scattered or its room cleared.
     pub fn staging_allocations(&self) -> Option<usize> {

@@ -43,7 +43,6 @@ pub(crate) struct DecodeStaging {
     ring: Mutex<Ring>,
     /// Prefill rank endpoints that asked for allocations.
     subscribers: Mutex<HashSet<String>>,
-    chunk_pages: u64,
 }
 
 impl DecodeStaging {
@@ -90,7 +89,9 @@ impl DecodeStaging {
                     config.pool_bytes
                 ))
             })?;
-        let buffer = HostBuffer::new(bytes).map_err(|e| {
+        // Faulted in now, as sglang's ring is allocated: the first rounds
+        // do not pay page faults.
+        let buffer = HostBuffer::new_resident(bytes).map_err(|e| {
             ConfigError::Setting(format!("cannot allocate a {bytes}-byte staging ring: {e}"))
         })?;
         tracing::info!(
@@ -102,7 +103,6 @@ impl DecodeStaging {
             ring: Mutex::new(Ring::new(bytes as u64)),
             buffer,
             subscribers: Mutex::new(HashSet::new()),
-            chunk_pages: config.chunk_pages(layout.page_size),
         }))
     }
 
@@ -219,13 +219,9 @@ pub(crate) fn on_staging_req(shared: &Shared, r: &StagingReq<'_>) {
             );
             return;
         };
-        let chunk_end = r
-            .chunk_idx
-            .saturating_add(1)
-            .saturating_mul(staging.chunk_pages);
-        let pages_fit = r.chunk_num_pages > 0
-            && r.chunk_num_pages <= staging.chunk_pages
-            && chunk_end.saturating_sub(staging.chunk_pages) < room.pages.len() as u64;
+        // The chunk size is the prefill's grid (its chunked-prefill size),
+        // not ours: only what the room holds bounds it.
+        let pages_fit = r.chunk_num_pages > 0 && r.chunk_num_pages <= room.pages.len() as u64;
         if !pages_fit {
             drop(rooms);
             shared.metrics.dropped("staging_req");

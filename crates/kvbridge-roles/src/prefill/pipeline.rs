@@ -50,6 +50,10 @@ pub(crate) struct Submitted {
     pub copies: u64,
     /// The destination it goes to.
     pub dest: Arc<TransferInfo>,
+    /// The worker's own name for the batch, reported back when it
+    /// completes ([`Event::Tagged`]): a staged write, whose buffer is
+    /// reused and whose `CHUNK_READY` follows it.
+    pub tag: Option<u64>,
 }
 
 /// The first failed batch of a chunk.
@@ -76,6 +80,14 @@ pub(crate) enum Event {
         bytes: u64,
         /// Copies made.
         copies: u64,
+    },
+    /// A tagged batch completed (before its `Written` or `Failed`, and
+    /// before the room's `RoomReady`).
+    Tagged {
+        /// The batch's tag.
+        tag: u64,
+        /// Whether it was written.
+        ok: bool,
     },
     /// The chunk's first failed batch: the room fails now.
     Failed {
@@ -237,6 +249,12 @@ impl Pipeline {
             r.in_flight = r.in_flight.saturating_sub(1);
             r.failed |= result.is_err();
         }
+        if let Some(tag) = batch.tag {
+            self.events.push_back(Event::Tagged {
+                tag,
+                ok: result.is_ok(),
+            });
+        }
         match result {
             Ok(()) => self.events.push_back(Event::Written {
                 room,
@@ -332,6 +350,7 @@ mod tests {
             bytes: 10,
             copies: 1,
             dest: dest(),
+            tag: None,
         }
     }
 
@@ -346,6 +365,7 @@ mod tests {
             .map(|e| match e {
                 Event::Failed { room, .. } => format!("failed {room}"),
                 Event::RoomReady { room } => format!("ready {room}"),
+                Event::Tagged { tag, ok } => format!("tagged {tag} ok={ok}"),
                 Event::ChunkDone {
                     room, is_last, ok, ..
                 } => format!("done {room} last={is_last} ok={ok}"),
@@ -379,6 +399,42 @@ mod tests {
             ]
         );
         assert!(p.is_idle());
+    }
+
+    #[test]
+    fn a_tagged_batch_is_reported_before_the_room_is_ready() {
+        let mut p = Pipeline::new(4);
+        let t = p.open(1, true);
+        let id = p
+            .submitted(
+                t,
+                Submitted {
+                    tag: Some(7),
+                    ..batch(Part::Kv)
+                },
+            )
+            .unwrap();
+        let failed = p
+            .submitted(
+                t,
+                Submitted {
+                    tag: Some(8),
+                    ..batch(Part::Kv)
+                },
+            )
+            .unwrap();
+        p.close(t);
+        p.handle_completion(failed, Err(error()));
+        p.handle_completion(id, Ok(()));
+        assert_eq!(
+            events(&mut p),
+            [
+                "tagged 8 ok=false",
+                "failed 1",
+                "tagged 7 ok=true",
+                "done 1 last=true ok=false"
+            ]
+        );
     }
 
     #[test]

@@ -19,14 +19,13 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvbridge_engine::{Batch, Target};
 use kvbridge_mem::{HostBuffer, Strided, probe_kind};
-use kvbridge_plan::{Block, Run, StagingSource, watermark_ready};
+use kvbridge_plan::{Run, StagingSource, watermark_ready};
 use kvbridge_wire::{ChunkReady, StagingReq};
 
 use super::Shared;
 use super::state::{PeerEntry, TransferInfo};
-use crate::config::StagingConfig;
+use crate::config::{STAGING_SLOTS, StagingConfig};
 use crate::error::ConfigError;
 use crate::kv_args::KvArgs;
 
@@ -88,24 +87,22 @@ impl PrefillStaging {
             ));
         }
         let chunk_pages = config.chunk_pages(layout.page_size);
-        // At least one buffer's worth of a whole chunk, so a piece is never
-        // smaller than one slot.
-        let slot = layout
+        // A slot holds at least one KV buffer's worth of a whole chunk (one
+        // staging layer), so a piece never needs less than one slot.
+        let layer = layout
             .kv_item_lens
             .iter()
             .max()
             .copied()
             .unwrap_or(0)
             .saturating_mul(chunk_pages);
-        let bytes = config
-            .buffer_mb
-            .saturating_mul(1 << 20)
-            .max(slot)
-            .max(1 << 20);
+        let slot = (config.buffer_bytes / STAGING_SLOTS).max(layer).max(4096);
+        let bytes = slot.saturating_mul(STAGING_SLOTS);
         let bytes = usize::try_from(bytes)
             .map_err(|_| ConfigError::Setting(format!("a {bytes}-byte gather buffer")))?;
+        // Faulted in now: the first chunks do not pay the page faults.
         let buffers = (0..workers)
-            .map(|_| HostBuffer::new(bytes))
+            .map(|_| HostBuffer::new_resident(bytes))
             .collect::<Result<Vec<_>, _>>()
             .map_err(|e| ConfigError::Setting(format!("cannot allocate gather buffers: {e}")))?;
         tracing::info!(
@@ -126,9 +123,15 @@ impl PrefillStaging {
         self.buffers.iter().map(HostBuffer::region).collect()
     }
 
-    /// Worker `i`'s buffer.
-    pub fn buffer(&self, i: usize) -> Option<(u64, u64)> {
-        self.buffers.get(i).map(HostBuffer::region)
+    /// Worker `i`'s gather slots, `(address, length)` each.
+    pub fn slots(&self, i: usize) -> Vec<(u64, u64)> {
+        let Some((addr, len)) = self.buffers.get(i).map(HostBuffer::region) else {
+            return Vec::new();
+        };
+        let slot = len / STAGING_SLOTS;
+        (0..STAGING_SLOTS)
+            .map(|k| (addr + k * slot, slot))
+            .collect()
     }
 }
 
@@ -168,7 +171,7 @@ pub(crate) fn prefetch(shared: &Shared, room: u64, infos: &[Arc<TransferInfo>]) 
 }
 
 /// One grid chunk of a room to stage to one decode rank.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub(crate) struct StagedTask {
     /// The pipeline chunk (ticket) it belongs to.
     pub ticket: u64,
@@ -182,15 +185,6 @@ pub(crate) struct StagedTask {
     pub pages: Arc<Vec<i32>>,
     /// When waiting for the allocation or ring space gives up.
     pub deadline: Instant,
-}
-
-/// What one attempt at a task came to.
-#[derive(Debug, PartialEq, Eq)]
-pub(crate) enum Step {
-    /// Written and announced, or dropped (room stopped or failed now).
-    Done,
-    /// Allocation or ring space not there yet: try again later.
-    NotReady,
 }
 
 /// One whole grid chunk of a room: its index, first destination page and
@@ -269,17 +263,26 @@ impl Grid {
     }
 }
 
-/// One attempt at `task` with worker `buffer` (`(address, length)`).
-pub(crate) fn attempt(shared: &Shared, buffer: (u64, u64), task: &StagedTask) -> Step {
+/// Whether a staged chunk may be written now.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Readiness {
+    /// Its allocation `[offset, end)` is there and the watermark released it.
+    Ready { offset: u64, end: u64 },
+    /// Allocation or ring space not there yet: try again later.
+    NotReady,
+    /// Nothing to write: the room stopped, or failed now (with a reason).
+    Dropped,
+}
+
+/// Whether `task` may be written now; fails its room (and answers
+/// `Dropped`) past its deadline or when the decode cannot hold it.
+pub(crate) fn check(shared: &Shared, task: &StagedTask) -> Readiness {
     let room = task.room;
-    let Some(dest) = task.entry.staging.as_ref() else {
-        return Step::Done;
-    };
     let session = task.info.session.as_str();
     let (alloc, watermark) = {
         let rooms = shared.rooms.lock();
         if super::worker::is_stopped(&rooms, room) {
-            return Step::Done;
+            return Readiness::Dropped;
         }
         let alloc = rooms
             .staging
@@ -299,8 +302,9 @@ pub(crate) fn attempt(shared: &Shared, buffer: (u64, u64), task: &StagedTask) ->
         .staging
         .as_ref()
         .map_or(0.0, |s| s.wait_timeout.as_secs_f64());
+    let late = Instant::now() >= task.deadline;
     let (offset, round, end) = match alloc {
-        None if Instant::now() >= task.deadline => {
+        None if late => {
             return fail(
                 shared,
                 task,
@@ -312,7 +316,7 @@ pub(crate) fn attempt(shared: &Shared, buffer: (u64, u64), task: &StagedTask) ->
                 ),
             );
         }
-        None => return Step::NotReady,
+        None => return Readiness::NotReady,
         Some((o, _, _)) if o == ALLOC_OVERSIZED => {
             return fail(
                 shared,
@@ -327,7 +331,7 @@ pub(crate) fn attempt(shared: &Shared, buffer: (u64, u64), task: &StagedTask) ->
         Some(a) => a,
     };
     if !watermark_ready(watermark, round, end) {
-        if Instant::now() >= task.deadline {
+        if late {
             return fail(
                 shared,
                 task,
@@ -338,41 +342,51 @@ pub(crate) fn attempt(shared: &Shared, buffer: (u64, u64), task: &StagedTask) ->
                 ),
             );
         }
-        return Step::NotReady;
+        return Readiness::NotReady;
     }
-    match write_chunk(shared, buffer, task, dest, offset, end) {
-        Ok(()) => Step::Done,
-        Err(reason) => fail(shared, task, reason),
+    match (u64::try_from(offset), u64::try_from(end)) {
+        (Ok(offset), Ok(end)) => Readiness::Ready { offset, end },
+        _ => fail(
+            shared,
+            task,
+            format!("decode answered a negative staging allocation for room {room}"),
+        ),
     }
 }
 
-fn fail(shared: &Shared, task: &StagedTask, reason: String) -> Step {
+fn fail(shared: &Shared, task: &StagedTask, reason: String) -> Readiness {
     shared.metrics.failure("staging");
     shared.conclude(task.room, kvbridge_wire::KvPoll::Failed, None, Some(reason));
-    Step::Done
+    Readiness::Dropped
 }
 
-/// Gathers the chunk piece by piece into `buffer`, writes each piece into
-/// the allocation `[offset, end)`, then sends `CHUNK_READY`.
-fn write_chunk(
-    shared: &Shared,
-    (buf, cap): (u64, u64),
+/// One bulk write of a staged chunk: staging slots `slots` of our part,
+/// `len` bytes to `dst` in the decode's ring.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Piece {
+    pub slots: std::ops::Range<usize>,
+    pub dst: u64,
+    pub len: u64,
+}
+
+/// The bulk writes of `task` into its allocation `[offset, end)`, each at
+/// most `cap` bytes (at least one staging slot each); `Err` with the
+/// room's failure reason when the allocation cannot hold the chunk.
+pub(crate) fn pieces(
     task: &StagedTask,
-    dest: &StagingDest,
-    offset: i64,
-    end: i64,
-) -> Result<(), String> {
+    offset: u64,
+    end: u64,
+    cap: u64,
+) -> Result<Vec<Piece>, String> {
     let room = task.room;
+    let Some(dest) = task.entry.staging.as_ref() else {
+        return Err(format!("room {room}: no staging ring at the decode"));
+    };
     let source = &dest.source;
     let pages = task.pages.len() as u64;
     let plan_err = |e: kvbridge_plan::PlanError| format!("cannot plan staging of room {room}: {e}");
     let (part, total) = source.placement(pages).map_err(plan_err)?;
     let slot_bytes = source.slot_bytes(pages).map_err(plan_err)?;
-    let (Ok(offset), Ok(end)) = (u64::try_from(offset), u64::try_from(end)) else {
-        return Err(format!(
-            "decode answered a negative staging allocation for room {room}"
-        ));
-    };
     if end < offset || end - offset < total || end > dest.ring_size {
         return Err(format!(
             "decode's staging allocation [{offset}, {end}) for room {room} cannot hold the \
@@ -382,58 +396,64 @@ fn write_chunk(
     }
     let per_piece = usize::try_from((cap / slot_bytes.max(1)).max(1)).unwrap_or(1);
     let slots = source.slot_count();
-    let target = Target::exact(&task.info.session, task.entry.incarnation);
-    let mut runs: Vec<Run> = Vec::new();
+    let mut out = Vec::new();
     let mut first = 0usize;
     while first < slots {
         let last = (first + per_piece).min(slots);
-        runs.clear();
-        source
-            .gather(&task.pages, first..last, buf, &mut runs)
-            .map_err(plan_err)?;
-        for r in &runs {
-            let copy = Strided {
-                src: r.src,
-                dst: r.dst,
-                len: r.len,
-                count: r.count,
-                src_stride: r.src_stride,
-                dst_stride: r.dst_stride,
-            };
-            shared
-                .local
-                .registry
-                .copy_strided(&copy)
-                .map_err(|e| format!("staging gather of room {room}: {e}"))?;
-        }
-        let len = slot_bytes * (last - first) as u64;
-        let block = Block {
-            src: buf,
+        out.push(Piece {
+            slots: first..last,
             dst: dest.ring_base + offset + part + slot_bytes * first as u64,
-            len,
-        };
-        let result = shared
-            .engine
-            .submit(target, Batch::Blocks(std::slice::from_ref(&block)))
-            .wait();
-        if let Err(e) = result {
-            super::worker::engine_failure(shared, &task.info, &e);
-            return Err(format!(
-                "Failed to send kv chunk of {room} to {} (staged): {e}",
-                task.info.host_port()
-            ));
-        }
-        shared.metrics.bytes.inc_by(len);
-        shared.metrics.blocks.inc();
-        shared.metrics.staged_bytes.inc_by(len);
-        shared.rooms.lock().count_payload(room, len);
+            len: slot_bytes * (last - first) as u64,
+        });
         first = last;
     }
+    Ok(out)
+}
+
+/// Gathers staging slots `slots` of `task` into our buffer at `buf`.
+pub(crate) fn gather(
+    shared: &Shared,
+    task: &StagedTask,
+    slots: std::ops::Range<usize>,
+    buf: u64,
+) -> Result<(), String> {
+    let room = task.room;
+    let Some(dest) = task.entry.staging.as_ref() else {
+        return Err(format!("room {room}: no staging ring at the decode"));
+    };
+    let mut runs: Vec<Run> = Vec::new();
+    dest.source
+        .gather(&task.pages, slots, buf, &mut runs)
+        .map_err(|e| format!("cannot plan staging of room {room}: {e}"))?;
+    let mut bytes = 0u64;
+    for r in &runs {
+        let copy = Strided {
+            src: r.src,
+            dst: r.dst,
+            len: r.len,
+            count: r.count,
+            src_stride: r.src_stride,
+            dst_stride: r.dst_stride,
+        };
+        shared
+            .local
+            .registry
+            .copy_strided(&copy)
+            .map_err(|e| format!("staging gather of room {room}: {e}"))?;
+        bytes = bytes.saturating_add(r.bytes());
+    }
+    shared.metrics.staged_bytes.inc_by(bytes);
+    Ok(())
+}
+
+/// Tells the decode rank `task`'s chunk is written (`CHUNK_READY`), on the
+/// socket its status follows on.
+pub(crate) fn chunk_ready(shared: &Shared, task: &StagedTask) -> Result<(), String> {
     let ready = ChunkReady {
-        room,
+        room: task.room,
         chunk_idx: task.chunk_idx,
         page_start: task.page_start,
-        num_pages: pages,
+        num_pages: task.pages.len() as u64,
         session_id: task.info.session.as_str().into(),
         prefill_unique_rank: Some(shared.unique_rank),
     };
@@ -443,7 +463,7 @@ fn write_chunk(
             &task.info.zmq_endpoint(),
             ready.encode().iter().map(|f| f.as_ref()),
         )
-        .map_err(|e| format!("cannot send CHUNK_READY of room {room}: {e}"))
+        .map_err(|e| format!("cannot send CHUNK_READY of room {}: {e}", task.room))
 }
 
 #[cfg(test)]

@@ -12,7 +12,7 @@
 //! while another could proceed (a slow destination holds only its own
 //! batches' slots), or trusts a batch's result it has not been told.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -24,7 +24,8 @@ use kvbridge_wire::KvPoll;
 use super::flight::Flight;
 use super::pipeline::{Event, Failure, Part, Submitted, Ticket};
 use super::ship;
-use super::staged::{self, Grid, StagedTask, Step};
+use super::staged::{self, Grid, Readiness, StagedTask};
+use super::stager::{Completion, Stager};
 use super::state::{Peer, PeerEntry, RoomsState, TransferInfo};
 use super::{QueuedChunk, Shared};
 
@@ -46,10 +47,13 @@ pub(crate) fn run(shared: &Shared, queue: &Receiver<Option<QueuedChunk>>, index:
         shared,
         flight: Flight::new(shared.in_flight.max(MIN_IN_FLIGHT)),
         finales: HashMap::new(),
-        index,
         grid: Grid::default(),
-        deferred: VecDeque::new(),
-        waiting: HashMap::new(),
+        stager: Stager::new(
+            shared
+                .staging
+                .as_ref()
+                .map_or_else(Vec::new, |s| s.slots(index)),
+        ),
     };
     loop {
         worker.handle_events();
@@ -65,7 +69,7 @@ pub(crate) fn run(shared: &Shared, queue: &Receiver<Option<QueuedChunk>>, index:
                 }
                 Err(TryRecvError::Disconnected) => None,
             }
-        } else if !worker.deferred.is_empty() {
+        } else if !worker.stager.deferred.is_empty() {
             match queue.recv_timeout(STAGED_RETRY) {
                 Ok(next) => next,
                 Err(RecvTimeoutError::Timeout) => continue,
@@ -103,15 +107,10 @@ struct Worker<'s> {
     flight: Flight,
     /// Rooms whose last chunk is submitted for every decode rank.
     finales: HashMap<u64, Vec<Finale>>,
-    /// This worker's number (its staging buffer).
-    index: usize,
     /// Rooms' pages not yet forming a whole staging chunk.
     grid: Grid,
-    /// Staged chunks waiting for their allocation or ring space.
-    deferred: VecDeque<StagedTask>,
-    /// Staged chunks still waiting per open chunk (ticket): the ticket
-    /// closes once none is left.
-    waiting: HashMap<Ticket, usize>,
+    /// Staged chunks waiting, and their writes in flight.
+    stager: Stager,
 }
 
 impl Worker<'_> {
@@ -137,54 +136,108 @@ impl Worker<'_> {
                 tracing::debug!(room, "skipping chunk of a failed or cleared room");
             }
         }
-        if !self.waiting.contains_key(&ticket) {
+        if !self.stager.holds(ticket) {
             self.flight.close(ticket);
         }
     }
 
-    /// Tries a staged chunk now; one that must wait is kept (its ticket
-    /// stays open, so the room's status waits for it).
-    fn stage(&mut self, task: StagedTask) {
-        let buffer = self
-            .shared
-            .staging
-            .as_ref()
-            .and_then(|s| s.buffer(self.index));
-        let step = match buffer {
-            Some(buffer) => staged::attempt(self.shared, buffer, &task),
-            None => Step::Done,
+    /// Tries a staged chunk now: written (its bulk writes submitted under
+    /// its ticket), dropped (room stopped), or kept until its ring space is
+    /// there (its ticket stays open, so the room's status waits for it).
+    /// Returns whether it was handled (not kept).
+    fn stage(&mut self, task: StagedTask) -> bool {
+        match staged::check(self.shared, &task) {
+            Readiness::Dropped => true,
+            Readiness::NotReady => {
+                self.stager.defer(task);
+                false
+            }
+            Readiness::Ready { offset, end } => {
+                self.write_staged(task, offset, end);
+                true
+            }
+        }
+    }
+
+    /// Gathers `task` piece by piece into free gather slots and submits
+    /// each piece as one bulk write into the allocation `[offset, end)`.
+    fn write_staged(&mut self, task: StagedTask, offset: u64, end: u64) {
+        let shared = self.shared;
+        let (room, ticket) = (task.room, task.ticket);
+        let pieces = match staged::pieces(&task, offset, end, self.stager.slot_len()) {
+            Ok(p) => p,
+            Err(reason) => return fail(shared, room, reason),
         };
-        if step == Step::NotReady {
-            *self.waiting.entry(task.ticket).or_default() += 1;
-            self.deferred.push_back(task);
+        let (info, incarnation) = (task.info.clone(), task.entry.incarnation);
+        let id = self.stager.begin(task.clone());
+        let mut ok = true;
+        for piece in pieces {
+            if self.flight.failed(ticket) || room_failed(shared, room) {
+                ok = false;
+                break;
+            }
+            let slot = loop {
+                if let Some(slot) = self.stager.take_slot() {
+                    break Some(slot);
+                }
+                if !self.stager.slots_busy() {
+                    break None;
+                }
+                self.flight.wait();
+                self.handle_events();
+            };
+            let Some(slot) = slot else {
+                fail(shared, room, "no staging gather slot".into());
+                ok = false;
+                break;
+            };
+            if let Err(reason) = staged::gather(shared, &task, piece.slots.clone(), slot.0) {
+                self.stager.put_slot(slot);
+                fail(shared, room, reason);
+                ok = false;
+                break;
+            }
+            let tag = self.stager.write(id, slot);
+            let block = Block {
+                src: slot.0,
+                dst: piece.dst,
+                len: piece.len,
+            };
+            self.submit_tagged(ticket, incarnation, &info, block, Some(tag));
+        }
+        let done = self.stager.submitted(id, ok);
+        self.staged_done(done);
+    }
+
+    /// Sends `CHUNK_READY` for a chunk whose writes all succeeded.
+    fn staged_done(&mut self, done: Completion) {
+        if let Completion::Ready(task) = done
+            && let Err(reason) = staged::chunk_ready(self.shared, &task)
+        {
+            fail(self.shared, task.room, reason);
         }
     }
 
     /// Retries every waiting staged chunk once, in order.
     fn retry_deferred(&mut self) {
-        let Some(buffer) = self
-            .shared
-            .staging
-            .as_ref()
-            .and_then(|s| s.buffer(self.index))
-        else {
-            return;
-        };
-        for _ in 0..self.deferred.len() {
-            let Some(task) = self.deferred.pop_front() else {
+        for _ in 0..self.stager.deferred.len() {
+            let Some(task) = self.stager.deferred.pop_front() else {
                 break;
             };
-            if staged::attempt(self.shared, buffer, &task) == Step::NotReady {
-                self.deferred.push_back(task);
-                continue;
-            }
-            let left = self.waiting.get_mut(&task.ticket).map(|n| {
-                *n -= 1;
-                *n
-            });
-            if left == Some(0) {
-                self.waiting.remove(&task.ticket);
-                self.flight.close(task.ticket);
+            let ticket = task.ticket;
+            let handled = match staged::check(self.shared, &task) {
+                Readiness::NotReady => {
+                    self.stager.deferred.push_back(task);
+                    false
+                }
+                Readiness::Dropped => true,
+                Readiness::Ready { offset, end } => {
+                    self.write_staged(task, offset, end);
+                    true
+                }
+            };
+            if handled && self.stager.undefer(ticket) {
+                self.flight.close(ticket);
             }
         }
     }
@@ -346,6 +399,19 @@ impl Worker<'_> {
         Some(host_states)
     }
 
+    /// Submits one staged bulk write (`tag`: reported back on completion).
+    fn submit_tagged(
+        &mut self,
+        ticket: Ticket,
+        incarnation: u64,
+        info: &Arc<TransferInfo>,
+        block: Block,
+        tag: Option<u64>,
+    ) {
+        let batch = Batch::Blocks(std::slice::from_ref(&block));
+        self.submit_as(ticket, incarnation, Part::Kv, info, batch, tag);
+    }
+
     /// Submits one batch, first accounting for finished ones (and acting on
     /// them) while the pipeline is full.
     fn submit(
@@ -355,6 +421,18 @@ impl Worker<'_> {
         part: Part,
         info: &Arc<TransferInfo>,
         batch: Batch<'_>,
+    ) {
+        self.submit_as(ticket, incarnation, part, info, batch, None);
+    }
+
+    fn submit_as(
+        &mut self,
+        ticket: Ticket,
+        incarnation: u64,
+        part: Part,
+        info: &Arc<TransferInfo>,
+        batch: Batch<'_>,
+        tag: Option<u64>,
     ) {
         while self.flight.is_full() {
             self.flight.wait();
@@ -369,6 +447,7 @@ impl Worker<'_> {
             bytes: batch.bytes(),
             copies,
             dest: info.clone(),
+            tag,
         };
         let engine = &*self.shared.engine;
         self.flight
@@ -401,6 +480,10 @@ impl Worker<'_> {
                     engine_failure(shared, &failure.dest, &failure.error);
                     let reason = failure_reason(room, &failure);
                     shared.conclude(room, KvPoll::Failed, None, Some(reason));
+                }
+                Event::Tagged { tag, ok } => {
+                    let done = self.stager.completed(tag, ok);
+                    self.staged_done(done);
                 }
                 Event::RoomReady { room } => self.room_ready(room),
                 Event::ChunkDone {
@@ -457,10 +540,8 @@ impl Worker<'_> {
     /// Waits for every batch in flight and acts on each; staged chunks
     /// still waiting are given up (the manager is stopping).
     fn drain(&mut self) {
-        for task in std::mem::take(&mut self.deferred) {
-            if self.waiting.remove(&task.ticket).is_some() {
-                self.flight.close(task.ticket);
-            }
+        for ticket in self.stager.abandon() {
+            self.flight.close(ticket);
         }
         loop {
             self.handle_events();
