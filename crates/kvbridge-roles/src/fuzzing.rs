@@ -1,8 +1,10 @@
 //! A harness for fuzzing the prefill and decode inboxes (not a supported
-//! API): a bootstrap server, one prefill rank and one decode rank on
-//! loopback engines, with live rooms, so that random frame sequences meet
-//! real room state. [`InboxHarness::check`] states the invariant: no byte
-//! outside the live rooms' own pages changed.
+//! API): a bootstrap server, two prefill ranks (TP 2) and one decode rank
+//! (TP 1) on loopback engines, with live rooms that receive through the
+//! decode's staging ring, so that random frame sequences (staging requests
+//! and chunk notices included) meet real room state.
+//! [`InboxHarness::check`] states the invariant: no byte outside the live
+//! rooms' own pages changed.
 
 #![doc(hidden)]
 
@@ -14,7 +16,7 @@ use kvbridge_engine::{LoopbackEngine, TransferEngine};
 use kvbridge_wire::{KvPoll, Limits, ToPrefill};
 
 use crate::bootstrap::BootstrapServer;
-use crate::config::{DecodeConfig, PrefillConfig};
+use crate::config::{DecodeConfig, ParallelRank, PrefillConfig, StagingConfig};
 use crate::decode::{DecodeManager, KvReceiver};
 use crate::prefill::PrefillManager;
 use crate::synthetic::{ModelSpec, RankPools, RankSpec};
@@ -32,9 +34,9 @@ pub struct InboxHarness {
     // deregister), then the pools they registered, then the bootstrap.
     receivers: Vec<KvReceiver>,
     decode: DecodeManager,
-    prefill: PrefillManager,
+    prefill: Vec<PrefillManager>,
     decode_pools: RankPools,
-    _prefill_pools: RankPools,
+    _prefill_pools: Vec<RankPools>,
     _bootstrap: BootstrapServer,
 }
 
@@ -56,12 +58,23 @@ fn model() -> ModelSpec {
     }
 }
 
-fn rank() -> RankSpec {
+fn rank(tp_size: u64, tp_rank: u64) -> RankSpec {
     RankSpec {
-        tp_size: 1,
-        tp_rank: 0,
+        tp_size,
+        tp_rank,
         pp_size: 1,
         pp_rank: 0,
+    }
+}
+
+/// Staging on both sides, with a ring small enough to wrap.
+fn staging() -> StagingConfig {
+    StagingConfig {
+        enabled: true,
+        pool_bytes: 16 << 10,
+        chunk_tokens: 2,
+        buffer_bytes: 0,
+        wait_timeout: Duration::from_secs(5),
     }
 }
 
@@ -73,30 +86,43 @@ impl InboxHarness {
             Duration::from_secs(120),
         )
         .map_err(|e| e.to_string())?;
-        let prefill_pools =
-            RankPools::new(model(), rank(), PAGES, ROOMS + 1).map_err(|e| e.to_string())?;
         let mut decode_pools =
-            RankPools::new(model(), rank(), PAGES, ROOMS + 1).map_err(|e| e.to_string())?;
+            RankPools::new(model(), rank(1, 0), PAGES, ROOMS + 1).map_err(|e| e.to_string())?;
         let canaries: Vec<i32> = (0..PAGES as i32).filter(|p| !owned(*p)).collect();
         decode_pools.poison(&canaries, CANARY);
-        let prefill_config = PrefillConfig {
-            bootstrap_addr: bootstrap.local_addr().to_string(),
-            queue_size: 1,
-            thread_pool_size: Some(1),
-            ..PrefillConfig::default()
-        };
-        let engine: Arc<dyn TransferEngine> = Arc::new(LoopbackEngine::new());
-        // SAFETY: the pools live in the harness and outlive the managers
-        // (field order above drops the managers first).
-        let prefill =
-            unsafe { PrefillManager::start(prefill_config, prefill_pools.kv_args(), engine) }
+        let mut prefill = Vec::new();
+        let mut prefill_pools = Vec::new();
+        for tp in 0..2 {
+            let pools = RankPools::new(model(), rank(2, tp), PAGES, ROOMS + 1)
                 .map_err(|e| e.to_string())?;
-        let engine: Arc<dyn TransferEngine> = Arc::new(LoopbackEngine::new());
-        // SAFETY: as above.
-        let decode = unsafe {
-            DecodeManager::start(DecodeConfig::default(), decode_pools.kv_args(), engine)
+            let config = PrefillConfig {
+                bootstrap_addr: bootstrap.local_addr().to_string(),
+                queue_size: 1,
+                thread_pool_size: Some(1),
+                rank: ParallelRank {
+                    attn_tp_size: 2,
+                    attn_tp_rank: tp,
+                    ..ParallelRank::default()
+                },
+                staging: staging(),
+                ..PrefillConfig::default()
+            };
+            let engine: Arc<dyn TransferEngine> = Arc::new(LoopbackEngine::new());
+            // SAFETY: the pools live in the harness and outlive the managers
+            // (field order above drops the managers first).
+            let manager = unsafe { PrefillManager::start(config, pools.kv_args(), engine) }
+                .map_err(|e| e.to_string())?;
+            prefill.push(manager);
+            prefill_pools.push(pools);
         }
-        .map_err(|e| e.to_string())?;
+        let engine: Arc<dyn TransferEngine> = Arc::new(LoopbackEngine::new());
+        let decode_config = DecodeConfig {
+            staging: staging(),
+            ..DecodeConfig::default()
+        };
+        // SAFETY: as above.
+        let decode = unsafe { DecodeManager::start(decode_config, decode_pools.kv_args(), engine) }
+            .map_err(|e| e.to_string())?;
         let addr = bootstrap.local_addr().to_string();
         let mut receivers = Vec::new();
         for room in 1..=ROOMS {
@@ -141,8 +167,8 @@ impl InboxHarness {
             Ok(ToPrefill::Abort(a)) => local(&a.decode_ip),
             Ok(_) | Err(_) => true,
         };
-        if allowed {
-            self.prefill.handle_frames(frames);
+        if allowed && let Some(prefill) = self.prefill.first() {
+            prefill.handle_frames(frames);
         }
     }
 
@@ -151,6 +177,11 @@ impl InboxHarness {
         for rx in &mut self.receivers {
             let _ = rx.poll();
         }
+    }
+
+    /// Staging ring allocations the decode holds.
+    pub fn staging_allocations(&self) -> usize {
+        self.decode.staging_allocations().unwrap_or(0)
     }
 
     /// The invariant: every page no live room owns is untouched.

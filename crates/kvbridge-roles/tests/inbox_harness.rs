@@ -5,7 +5,9 @@
 
 use kvbridge_roles::KvPoll;
 use kvbridge_roles::fuzzing::InboxHarness;
-use kvbridge_wire::{Abort, AbortAck, AuxData, StateData, Status};
+use kvbridge_wire::{
+    Abort, AbortAck, AuxData, ChunkReady, StagingReq, StagingRsp, StateData, Status, Watermark,
+};
 
 fn frames(parts: Vec<std::borrow::Cow<'_, [u8]>>) -> Vec<Vec<u8>> {
     parts.into_iter().map(|p| p.into_owned()).collect()
@@ -55,7 +57,62 @@ fn hostile_sequences_leave_other_pages_untouched() {
         h.feed_prefill(&frames(abort.encode()));
         h.poll();
     }
+    h.check().unwrap();
     h.feed_decode(&[b"garbage".to_vec()]);
     h.feed_prefill(&[b"garbage".to_vec(), vec![0xff; 3]]);
+    h.check().unwrap();
+}
+
+#[test]
+fn hostile_staging_messages_scatter_only_into_live_rooms_pages() {
+    let mut h = InboxHarness::new().unwrap();
+    // Allocations for every room (live or not), any chunk size, then chunk
+    // notices naming every page range, from every rank number.
+    for room in 0..6u64 {
+        for (chunk, pages) in [(0u64, 1u64), (1, 2), (2, 64), (u64::MAX, u64::MAX), (0, 0)] {
+            let r = StagingReq {
+                room,
+                chunk_idx: chunk,
+                chunk_num_pages: pages,
+                session_id: "127.0.0.1:1".into(),
+                requester_pp_rank: Some(0),
+            };
+            h.feed_decode(&frames(r.encode()));
+        }
+    }
+    assert!(h.staging_allocations() > 0, "live rooms got allocations");
+    for room in 0..6u64 {
+        for chunk in [0u64, 1, 2, 7] {
+            for (start, pages) in [(0u64, 1u64), (0, 2), (1, 2), (2, 1), (u64::MAX, 2), (0, 64)] {
+                for rank in [0u64, 1, 2] {
+                    let c = ChunkReady {
+                        room,
+                        chunk_idx: chunk,
+                        page_start: start,
+                        num_pages: pages,
+                        session_id: "127.0.0.1:1".into(),
+                        prefill_unique_rank: Some(rank),
+                    };
+                    h.feed_decode(&frames(c.encode()));
+                }
+            }
+        }
+        let rsp = StagingRsp {
+            room,
+            chunk_idx: 0,
+            offset: -2,
+            round: i64::MAX,
+            end: i64::MIN,
+            session_id: "127.0.0.1:1".into(),
+        };
+        h.feed_prefill(&frames(rsp.encode()));
+        let wm = Watermark {
+            wm_round: u64::MAX,
+            wm_tail: u64::MAX,
+            session_id: "127.0.0.1:1".into(),
+        };
+        h.feed_prefill(&frames(wm.encode()));
+        h.poll();
+    }
     h.check().unwrap();
 }

@@ -206,6 +206,11 @@ def _staging_settings(kv_args: KVArgs) -> dict:
     scheduler cuts sends on (``staging_grid_tokens`` of the chunked-prefill
     size)."""
     enabled = bool(_env("SGLANG_DISAGG_STAGING_BUFFER"))
+    if enabled and envs.SGLANG_STAGING_USE_TORCH.is_set():
+        logger.warning(
+            "SGLANG_STAGING_USE_TORCH picks sglang's own gather/scatter kernels; the kvbridge "
+            "backend stages with its own and ignores it"
+        )
     page = max(1, int(getattr(kv_args, "page_size", 1) or 1))
     cps = getattr(get_schedule(), "chunked_prefill_size", None) or 8192
     if enabled and (cps <= 0 or cps % page != 0):
