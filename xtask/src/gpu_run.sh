@@ -41,6 +41,30 @@ step demo-ipc-host-blocks "${demo[@]}" --engine ipc --host-kv-buffers 4 --prefil
 step demo-tcp-device "${demo[@]}" --engine tcp --prefill-tp 2 --decode-tp 1
 step demo-tcp-nvlink-intra-host-blocks "${demo[@]}" --engine tcp --nvlink-intra --host-kv-buffers 4
 step demo-ipc-abort "${demo[@]}" --engine ipc --abort-fraction 0.3
+# The staging path with KV in device memory: gather and scatter on the GPU
+# (the IPC engine's batched kernel), the bulk writes over TCP.
+step demo-tcp-device-staged-tp2-4 "${demo[@]}" --engine tcp --prefill-tp 2 --decode-tp 4 --staging
+step demo-tcp-device-staged-tp4-2 "${demo[@]}" --engine tcp --prefill-tp 4 --decode-tp 2 --staging
+step demo-tcp-device-staged-tp8-2 "${demo[@]}" --engine tcp --prefill-tp 8 --decode-tp 2 --staging
+step demo-tcp-device-staged-abort "${demo[@]}" --engine tcp --prefill-tp 2 --decode-tp 4 --staging --abort-fraction 0.3
+if [ "$bench" = 1 ]; then
+  # Heterogeneous TP against homogeneous, per-slice against staged, KV in
+  # device memory: TCP engine, then CUDA IPC (which copies head slices on
+  # the GPU without staging). Two alternated rounds; one JSON line a run.
+  for round in 1 2; do
+    for eng in tcp ipc; do
+      for t in "2 2" "2 4" "4 2" "8 2" "8 8"; do
+        read -r p d <<< "$t"
+        for st in "" "--staging"; do
+          [ "$eng" = ipc ] && [ -n "$st" ] && continue
+          [ "$p" = "$d" ] && [ -n "$st" ] && continue
+          out=$(timeout 300 "${demo[@]}" --engine "$eng" --prefill-tp "$p" --decode-tp "$d" $st 2>/dev/null | tail -n 1)
+          echo "staging-bench round=$round engine=$eng tp=$p-$d staging=${st:+on} $out"
+        done
+      done
+    done
+  done | tee "$logs/bench-staging-device.log"
+fi
 # sglang 0.5.23's connector (its own code, unpacked from the wheel) on
 # kvbridge's engine and against kvbridge's ranks, KV in torch device tensors.
 if [ -f "$here/interop/device_run.sh" ]; then

@@ -428,7 +428,18 @@ impl StagingTarget {
                 }
                 Ok(part)
             })
-            .collect::<Result<Vec<_>, PlanError>>()?;
+            .collect::<Result<Vec<WriterPart>, PlanError>>()?;
+        // Writers holding the same heads (replicated prefill heads) write
+        // identical bytes; others hold disjoint heads. Anything else would
+        // scatter two writers' bytes onto each other.
+        for (i, a) in writers.iter().enumerate() {
+            for b in &writers[..i] {
+                let overlap = a.dst_off < b.dst_off + b.slice && b.dst_off < a.dst_off + a.slice;
+                if overlap && a != b {
+                    return Err(unsupported("writers' heads overlap in the decode token"));
+                }
+            }
+        }
         Ok(Self {
             slots,
             page_size: layout.page_size,
@@ -453,12 +464,19 @@ impl StagingTarget {
     }
 
     /// Appends the copies that scatter a chunk's region at `region` into
-    /// our pages `pages` (the chunk's destination pages, in order).
+    /// our pages `pages` (the chunk's destination pages, in order). A
+    /// writer whose heads an earlier writer already holds (replicated
+    /// prefill heads: the same bytes) is not scattered again, so no two
+    /// copies write the same bytes.
     pub fn scatter(&self, region: u64, pages: &[i32], out: &mut Vec<Run>) -> Result<(), PlanError> {
         let tokens = mul(pages.len() as u64, self.page_size)?;
         let mut base = region;
-        for w in &self.writers {
+        for (i, w) in self.writers.iter().enumerate() {
             let slot_bytes = mul(tokens, w.slice)?;
+            if self.writers[..i].contains(w) {
+                base = add(base, mul(slot_bytes, self.slots.len() as u64)?)?;
+                continue;
+            }
             let page_bytes = mul(self.page_size, w.slice)?;
             for (s, buf) in self.slots.iter().enumerate() {
                 let slot_base = add(base, mul(s as u64, slot_bytes)?)?;

@@ -29,6 +29,7 @@ pub mod metrics;
 pub mod prefill;
 mod role;
 pub mod rooms;
+mod staging_mem;
 mod stop;
 
 pub use config::{DecodeConfig, ParallelRank, PrefillConfig, ProbeConfig, StagingConfig};

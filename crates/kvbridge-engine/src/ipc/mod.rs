@@ -52,6 +52,8 @@ mod copier;
 #[cfg(feature = "cuda")]
 mod engine;
 #[cfg(feature = "cuda")]
+mod local;
+#[cfg(feature = "cuda")]
 mod peer;
 
 #[cfg(feature = "cuda")]
@@ -60,4 +62,6 @@ pub use bench::{BenchError, Copies, CopyBench, KernelPieces};
 pub use copier::CopyStats;
 #[cfg(feature = "cuda")]
 pub use engine::IpcEngine;
+#[cfg(feature = "cuda")]
+pub use local::DeviceCopier;
 pub use schedule::{CopyMode, CopyTuning};

@@ -15,7 +15,6 @@
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
-use kvbridge_mem::{HostBuffer, Strided, probe_kind};
 use kvbridge_plan::StagingTarget;
 use kvbridge_wire::{ChunkReady, KvPoll, StagingReq, StagingRsp, Watermark};
 use parking_lot::Mutex;
@@ -25,6 +24,7 @@ use super::ring::{Allocation, Ring};
 use crate::config::StagingConfig;
 use crate::error::ConfigError;
 use crate::kv_args::KvArgs;
+use crate::staging_mem::StagingMemory;
 
 /// `STAGING_RSP` offset for a chunk larger than the whole ring (sglang
 /// `StagingAllocator.ALLOC_OVERSIZED`).
@@ -39,16 +39,16 @@ const MAX_SUBSCRIBERS: usize = 4096;
 /// The ring and who hears about it.
 #[derive(Debug)]
 pub(crate) struct DecodeStaging {
-    buffer: HostBuffer,
+    buffer: StagingMemory,
     ring: Mutex<Ring>,
     /// Prefill rank endpoints that asked for allocations.
     subscribers: Mutex<HashSet<String>>,
 }
 
 impl DecodeStaging {
-    /// The ring for `config`, or `None` where staging is off or cannot
-    /// apply (an MLA pool); refused for device-memory KV, which this side
-    /// scatters with the CPU.
+    /// The ring for `config` where the KV pool lives (host memory, or the
+    /// same GPU), or `None` where staging is off or cannot apply (an MLA
+    /// pool, the intra-node transport).
     pub fn new(
         config: &StagingConfig,
         kv_args: &KvArgs,
@@ -68,18 +68,6 @@ impl DecodeStaging {
             );
             return Ok(None);
         }
-        if layout
-            .kv_data_ptrs
-            .iter()
-            .any(|p| !probe_kind(*p).is_host_accessible())
-        {
-            return Err(ConfigError::Setting(
-                "SGLANG_DISAGG_STAGING_BUFFER: the staging scatter runs on the CPU and the KV pool \
-                 is in device memory; unset it (the CUDA IPC transport copies head slices on the \
-                 GPU, the network engines as strided runs)"
-                    .into(),
-            ));
-        }
         let bytes = usize::try_from(config.pool_bytes)
             .ok()
             .filter(|b| *b > 0)
@@ -89,14 +77,12 @@ impl DecodeStaging {
                     config.pool_bytes
                 ))
             })?;
-        // Faulted in now, as sglang's ring is allocated: the first rounds
-        // do not pay page faults.
-        let buffer = HostBuffer::new_resident(bytes).map_err(|e| {
-            ConfigError::Setting(format!("cannot allocate a {bytes}-byte staging ring: {e}"))
-        })?;
+        let buffer = StagingMemory::new(kv_args, bytes)?;
+        let (addr, _) = buffer.region();
         tracing::info!(
             bytes,
-            addr = format_args!("{:#x}", buffer.addr()),
+            addr = format_args!("{addr:#x}"),
+            device = buffer.is_device(),
             "staging ring allocated"
         );
         Ok(Some(Self {
@@ -114,6 +100,10 @@ impl DecodeStaging {
     /// The ring's memory, `(address, length)`, for registration.
     pub fn region(&self) -> (u64, u64) {
         self.buffer.region()
+    }
+
+    fn base(&self) -> u64 {
+        self.buffer.region().0
     }
 }
 
@@ -178,8 +168,18 @@ pub(crate) fn register_room(
             return;
         }
     };
+    let mut unique = pages.to_vec();
+    unique.sort_unstable();
+    unique.dedup();
     let mut rooms = shared.rooms.lock();
     release_locked(shared, &mut rooms.staging, room);
+    if unique.len() != pages.len() {
+        // Two chunks scattered into one page would overwrite each other.
+        rooms
+            .table
+            .fail(room, format!("room {room} names a destination page twice"));
+        return;
+    }
     rooms.staging.insert(
         room,
         StagingRoom {
@@ -393,28 +393,15 @@ fn scatter(
     alloc: Allocation,
     pages: &[i32],
 ) -> Result<(), String> {
-    let region = staging.buffer.addr() + alloc.offset;
+    let region = staging.base() + alloc.offset;
     let mut runs = Vec::new();
     target
         .scatter(region, pages, &mut runs)
         .map_err(|e| format!("cannot plan the staging scatter: {e}"))?;
-    let mut bytes = 0u64;
-    for run in &runs {
-        let copy = Strided {
-            src: run.src,
-            dst: run.dst,
-            len: run.len,
-            count: run.count,
-            src_stride: run.src_stride,
-            dst_stride: run.dst_stride,
-        };
-        shared
-            .local
-            .registry
-            .copy_strided(&copy)
-            .map_err(|e| format!("staging scatter: {e}"))?;
-        bytes = bytes.saturating_add(run.bytes());
-    }
+    let bytes = staging
+        .buffer
+        .copy_runs(&shared.local.registry, &runs)
+        .map_err(|e| format!("staging scatter: {e}"))?;
     if bytes > alloc.len {
         return Err(format!(
             "staging scatter of {bytes} bytes exceeds its {}-byte allocation",

@@ -19,7 +19,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvbridge_mem::{HostBuffer, Strided, probe_kind};
+use kvbridge_mem::RegionRegistry;
 use kvbridge_plan::{Run, StagingSource, watermark_ready};
 use kvbridge_wire::{ChunkReady, StagingReq};
 
@@ -28,6 +28,7 @@ use super::state::{PeerEntry, TransferInfo};
 use crate::config::{STAGING_SLOTS, StagingConfig};
 use crate::error::ConfigError;
 use crate::kv_args::KvArgs;
+use crate::staging_mem::StagingMemory;
 
 /// `STAGING_RSP` offset for a chunk larger than the whole ring.
 const ALLOC_OVERSIZED: i64 = -2;
@@ -43,10 +44,11 @@ pub(crate) struct StagingDest {
     pub ring_size: u64,
 }
 
-/// The prefill's staging memory: one gather buffer per transfer worker.
+/// The prefill's staging memory: one gather buffer per transfer worker,
+/// where the KV pool lives (host memory, or the same GPU).
 #[derive(Debug)]
 pub(crate) struct PrefillStaging {
-    buffers: Vec<HostBuffer>,
+    buffers: Vec<StagingMemory>,
     /// Pages per staging chunk.
     pub chunk_pages: u64,
     /// Longest a chunk waits for its allocation or ring space.
@@ -55,7 +57,7 @@ pub(crate) struct PrefillStaging {
 
 impl PrefillStaging {
     /// Gather buffers for `workers` workers, or `None` where staging is off
-    /// or cannot apply; refused for device-memory KV (gathered by the CPU).
+    /// or cannot apply (MLA, the intra-node transport).
     pub fn new(
         config: &StagingConfig,
         kv_args: &KvArgs,
@@ -74,18 +76,6 @@ impl PrefillStaging {
             );
             return Ok(None);
         }
-        if layout
-            .kv_data_ptrs
-            .iter()
-            .any(|p| !probe_kind(*p).is_host_accessible())
-        {
-            return Err(ConfigError::Setting(
-                "SGLANG_DISAGG_STAGING_BUFFER: the staging gather runs on the CPU and the KV pool \
-                 is in device memory; unset it (the CUDA IPC transport copies head slices on the \
-                 GPU, the network engines as strided runs)"
-                    .into(),
-            ));
-        }
         let chunk_pages = config.chunk_pages(layout.page_size);
         // A slot holds at least one KV buffer's worth of a whole chunk (one
         // staging layer), so a piece never needs less than one slot.
@@ -100,15 +90,15 @@ impl PrefillStaging {
         let bytes = slot.saturating_mul(STAGING_SLOTS);
         let bytes = usize::try_from(bytes)
             .map_err(|_| ConfigError::Setting(format!("a {bytes}-byte gather buffer")))?;
-        // Faulted in now: the first chunks do not pay the page faults.
         let buffers = (0..workers)
-            .map(|_| HostBuffer::new_resident(bytes))
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|e| ConfigError::Setting(format!("cannot allocate gather buffers: {e}")))?;
+            .map(|_| StagingMemory::new(kv_args, bytes))
+            .collect::<Result<Vec<_>, _>>()?;
+        let device = buffers.first().is_some_and(StagingMemory::is_device);
         tracing::info!(
             workers,
             bytes,
             chunk_pages,
+            device,
             "staging gather buffers allocated"
         );
         Ok(Some(Self {
@@ -120,12 +110,25 @@ impl PrefillStaging {
 
     /// Every buffer's `(address, length)`, for registration.
     pub fn regions(&self) -> Vec<(u64, u64)> {
-        self.buffers.iter().map(HostBuffer::region).collect()
+        self.buffers.iter().map(StagingMemory::region).collect()
+    }
+
+    /// Runs worker `i`'s gather copies (checked against `registry`).
+    pub fn copy_runs(
+        &self,
+        i: usize,
+        registry: &RegionRegistry,
+        runs: &[Run],
+    ) -> Result<u64, String> {
+        match self.buffers.get(i) {
+            Some(m) => m.copy_runs(registry, runs),
+            None => Err(format!("no gather buffer for transfer worker {i}")),
+        }
     }
 
     /// Worker `i`'s gather slots, `(address, length)` each.
     pub fn slots(&self, i: usize) -> Vec<(u64, u64)> {
-        let Some((addr, len)) = self.buffers.get(i).map(HostBuffer::region) else {
+        let Some((addr, len)) = self.buffers.get(i).map(StagingMemory::region) else {
             return Vec::new();
         };
         let slot = len / STAGING_SLOTS;
@@ -410,9 +413,10 @@ pub(crate) fn pieces(
     Ok(out)
 }
 
-/// Gathers staging slots `slots` of `task` into our buffer at `buf`.
+/// Gathers staging slots `slots` of `task` into worker `worker`'s buffer at `buf`.
 pub(crate) fn gather(
     shared: &Shared,
+    worker: usize,
     task: &StagedTask,
     slots: std::ops::Range<usize>,
     buf: u64,
@@ -425,23 +429,13 @@ pub(crate) fn gather(
     dest.source
         .gather(&task.pages, slots, buf, &mut runs)
         .map_err(|e| format!("cannot plan staging of room {room}: {e}"))?;
-    let mut bytes = 0u64;
-    for r in &runs {
-        let copy = Strided {
-            src: r.src,
-            dst: r.dst,
-            len: r.len,
-            count: r.count,
-            src_stride: r.src_stride,
-            dst_stride: r.dst_stride,
-        };
-        shared
-            .local
-            .registry
-            .copy_strided(&copy)
-            .map_err(|e| format!("staging gather of room {room}: {e}"))?;
-        bytes = bytes.saturating_add(r.bytes());
-    }
+    let staging = shared
+        .staging
+        .as_ref()
+        .ok_or_else(|| format!("room {room}: staging is off here"))?;
+    let bytes = staging
+        .copy_runs(worker, &shared.local.registry, &runs)
+        .map_err(|e| format!("staging gather of room {room}: {e}"))?;
     shared.metrics.staged_bytes.inc_by(bytes);
     Ok(())
 }

@@ -47,6 +47,7 @@ pub(crate) fn run(shared: &Shared, queue: &Receiver<Option<QueuedChunk>>, index:
         shared,
         flight: Flight::new(shared.in_flight.max(MIN_IN_FLIGHT)),
         finales: HashMap::new(),
+        index,
         grid: Grid::default(),
         stager: Stager::new(
             shared
@@ -107,6 +108,8 @@ struct Worker<'s> {
     flight: Flight,
     /// Rooms whose last chunk is submitted for every decode rank.
     finales: HashMap<u64, Vec<Finale>>,
+    /// This worker's number (its gather buffer).
+    index: usize,
     /// Rooms' pages not yet forming a whole staging chunk.
     grid: Grid,
     /// Staged chunks waiting, and their writes in flight.
@@ -191,7 +194,9 @@ impl Worker<'_> {
                 ok = false;
                 break;
             };
-            if let Err(reason) = staged::gather(shared, &task, piece.slots.clone(), slot.0) {
+            if let Err(reason) =
+                staged::gather(shared, self.index, &task, piece.slots.clone(), slot.0)
+            {
                 self.stager.put_slot(slot);
                 fail(shared, room, reason);
                 ok = false;
