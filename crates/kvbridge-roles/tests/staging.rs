@@ -146,3 +146,122 @@ fn mla_is_not_staged() {
     );
     c.shutdown();
 }
+
+/// A hybrid pool under staging: the KV goes through the ring (head slices
+/// of two prefill ranks interleaved per token on the decode), the mamba
+/// state slot and the aux row still arrive on the last chunk.
+#[test]
+fn a_state_slot_lands_beside_staged_kv() {
+    use kvbridge_mem::HostBuffer;
+    use kvbridge_plan::{StateComponent, StateType};
+    const SLOT: usize = 192;
+    const HEAD: usize = 64;
+    const PAGE: usize = 16;
+    let with_state = |mut args: kvbridge_roles::KvArgs, buf: &HostBuffer| {
+        args.layout.states.push(StateComponent::new(
+            StateType::Mamba,
+            vec![buf.addr()],
+            vec![SLOT as u64],
+        ));
+        args.state_data_lens.push(vec![buf.len() as u64]);
+        args
+    };
+    let bs = bootstrap();
+    let config = staging(32, 1 << 20);
+    let src_pages: Vec<i32> = vec![1, 2, 3, 7, 8];
+    let dst_pages: Vec<i32> = vec![30, 31, 5, 6, 50];
+    let mut prefill = Vec::new();
+    for tp in 0..2u64 {
+        // One head of 64 bytes per token on each prefill rank.
+        let mut pools = Pools::new(2, 32, (PAGE * HEAD) as u64, 4, 64);
+        for &p in &src_pages {
+            pools.fill_page(p as u64 + 100 * (tp + 1), p as usize);
+        }
+        pools.fill_aux(9, 1);
+        let mut state = HostBuffer::new(8 * SLOT).unwrap();
+        state.as_mut_slice()[3 * SLOT..4 * SLOT].fill(0x3c);
+        let mut c = prefill_config(bs.local_addr(), 2, tp);
+        c.staging = config.clone();
+        let m = start_prefill(
+            c,
+            with_state(pools.kv_args(PAGE as u64, 2, tp, 1), &state),
+            tcp_engine(),
+        );
+        prefill.push((m, pools, state));
+    }
+    let d_pools = Pools::new(2, 64, (PAGE * 2 * HEAD) as u64, 8, 64);
+    let d_state = HostBuffer::new(16 * SLOT).unwrap();
+    let mut c = decode_config(1);
+    c.staging = config;
+    let decode = start_decode(
+        c,
+        with_state(d_pools.kv_args(PAGE as u64, 1, 0, 2), &d_state),
+        tcp_engine(),
+    );
+    let room = 0x57a9;
+    let mut rx = decode.receiver(&bs.local_addr().to_string(), room);
+    assert_eq!(rx.init(0), KvPoll::WaitingForInput);
+    rx.send_metadata(&dst_pages, 3, &[vec![11]], None);
+    let mut senders = Vec::new();
+    for (m, _, _) in &prefill {
+        let mut tx = m.sender(room);
+        tx.init(src_pages.len() as u64, Some(1));
+        assert_eq!(
+            wait_for(Duration::from_secs(20), KvPoll::WaitingForInput, || tx
+                .poll()),
+            KvPoll::WaitingForInput
+        );
+        senders.push(tx);
+    }
+    for tx in &mut senders {
+        let chunks: Vec<&[i32]> = src_pages.chunks(2).collect();
+        for (i, chunk) in chunks.iter().enumerate() {
+            let states = (i + 1 == chunks.len()).then(|| vec![Some(vec![3i64])]);
+            tx.send(chunk, states, None).unwrap();
+        }
+    }
+    assert_eq!(
+        wait_terminal(Duration::from_secs(20), || rx.poll()),
+        KvPoll::Success
+    );
+    assert!(
+        d_state.as_slice()[11 * SLOT..12 * SLOT]
+            .iter()
+            .all(|b| *b == 0x3c),
+        "state slot"
+    );
+    assert_eq!(
+        &d_pools.aux.as_slice()[3 * 64..4 * 64],
+        &prefill[0].1.aux.as_slice()[64..2 * 64]
+    );
+    for (s, d) in src_pages.iter().zip(&dst_pages) {
+        for b in 0..4 {
+            for t in 0..PAGE {
+                for (r, (_, pools, _)) in prefill.iter().enumerate() {
+                    let src =
+                        &pools.kv[b].as_slice()[*s as usize * PAGE * HEAD + t * HEAD..][..HEAD];
+                    let at = *d as usize * PAGE * 2 * HEAD + t * 2 * HEAD + r * HEAD;
+                    assert_eq!(
+                        &d_pools.kv[b].as_slice()[at..at + HEAD],
+                        src,
+                        "page {d} token {t} buffer {b}"
+                    );
+                }
+            }
+        }
+    }
+    assert!(decode.metrics().staged_bytes.get() > 0, "the KV was staged");
+    for tx in &mut senders {
+        assert_eq!(
+            wait_terminal(Duration::from_secs(20), || tx.poll()),
+            KvPoll::Success
+        );
+        tx.clear();
+    }
+    rx.clear();
+    for (m, _, _) in prefill {
+        m.teardown();
+    }
+    decode.teardown();
+    bs.shutdown();
+}
