@@ -123,15 +123,12 @@ pub fn grid_segments(start: u64, end: u64, base: u64, grid: u64) -> Vec<(u64, u6
 /// `is_watermark_ready`): everything of the previous round it overlaps
 /// must be freed.
 pub fn watermark_ready(watermark: (u64, u64), round: i64, end: i64) -> bool {
-    let (Ok(round), Ok(end)) = (u64::try_from(round), u64::try_from(end)) else {
-        // Round ≤ 0 (or a negative end with it): the first pass of the ring.
-        return round <= 0;
-    };
-    if round == 0 {
+    if round <= 0 {
         return true;
     }
-    let prev = round - 1;
-    prev < watermark.0 || (prev == watermark.0 && end <= watermark.1)
+    let prev = i128::from(round) - 1;
+    let (wm_round, wm_tail) = (i128::from(watermark.0), i128::from(watermark.1));
+    prev < wm_round || (prev == wm_round && i128::from(end) <= wm_tail)
 }
 
 fn unsupported(reason: &'static str) -> PlanError {

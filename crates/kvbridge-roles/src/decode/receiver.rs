@@ -381,7 +381,7 @@ impl KvReceiver {
                 &self.shared,
                 self.room,
                 kv_indices,
-                m.prefill_attn_tp_size,
+                (m.prefill_attn_tp_size, m.target_pp_ranks.len() as u64),
                 prefills,
             );
         }

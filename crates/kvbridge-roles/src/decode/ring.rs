@@ -149,6 +149,38 @@ mod tests {
         assert!(!r.free(999));
     }
 
+    /// sglang 0.5.23's `StagingAllocator` on random assign/free sequences
+    /// (the golden file `python/interop/staging_fixture.py` writes): the
+    /// same ids, offsets, rounds and watermarks after every step.
+    #[test]
+    fn replays_sglangs_allocator() {
+        let f: serde_json::Value = serde_json::from_str(include_str!(
+            "../../../kvbridge-plan/tests/fixtures/staging_sglang.json"
+        ))
+        .unwrap();
+        let u = |v: &serde_json::Value| v.as_u64().unwrap();
+        for case in f["allocator"].as_array().unwrap() {
+            let mut r = Ring::new(u(&case["size"]));
+            for op in case["ops"].as_array().unwrap() {
+                let wm = match op[0].as_str().unwrap() {
+                    "assign" => {
+                        let got = r.assign(u(&op[1])).map(|a| vec![a.id, a.offset, a.round]);
+                        let want = op[2]
+                            .as_array()
+                            .map(|v| v.iter().map(u).collect::<Vec<_>>());
+                        assert_eq!(got, want, "{op}");
+                        &op[3]
+                    }
+                    _ => {
+                        r.free(u(&op[1]));
+                        &op[2]
+                    }
+                };
+                assert_eq!(r.watermark(), (u(&wm[0]), u(&wm[1])), "{op}");
+            }
+        }
+    }
+
     proptest! {
         /// Whatever the order of assigns and frees, an allocation the
         /// watermark declares writable never overlaps a held one of an

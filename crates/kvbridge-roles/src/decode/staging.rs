@@ -132,6 +132,9 @@ struct ChunkSlot {
 #[derive(Debug)]
 pub(crate) struct StagingRoom {
     target: Arc<StagingTarget>,
+    /// `CHUNK_READY`s a chunk waits for: one per prefill TP writer and
+    /// pipeline stage (each stage writes its own layers' slots).
+    writers: u64,
     /// The room's destination pages, as sent to the prefill.
     pages: Vec<i32>,
     /// `(pp rank, endpoint)` of the room's prefill ranks.
@@ -155,7 +158,7 @@ pub(crate) fn register_room(
     shared: &Shared,
     room: u64,
     pages: &[i32],
-    prefill_tp: u64,
+    (prefill_tp, stages): (u64, u64),
     prefills: Vec<(u64, String)>,
 ) {
     if shared.staging.is_none() {
@@ -183,6 +186,7 @@ pub(crate) fn register_room(
     rooms.staging.insert(
         room,
         StagingRoom {
+            writers: target.writers().saturating_mul(stages.max(1)),
             target,
             pages: pages.to_vec(),
             prefills,
@@ -333,7 +337,7 @@ pub(crate) fn on_chunk_ready(shared: &Shared, c: &ChunkReady<'_>) {
         );
         return;
     };
-    let writers = room.target.writers();
+    let writers = room.writers;
     let Some(slot) = room.chunks.get_mut(&c.chunk_idx) else {
         drop(rooms);
         shared.metrics.dropped("chunk_ready");
