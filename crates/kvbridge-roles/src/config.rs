@@ -6,10 +6,19 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+/// Reads a setting by its environment variable name (the process
+/// environment, or a map in tests).
+pub type Vars<'a> = &'a dyn Fn(&str) -> Option<String>;
+
+/// The process environment as [`Vars`].
+fn process_env(name: &str) -> Option<String> {
+    std::env::var(name).ok()
+}
+
 /// Parses an environment variable, ignoring it (with a warning) when it is
 /// malformed rather than failing start-up on a typo.
-fn env<T: std::str::FromStr>(name: &str) -> Option<T> {
-    let raw = std::env::var(name).ok()?;
+fn env<T: std::str::FromStr>(get: Vars<'_>, name: &str) -> Option<T> {
+    let raw = get(name)?;
     match raw.trim().parse() {
         Ok(v) => Some(v),
         Err(_) => {
@@ -19,8 +28,8 @@ fn env<T: std::str::FromStr>(name: &str) -> Option<T> {
     }
 }
 
-fn env_bool(name: &str) -> Option<bool> {
-    let raw = std::env::var(name).ok()?;
+fn env_bool(get: Vars<'_>, name: &str) -> Option<bool> {
+    let raw = get(name)?;
     match raw.trim().to_ascii_lowercase().as_str() {
         "1" | "true" | "yes" | "on" => Some(true),
         "0" | "false" | "no" | "off" | "" => Some(false),
@@ -108,7 +117,8 @@ impl Default for ProbeConfig {
     fn default() -> Self {
         Self {
             enabled: true,
-            interval: Duration::from_secs(2),
+            // sglang's SGLANG_FAILED_SESSION_PROBE_INTERVAL_S default.
+            interval: Duration::from_secs(30),
             max_interval: Duration::from_secs(300),
             idle_timeout: Duration::from_secs(600),
         }
@@ -160,11 +170,16 @@ impl Default for StagingConfig {
 
 impl StagingConfig {
     /// Applies sglang's staging environment variables over `self`.
-    pub fn with_env(mut self) -> Self {
-        if let Some(v) = env_bool("SGLANG_DISAGG_STAGING_BUFFER") {
+    pub fn with_env(self) -> Self {
+        self.with_vars(&process_env)
+    }
+
+    /// [`StagingConfig::with_env`] reading variables from `get`.
+    pub fn with_vars(mut self, get: Vars<'_>) -> Self {
+        if let Some(v) = env_bool(get, "SGLANG_DISAGG_STAGING_BUFFER") {
             self.enabled = v;
         }
-        if let Some(v) = env::<u64>("SGLANG_DISAGG_STAGING_POOL_SIZE_MB") {
+        if let Some(v) = env::<u64>(get, "SGLANG_DISAGG_STAGING_POOL_SIZE_MB") {
             self.pool_bytes = v.saturating_mul(1 << 20);
         }
         self
@@ -273,36 +288,41 @@ impl Default for PrefillConfig {
 
 impl PrefillConfig {
     /// Applies sglang's environment variables over `self`.
-    pub fn with_env(mut self) -> Self {
-        if let Some(v) = env::<usize>("SGLANG_DISAGGREGATION_QUEUE_SIZE") {
+    pub fn with_env(self) -> Self {
+        self.with_vars(&process_env)
+    }
+
+    /// [`PrefillConfig::with_env`] reading variables from `get`.
+    pub fn with_vars(mut self, get: Vars<'_>) -> Self {
+        if let Some(v) = env::<usize>(get, "SGLANG_DISAGGREGATION_QUEUE_SIZE") {
             self.queue_size = v;
         }
-        if let Some(v) = env::<usize>("SGLANG_DISAGGREGATION_THREAD_POOL_SIZE") {
+        if let Some(v) = env::<usize>(get, "SGLANG_DISAGGREGATION_THREAD_POOL_SIZE") {
             self.thread_pool_size = Some(v);
         }
-        if let Some(v) = env::<f64>("SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT") {
+        if let Some(v) = env::<f64>(get, "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT") {
             self.bootstrap_timeout = secs(v);
         }
-        if let Some(v) = env_bool("SGLANG_MOONCAKE_SEND_AUX_TCP") {
+        if let Some(v) = env_bool(get, "SGLANG_MOONCAKE_SEND_AUX_TCP") {
             self.send_aux_tcp = v;
         }
-        if let Some(v) = env_bool("SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE") {
+        if let Some(v) = env_bool(get, "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE") {
             self.deferred_release = v;
         }
-        if let Some(v) = env_bool("SGLANG_ENABLE_FAILED_SESSION_PROBE") {
+        if let Some(v) = env_bool(get, "SGLANG_ENABLE_FAILED_SESSION_PROBE") {
             self.probe.enabled = v;
         }
-        if let Some(v) = env::<f64>("SGLANG_FAILED_SESSION_PROBE_INTERVAL_S") {
+        if let Some(v) = env::<f64>(get, "SGLANG_FAILED_SESSION_PROBE_INTERVAL_S") {
             self.probe.interval = secs(v);
         }
-        if let Some(v) = env::<f64>("SGLANG_FAILED_SESSION_PROBE_MAX_INTERVAL_S") {
+        if let Some(v) = env::<f64>(get, "SGLANG_FAILED_SESSION_PROBE_MAX_INTERVAL_S") {
             self.probe.max_interval = secs(v);
         }
-        if let Some(v) = env::<f64>("SGLANG_FAILED_SESSION_IDLE_TIMEOUT_S") {
+        if let Some(v) = env::<f64>(get, "SGLANG_FAILED_SESSION_IDLE_TIMEOUT_S") {
             self.probe.idle_timeout = secs(v);
         }
         self.nvlink_intra |= crate::local::nvlink_intra_env();
-        self.staging = self.staging.with_env();
+        self.staging = self.staging.with_vars(get);
         self
     }
 
@@ -393,7 +413,8 @@ impl Default for DecodeConfig {
             waiting_timeout: Duration::from_secs(300),
             bootstrap_timeout: Duration::from_secs(300),
             deferred_release: true,
-            abort_ack_timeout: Duration::from_secs(10),
+            // sglang's SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT.
+            abort_ack_timeout: Duration::from_secs(30),
             zmq_send_timeout: Duration::from_secs(1),
             zmq_max_message_bytes: crate::control::DEFAULT_MAX_MESSAGE_BYTES,
             metrics_addr: None,
@@ -407,27 +428,38 @@ impl Default for DecodeConfig {
 impl DecodeConfig {
     /// Applies sglang's environment variables over `self`, with sglang's
     /// floors (heartbeat ≥ 2 s, ≥ 1 failure).
-    pub fn with_env(mut self) -> Self {
-        if let Some(v) = env::<f64>("SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL") {
+    pub fn with_env(self) -> Self {
+        self.with_vars(&process_env)
+    }
+
+    /// [`DecodeConfig::with_env`] reading variables from `get`.
+    pub fn with_vars(mut self, get: Vars<'_>) -> Self {
+        if let Some(v) = env::<f64>(get, "SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL") {
             self.heartbeat_interval = secs(v.max(2.0));
         }
-        if let Some(v) = env::<u32>("SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE") {
+        if let Some(v) = env::<u32>(get, "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE") {
             self.heartbeat_max_failures = v.max(1);
         }
-        if let Some(v) = env::<f64>("SGLANG_DISAGGREGATION_WAITING_TIMEOUT") {
+        if let Some(v) = env::<f64>(get, "SGLANG_DISAGGREGATION_WAITING_TIMEOUT") {
             self.waiting_timeout = secs(v);
         }
-        if let Some(v) = env::<f64>("SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT") {
+        if let Some(v) = env::<f64>(get, "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT") {
             self.bootstrap_timeout = secs(v);
         }
-        if let Some(v) = env_bool("SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE") {
+        if let Some(v) = env_bool(get, "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE") {
             self.deferred_release = v;
         }
-        if let Some(v) = env::<f64>("SGLANG_DISAGGREGATION_ZMQ_SEND_TIMEOUT") {
+        if let Some(v) = env::<f64>(
+            get,
+            "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT",
+        ) {
+            self.abort_ack_timeout = secs(v);
+        }
+        if let Some(v) = env::<f64>(get, "SGLANG_DISAGGREGATION_ZMQ_SEND_TIMEOUT") {
             self.zmq_send_timeout = secs(v);
         }
         self.nvlink_intra |= crate::local::nvlink_intra_env();
-        self.staging = self.staging.with_env();
+        self.staging = self.staging.with_vars(get);
         self
     }
 }
@@ -475,6 +507,68 @@ mod tests {
             ..ParallelRank::default()
         };
         assert_eq!(r.unique_rank(), 2 * 2 + 1);
+    }
+
+    /// Every sglang variable the roles read, set at once: each lands in
+    /// its field (sglang's floors applied), and a malformed one is ignored.
+    #[test]
+    fn sglang_variables_land_in_their_fields() {
+        let vars: std::collections::HashMap<&str, &str> = [
+            ("SGLANG_DISAGGREGATION_QUEUE_SIZE", "3"),
+            ("SGLANG_DISAGGREGATION_THREAD_POOL_SIZE", "9"),
+            ("SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT", "12.5"),
+            ("SGLANG_MOONCAKE_SEND_AUX_TCP", "true"),
+            ("SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE", "0"),
+            ("SGLANG_ENABLE_FAILED_SESSION_PROBE", "off"),
+            ("SGLANG_FAILED_SESSION_PROBE_INTERVAL_S", "7"),
+            ("SGLANG_FAILED_SESSION_PROBE_MAX_INTERVAL_S", "70"),
+            ("SGLANG_FAILED_SESSION_IDLE_TIMEOUT_S", "700"),
+            ("SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL", "1"),
+            ("SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE", "0"),
+            ("SGLANG_DISAGGREGATION_WAITING_TIMEOUT", "40"),
+            ("SGLANG_DISAGGREGATION_ZMQ_SEND_TIMEOUT", "3"),
+            (
+                "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT",
+                "45",
+            ),
+            ("SGLANG_DISAGG_STAGING_BUFFER", "1"),
+            ("SGLANG_DISAGG_STAGING_POOL_SIZE_MB", "2"),
+        ]
+        .into_iter()
+        .collect();
+        let get = |n: &str| vars.get(n).map(|v| (*v).to_owned());
+        let p = PrefillConfig::default().with_vars(&get);
+        assert_eq!((p.queue_size, p.thread_pool_size), (3, Some(9)));
+        assert_eq!(p.bootstrap_timeout, Duration::from_millis(12_500));
+        assert!(p.send_aux_tcp && !p.deferred_release && !p.probe.enabled);
+        assert_eq!(
+            (p.probe.interval, p.probe.max_interval, p.probe.idle_timeout),
+            (
+                Duration::from_secs(7),
+                Duration::from_secs(70),
+                Duration::from_secs(700)
+            )
+        );
+        assert!(p.staging.enabled && p.staging.pool_bytes == 2 << 20);
+        let d = DecodeConfig::default().with_vars(&get);
+        // sglang's floors: heartbeats at least 2 s apart, at least one failure.
+        assert_eq!(d.heartbeat_interval, Duration::from_secs(2));
+        assert_eq!(d.heartbeat_max_failures, 1);
+        assert_eq!(d.waiting_timeout, Duration::from_secs(40));
+        assert_eq!(d.bootstrap_timeout, Duration::from_millis(12_500));
+        assert_eq!(d.zmq_send_timeout, Duration::from_secs(3));
+        assert_eq!(d.abort_ack_timeout, Duration::from_secs(45));
+        assert!(!d.deferred_release && d.staging.enabled);
+        // Defaults are sglang's where sglang has one.
+        let none = |_: &str| None;
+        let p = PrefillConfig::default().with_vars(&none);
+        assert_eq!(p.probe.interval, Duration::from_secs(30));
+        assert_eq!(
+            DecodeConfig::default().with_vars(&none).abort_ack_timeout,
+            Duration::from_secs(30)
+        );
+        let bad = |n: &str| (n == "SGLANG_DISAGGREGATION_QUEUE_SIZE").then(|| "many".to_owned());
+        assert_eq!(PrefillConfig::default().with_vars(&bad).queue_size, 4);
     }
 
     #[test]

@@ -281,3 +281,49 @@ fn a_state_slot_lands_through_the_engine() {
 fn a_state_slot_lands_over_zmq_after_the_kv_in_intra_node_mode() {
     state_slot_lands(true);
 }
+
+/// A decode naming HiSparse device destinations (`dst_device_kv_indices`)
+/// gets its room refused with a reason, never KV written to other pages.
+#[test]
+fn hisparse_device_destinations_are_refused_not_ignored() {
+    use kvbridge_wire::{PackedArray, PackedLists, Transfer, TransferPages};
+    let bs = bootstrap();
+    let pools = Pools::new(1, 8, 1024, 2, 64);
+    let prefill = start_prefill(
+        prefill_config(bs.local_addr(), 1, 0),
+        pools.kv_args(16, 1, 0, 8),
+        tcp_engine(),
+    );
+    let room = 0x4151;
+    let mut tx = prefill.sender(room);
+    tx.init(2, Some(0));
+    let pages = [3i32, 4];
+    let message = Transfer {
+        room,
+        endpoint: "127.0.0.1".into(),
+        dst_port: 9,
+        mooncake_session_id: "127.0.0.1:9".into(),
+        pages: Some(TransferPages {
+            dst_kv_indices: PackedArray::from(&pages[..]),
+            dst_aux_index: 1,
+            dst_state_indices: PackedLists::from_lists::<Vec<i32>>(&[]),
+            dst_device_kv_indices: Some(PackedArray::from(&[7i32, 8][..])),
+        }),
+        required_dst_info_num: 1,
+        decode_prefix_len: Some(0),
+    };
+    let frames: Vec<Vec<u8>> = message
+        .encode()
+        .into_iter()
+        .map(|f| f.into_owned())
+        .collect();
+    prefill.handle_frames(&frames);
+    assert_eq!(
+        wait_terminal(Duration::from_secs(5), || tx.poll()),
+        KvPoll::Failed
+    );
+    let e = tx.failure_exception();
+    assert!(e.reason.contains("dst_device_kv_indices"), "{e}");
+    prefill.teardown();
+    bs.shutdown();
+}

@@ -197,6 +197,9 @@ def role_settings(mode: DisaggregationMode, kv_args: KVArgs, local_ip: str) -> d
         waiting_timeout=float(_env("SGLANG_DISAGGREGATION_WAITING_TIMEOUT")),
         bootstrap_timeout=float(_env("SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT")),
         deferred_release=deferred,
+        # How long the scheduler holds an aborted room's pages for the ACKs:
+        # past it, the role fences the silent prefill ranks.
+        abort_ack_timeout=float(_env("SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT")),
     )
 
 

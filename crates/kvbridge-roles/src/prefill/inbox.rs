@@ -148,6 +148,34 @@ fn on_transfer(shared: &Shared, t: &Transfer<'_>) {
         registration,
     });
     let room = t.room;
+    let device_pages = t
+        .pages
+        .as_ref()
+        .and_then(|p| p.dst_device_kv_indices.as_ref())
+        .is_some_and(|d| !d.is_empty());
+    if device_pages {
+        // HiSparse: the decode wants the KV in a second (device) page space.
+        // Writing dst_kv_indices instead would put it in the wrong pages.
+        shared.metrics.failure("unsupported_destination");
+        let reason = format!(
+            "room {room}: the decode names HiSparse device destinations (dst_device_kv_indices), \
+             which kvbridge's prefill does not support; refusing the room instead of writing \
+             other pages"
+        );
+        let targets: Vec<(String, u16)> = info.status_target().into_iter().collect();
+        if shared
+            .conclude(
+                room,
+                KvPoll::Failed,
+                Some(targets.clone()),
+                Some(reason.clone()),
+            )
+            .is_none()
+        {
+            shared.send_status(&targets, room, KvPoll::Failed, Some(&reason));
+        }
+        return;
+    }
     let mut rooms = shared.rooms.lock();
     if !rooms.infos.contains_key(&room) && rooms.infos.len() >= shared.config.max_rooms {
         drop(rooms);
