@@ -13,6 +13,7 @@ mod probe;
 mod sender;
 mod ship;
 mod staged;
+mod staged_writes;
 mod stager;
 pub(crate) mod state;
 mod worker;

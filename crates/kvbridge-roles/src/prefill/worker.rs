@@ -24,8 +24,8 @@ use kvbridge_wire::KvPoll;
 use super::flight::Flight;
 use super::pipeline::{Event, Failure, Part, Submitted, Ticket};
 use super::ship;
-use super::staged::{self, Grid, Readiness, StagedTask};
-use super::stager::{Completion, Stager};
+use super::staged::{self, Grid, StagedTask};
+use super::stager::Stager;
 use super::state::{Peer, PeerEntry, RoomsState, TransferInfo};
 use super::{QueuedChunk, Shared};
 
@@ -103,17 +103,17 @@ struct Finale {
     aux: Option<(Option<u64>, u64)>,
 }
 
-struct Worker<'s> {
-    shared: &'s Shared,
-    flight: Flight,
+pub(super) struct Worker<'s> {
+    pub(super) shared: &'s Shared,
+    pub(super) flight: Flight,
     /// Rooms whose last chunk is submitted for every decode rank.
     finales: HashMap<u64, Vec<Finale>>,
     /// This worker's number (its gather buffer).
-    index: usize,
+    pub(super) index: usize,
     /// Rooms' pages not yet forming a whole staging chunk.
-    grid: Grid,
+    pub(super) grid: Grid,
     /// Staged chunks waiting, and their writes in flight.
-    stager: Stager,
+    pub(super) stager: Stager,
 }
 
 impl Worker<'_> {
@@ -141,109 +141,6 @@ impl Worker<'_> {
         }
         if !self.stager.holds(ticket) {
             self.flight.close(ticket);
-        }
-    }
-
-    /// Tries a staged chunk now: written (its bulk writes submitted under
-    /// its ticket), dropped (room stopped), or kept until its ring space is
-    /// there (its ticket stays open, so the room's status waits for it).
-    /// Returns whether it was handled (not kept).
-    fn stage(&mut self, task: StagedTask) -> bool {
-        match staged::check(self.shared, &task) {
-            Readiness::Dropped => true,
-            Readiness::NotReady => {
-                self.stager.defer(task);
-                false
-            }
-            Readiness::Ready { offset, end } => {
-                self.write_staged(task, offset, end);
-                true
-            }
-        }
-    }
-
-    /// Gathers `task` piece by piece into free gather slots and submits
-    /// each piece as one bulk write into the allocation `[offset, end)`.
-    fn write_staged(&mut self, task: StagedTask, offset: u64, end: u64) {
-        let shared = self.shared;
-        let (room, ticket) = (task.room, task.ticket);
-        let pieces = match staged::pieces(&task, offset, end, self.stager.slot_len()) {
-            Ok(p) => p,
-            Err(reason) => return fail(shared, room, reason),
-        };
-        let (info, incarnation) = (task.info.clone(), task.entry.incarnation);
-        let id = self.stager.begin(task.clone());
-        let mut ok = true;
-        for piece in pieces {
-            if self.flight.failed(ticket) || room_failed(shared, room) {
-                ok = false;
-                break;
-            }
-            let slot = loop {
-                if let Some(slot) = self.stager.take_slot() {
-                    break Some(slot);
-                }
-                if !self.stager.slots_busy() {
-                    break None;
-                }
-                self.flight.wait();
-                self.handle_events();
-            };
-            let Some(slot) = slot else {
-                fail(shared, room, "no staging gather slot".into());
-                ok = false;
-                break;
-            };
-            if let Err(reason) =
-                staged::gather(shared, self.index, &task, piece.slots.clone(), slot.0)
-            {
-                self.stager.put_slot(slot);
-                fail(shared, room, reason);
-                ok = false;
-                break;
-            }
-            let tag = self.stager.write(id, slot);
-            let block = Block {
-                src: slot.0,
-                dst: piece.dst,
-                len: piece.len,
-            };
-            self.submit_tagged(ticket, incarnation, &info, block, Some(tag));
-        }
-        let done = self.stager.submitted(id, ok);
-        self.staged_done(done);
-    }
-
-    /// Sends `CHUNK_READY` for a chunk whose writes all succeeded.
-    fn staged_done(&mut self, done: Completion) {
-        if let Completion::Ready(task) = done
-            && let Err(reason) = staged::chunk_ready(self.shared, &task)
-        {
-            fail(self.shared, task.room, reason);
-        }
-    }
-
-    /// Retries every waiting staged chunk once, in order.
-    fn retry_deferred(&mut self) {
-        for _ in 0..self.stager.deferred.len() {
-            let Some(task) = self.stager.deferred.pop_front() else {
-                break;
-            };
-            let ticket = task.ticket;
-            let handled = match staged::check(self.shared, &task) {
-                Readiness::NotReady => {
-                    self.stager.deferred.push_back(task);
-                    false
-                }
-                Readiness::Dropped => true,
-                Readiness::Ready { offset, end } => {
-                    self.write_staged(task, offset, end);
-                    true
-                }
-            };
-            if handled && self.stager.undefer(ticket) {
-                self.flight.close(ticket);
-            }
         }
     }
 
@@ -404,19 +301,6 @@ impl Worker<'_> {
         Some(host_states)
     }
 
-    /// Submits one staged bulk write (`tag`: reported back on completion).
-    fn submit_tagged(
-        &mut self,
-        ticket: Ticket,
-        incarnation: u64,
-        info: &Arc<TransferInfo>,
-        block: Block,
-        tag: Option<u64>,
-    ) {
-        let batch = Batch::Blocks(std::slice::from_ref(&block));
-        self.submit_as(ticket, incarnation, Part::Kv, info, batch, tag);
-    }
-
     /// Submits one batch, first accounting for finished ones (and acting on
     /// them) while the pipeline is full.
     fn submit(
@@ -430,7 +314,7 @@ impl Worker<'_> {
         self.submit_as(ticket, incarnation, part, info, batch, None);
     }
 
-    fn submit_as(
+    pub(super) fn submit_as(
         &mut self,
         ticket: Ticket,
         incarnation: u64,
@@ -460,7 +344,7 @@ impl Worker<'_> {
     }
 
     /// Acts on everything the pipeline reported.
-    fn handle_events(&mut self) {
+    pub(super) fn handle_events(&mut self) {
         let shared = self.shared;
         while let Some(event) = self.flight.poll() {
             match event {
@@ -671,11 +555,11 @@ fn failure_reason(room: u64, f: &Failure) -> String {
     }
 }
 
-fn fail(shared: &Shared, room: u64, reason: String) {
+pub(super) fn fail(shared: &Shared, room: u64, reason: String) {
     shared.conclude(room, KvPoll::Failed, None, Some(reason));
 }
 
-fn room_failed(shared: &Shared, room: u64) -> bool {
+pub(super) fn room_failed(shared: &Shared, room: u64) -> bool {
     is_stopped(&shared.rooms.lock(), room)
 }
 
