@@ -11,26 +11,23 @@
 //! and answers Failed at once for one it had already begun sending or had
 //! given up. `--abort-fraction F` aborts that fraction of requests mid-transfer.
 
+mod plan;
 mod procs;
 mod rogue;
 pub mod summary;
 
 use std::collections::{HashMap, HashSet};
-use std::net::SocketAddr;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
-use kvbridge_engine::{EngineConfig, TcpConfig};
 use kvbridge_roles::bootstrap::{BootstrapConfig, BootstrapServer, DEFAULT_ENTRY_CLEANUP_INTERVAL};
-use kvbridge_roles::synthetic::{ModelSpec, Placement, RankSpec};
-use kvbridge_roles::{DecodeConfig, PrefillConfig, StagingConfig};
 
+use crate::rank::EngineKind;
 use crate::rank::events::Event;
-use crate::rank::workload::Workload;
-use crate::rank::{EngineKind, ModelChoice, RankFile};
+use plan::{Plan, plan};
 use procs::{ChildId, Children};
 use summary::{Failure, Summary, percentile};
 
@@ -148,187 +145,6 @@ pub fn run(args: DemoArgs) -> ExitCode {
             ExitCode::FAILURE
         }
     }
-}
-
-struct Plan {
-    model: ModelSpec,
-    workload: Workload,
-    prefill_files: Vec<RankFile>,
-    decode_files: Vec<RankFile>,
-}
-
-/// Refuses GPU options on a machine without CUDA, with one clear line.
-fn check_gpu(args: &DemoArgs) -> Result<()> {
-    let wants_gpu = args.device.is_some() || args.engine == EngineKind::Ipc;
-    if !wants_gpu {
-        return Ok(());
-    }
-    #[cfg(feature = "cuda")]
-    if let Some(why) = kvbridge_mem::cuda::unavailable_reason() {
-        bail!("no CUDA ({why}): --device and --engine ipc need a GPU");
-    }
-    #[cfg(not(feature = "cuda"))]
-    bail!("no CUDA: this build has no `cuda` feature; --device and --engine ipc need it");
-    #[cfg(feature = "cuda")]
-    Ok(())
-}
-
-fn plan(args: &DemoArgs, bootstrap: SocketAddr) -> Result<Plan> {
-    check_gpu(args)?;
-    let mut model = ModelSpec::preset(&args.model)
-        .with_context(|| format!("unknown model {:?}", args.model))?;
-    if let Some(p) = args.page_size {
-        model.page_size = p.max(1);
-    }
-    if let Some(l) = args.layers {
-        model.layers = l.max(1);
-    }
-    for (name, v) in [
-        ("prefill-tp", args.prefill_tp),
-        ("prefill-pp", args.prefill_pp),
-        ("decode-tp", args.decode_tp),
-    ] {
-        if v == 0 {
-            bail!("--{name} must be at least 1");
-        }
-    }
-    if args.prefill_pp > model.layers {
-        bail!(
-            "--prefill-pp {} exceeds the model's {} layers",
-            args.prefill_pp,
-            model.layers
-        );
-    }
-    let workload = Workload {
-        requests: args.requests,
-        prompt_tokens: args.prompt_tokens.max(1),
-        chunk_tokens: args.chunk_tokens.max(1),
-        concurrency: args.concurrency.max(1),
-        seed: args.seed,
-        abort_fraction: args.abort_fraction.clamp(0.0, 1.0),
-        only: None,
-        room_timeout_s: 60.0,
-        forward_s: 0.0,
-    };
-    let requests = workload.requests();
-    let pages_of = |r: &crate::rank::workload::Request| Workload::pages(r.tokens, model.page_size);
-    let max_pages = requests.iter().map(pages_of).max().unwrap_or(1);
-    let all_pages: u64 = requests.iter().map(pages_of).sum();
-    let window = workload.concurrency as u64 * max_pages;
-    let prefill_pages = all_pages.min(window * 8).max(window) + 1;
-    let decode_pages = window + max_pages + 1;
-    let engine = EngineConfig {
-        // Chunks of a few MiB: 2 MiB requests spread one chunk's batch over
-        // the engine's connections (measured best on loopback).
-        tcp: TcpConfig {
-            request_bytes: 2 << 20,
-            ..TcpConfig::default()
-        },
-        ..EngineConfig::default()
-    };
-    // A killed decode can take a room's transfer request down with it (sent
-    // but not yet delivered): that prefill room then waits out this
-    // timeout, so the fault demo uses a short one.
-    let bootstrap_timeout = if args.kill_decode_after.is_some() {
-        Duration::from_secs(10)
-    } else {
-        Duration::from_secs(120)
-    };
-    // The staging grid follows the prefill chunks, as sglang's follows
-    // its chunked-prefill size.
-    let staging = StagingConfig {
-        enabled: args.staging,
-        pool_bytes: args.staging_pool_mb.saturating_mul(1 << 20),
-        chunk_tokens: workload.chunk_tokens,
-        ..StagingConfig::default()
-    };
-    let timeouts = |p: &mut PrefillConfig| {
-        p.bootstrap_timeout = bootstrap_timeout;
-        p.probe.interval = Duration::from_millis(200);
-    };
-    let mut prefill_files = Vec::new();
-    // Both sides are kvbridge: with PP, pair buffers by layer id, exact for
-    // any split of the layers. Without ids (sglang's plain pools) positional
-    // K/V-halves pairing assumes equal stages: an uneven split (3 layers over
-    // 2 stages) is read as "the decode has draft layers" and V lands on the
-    // wrong buffers (docs/sglang.md, "Layer ids").
-    let publish_layer_ids = args.prefill_pp > 1;
-    for pp in 0..args.prefill_pp {
-        for tp in 0..args.prefill_tp {
-            let mut prefill = PrefillConfig {
-                bootstrap_addr: bootstrap.to_string(),
-                nvlink_intra: args.nvlink_intra,
-                staging: staging.clone(),
-                ..PrefillConfig::default()
-            };
-            timeouts(&mut prefill);
-            prefill_files.push(RankFile {
-                model: ModelChoice::Spec(model.clone()),
-                page_size: None,
-                rank: RankSpec {
-                    tp_size: args.prefill_tp,
-                    tp_rank: tp,
-                    pp_size: args.prefill_pp,
-                    pp_rank: pp,
-                },
-                pages: prefill_pages,
-                aux_slots: requests.len() as u64 + workload.concurrency as u64 + 1,
-                engine_kind: args.engine,
-                engine: engine.clone(),
-                placement: Placement {
-                    device: args.device,
-                    host_kv_buffers: args.host_kv_buffers,
-                },
-                prefill,
-                decode: DecodeConfig::default(),
-                bootstrap_addr: None,
-                workload: Some(workload.clone()),
-                publish_layer_ids,
-                // Until the decode ranks are done: a restarted decode's
-                // retries must find the prefill still answering.
-                linger: true,
-            });
-        }
-    }
-    let decode_files = (0..args.decode_tp)
-        .map(|tp| RankFile {
-            model: ModelChoice::Spec(model.clone()),
-            page_size: None,
-            rank: RankSpec {
-                tp_size: args.decode_tp,
-                tp_rank: tp,
-                pp_size: 1,
-                pp_rank: 0,
-            },
-            pages: decode_pages,
-            aux_slots: workload.concurrency as u64 + 1,
-            engine_kind: args.engine,
-            engine: engine.clone(),
-            placement: Placement {
-                device: args.device,
-                host_kv_buffers: 0,
-            },
-            prefill: PrefillConfig::default(),
-            decode: DecodeConfig {
-                heartbeat_interval: Duration::from_secs(2),
-                bootstrap_timeout: Duration::from_secs(60),
-                waiting_timeout: Duration::from_secs(120),
-                nvlink_intra: args.nvlink_intra,
-                staging: staging.clone(),
-                ..DecodeConfig::default()
-            },
-            bootstrap_addr: Some(bootstrap.to_string()),
-            workload: Some(workload.clone()),
-            publish_layer_ids,
-            linger: false,
-        })
-        .collect();
-    Ok(Plan {
-        model,
-        workload,
-        prefill_files,
-        decode_files,
-    })
 }
 
 #[derive(Debug, Clone, Default)]
