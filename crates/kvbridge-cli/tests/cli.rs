@@ -215,6 +215,36 @@ fn demo_verifies_every_byte_across_process_topologies() {
 }
 
 #[test]
+fn demo_stages_heterogeneous_tp_with_aborts_and_a_small_ring() {
+    // About 3 MiB of KV per decode rank through a 1 MiB ring: it wraps
+    // several times; aborted rooms give their ring space back (the run
+    // would stall otherwise).
+    let staged = [
+        "--staging",
+        "--staging-pool-mb",
+        "1",
+        "--prefill-tp",
+        "2",
+        "--decode-tp",
+        "4",
+        "--prompt-tokens",
+        "256",
+    ];
+    let (code, v) = demo(&staged);
+    assert_clean(code, &v);
+    assert!(
+        v["topology"].as_str().unwrap().contains("staging on"),
+        "{v}"
+    );
+    let mut aborting = staged.to_vec();
+    aborting.extend_from_slice(&["--abort-fraction", "0.3", "--requests", "16"]);
+    let (code, v) = demo(&aborting);
+    assert_eq!(code, 0, "{v}");
+    assert_eq!(v["mismatched_bytes"], 0, "{v}");
+    assert!(v["succeeded"].as_u64().unwrap() > 0, "{v}");
+}
+
+#[test]
 fn demo_fault_flags_fail_some_rooms_with_reasons_while_others_succeed() {
     let (code, v) = demo(&["--kill-decode-after", "4", "--concurrency", "4"]);
     assert_eq!(code, 0, "{v}");
