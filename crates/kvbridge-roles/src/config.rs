@@ -231,6 +231,10 @@ pub struct PrefillConfig {
     /// Most blocks handed to the engine in one batch (0 = no cap beyond
     /// `max_transfer_batch_indices`).
     pub max_batch_blocks: usize,
+    /// Pages per planner batch (`SGLANG_MOONCAKE_MAX_TRANSFER_BATCH_INDICES`,
+    /// 0 = one batch per chunk); when set, it replaces the layout's
+    /// `max_transfer_batch_indices` at start.
+    pub max_transfer_batch_indices: Option<u64>,
     /// Most decode sessions registered at once; registrations of further
     /// sessions are refused (counted) until others are replaced.
     pub max_sessions: usize,
@@ -274,6 +278,7 @@ impl Default for PrefillConfig {
             zmq_send_timeout: Duration::from_secs(30),
             zmq_max_message_bytes: crate::control::DEFAULT_MAX_MESSAGE_BYTES,
             max_batch_blocks: 1 << 16,
+            max_transfer_batch_indices: None,
             max_sessions: 4096,
             max_rooms: 1 << 16,
             max_rooms_per_session: 1 << 14,
@@ -302,6 +307,9 @@ impl PrefillConfig {
         }
         if let Some(v) = env::<f64>(get, "SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT") {
             self.bootstrap_timeout = secs(v);
+        }
+        if let Some(v) = env::<u64>(get, "SGLANG_MOONCAKE_MAX_TRANSFER_BATCH_INDICES") {
+            self.max_transfer_batch_indices = Some(v);
         }
         if let Some(v) = env_bool(get, "SGLANG_MOONCAKE_SEND_AUX_TCP") {
             self.send_aux_tcp = v;
@@ -518,6 +526,7 @@ mod tests {
             ("SGLANG_DISAGGREGATION_THREAD_POOL_SIZE", "9"),
             ("SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT", "12.5"),
             ("SGLANG_MOONCAKE_SEND_AUX_TCP", "true"),
+            ("SGLANG_MOONCAKE_MAX_TRANSFER_BATCH_INDICES", "5"),
             ("SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE", "0"),
             ("SGLANG_ENABLE_FAILED_SESSION_PROBE", "off"),
             ("SGLANG_FAILED_SESSION_PROBE_INTERVAL_S", "7"),
@@ -541,6 +550,7 @@ mod tests {
         assert_eq!((p.queue_size, p.thread_pool_size), (3, Some(9)));
         assert_eq!(p.bootstrap_timeout, Duration::from_millis(12_500));
         assert!(p.send_aux_tcp && !p.deferred_release && !p.probe.enabled);
+        assert_eq!(p.max_transfer_batch_indices, Some(5));
         assert_eq!(
             (p.probe.interval, p.probe.max_interval, p.probe.idle_timeout),
             (

@@ -14,6 +14,24 @@ const T: Duration = Duration::from_secs(20);
 
 #[test]
 fn one_room_in_chunks_arrives_byte_exact() {
+    room_in_chunks(None);
+}
+
+/// `SGLANG_MOONCAKE_MAX_TRANSFER_BATCH_INDICES`: the planner's batches of
+/// one page each do not merge neighbouring pages, so the engine gets more
+/// blocks; the bytes are the same.
+#[test]
+fn batches_of_one_page_index_still_arrive_byte_exact() {
+    let merged = room_in_chunks(None);
+    let single = room_in_chunks(Some(1));
+    assert!(
+        single > merged,
+        "{single} blocks with 1-page batches, {merged} merged"
+    );
+}
+
+/// Sends one room in chunks of 3 pages; returns the blocks the prefill handed its engine.
+fn room_in_chunks(max_transfer_batch_indices: Option<u64>) -> u64 {
     let bs = bootstrap();
     let mut p_pools = Pools::new(2, 32, 1024, 4, 64);
     let d_pools = Pools::new(2, 64, 1024, 8, 64);
@@ -24,7 +42,10 @@ fn one_room_in_chunks_arrives_byte_exact() {
     }
     p_pools.fill_aux(7, 2);
     let prefill = start_prefill(
-        prefill_config(bs.local_addr(), 1, 0),
+        kvbridge_roles::PrefillConfig {
+            max_transfer_batch_indices,
+            ..prefill_config(bs.local_addr(), 1, 0)
+        },
         p_pools.kv_args(16, 1, 0, 8),
         tcp_engine(),
     );
@@ -61,8 +82,10 @@ fn one_room_in_chunks_arrives_byte_exact() {
     );
     rx.clear();
     tx.clear();
+    let blocks = prefill.metrics().blocks.get();
     prefill.teardown();
     decode.teardown();
+    blocks
 }
 
 #[test]

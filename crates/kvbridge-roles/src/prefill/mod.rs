@@ -219,9 +219,12 @@ impl PrefillManager {
     /// as for [`TransferEngine::batch_register`].
     pub unsafe fn start(
         config: PrefillConfig,
-        kv_args: KvArgs,
+        mut kv_args: KvArgs,
         engine: Arc<dyn TransferEngine>,
     ) -> Result<Self, StartError> {
+        if let Some(n) = config.max_transfer_batch_indices {
+            kv_args.layout.max_transfer_batch_indices = n;
+        }
         let (queue_count, in_flight) = config.worker_layout().map_err(ConfigError::Setting)?;
         // SAFETY: the caller promises (this function's contract) that every
         // buffer in `kv_args` outlives the manager; the manager deregisters
