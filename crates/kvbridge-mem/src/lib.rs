@@ -48,7 +48,7 @@ pub use host::HostBuffer;
 pub use kind::{
     HostOnlyProber, KindProber, MemoryAccess, MemoryKind, access_for, default_prober, probe_kind,
 };
-pub use registry::{Region, RegionRegistry, Strided};
+pub use registry::{Region, RegionRegistry};
 
 /// Errors of region registration, lookup and byte I/O.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

@@ -3,6 +3,8 @@
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
+use kvbridge_block::Run;
+
 use crate::MemError;
 use crate::kind::{KindProber, MemoryKind, access_for, default_prober};
 
@@ -30,24 +32,6 @@ impl Region {
             None => false,
         }
     }
-}
-
-/// `count` copies of `len` bytes, the `i`-th from `src + i × src_stride`
-/// to `dst + i × dst_stride` (a strided run, local to one process).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Strided {
-    /// Source of the first copy.
-    pub src: u64,
-    /// Destination of the first copy.
-    pub dst: u64,
-    /// Bytes per copy.
-    pub len: u64,
-    /// Number of copies.
-    pub count: u64,
-    /// Source bytes from one copy to the next.
-    pub src_stride: u64,
-    /// Destination bytes from one copy to the next.
-    pub dst_stride: u64,
 }
 
 /// Registered regions, keyed by start address; no two overlap.
@@ -270,12 +254,12 @@ impl RegionRegistry {
         results
     }
 
-    /// Copies [`Strided`] pieces between registered regions of this
+    /// Copies a strided [`Run`] between registered regions of this
     /// registry (a local gather or scatter): every source and destination
     /// span must lie inside one region each, and the two spans must not
     /// overlap. Host memory is copied directly; device memory through the
     /// kind's byte access, piece by piece.
-    pub fn copy_strided(&self, c: &Strided) -> Result<(), MemError> {
+    pub fn copy_strided(&self, c: &Run) -> Result<(), MemError> {
         if c.count == 0 || c.len == 0 {
             return Ok(());
         }

@@ -160,7 +160,7 @@ proptest! {
 
 #[test]
 fn strided_copy_gathers_and_refuses_what_is_not_registered() {
-    use kvbridge_mem::Strided;
+    use kvbridge_block::Run;
     let mut src = HostBuffer::new(64).unwrap();
     for (i, b) in src.as_mut_slice().iter_mut().enumerate() {
         *b = i as u8;
@@ -171,7 +171,7 @@ fn strided_copy_gathers_and_refuses_what_is_not_registered() {
     // SAFETY: both buffers outlive the registry's use below.
     unsafe { r.register(&[src.region(), dst.region()]) }.unwrap();
     // Bytes 2..4 of every 8-byte "token", packed.
-    let gather = Strided {
+    let gather = Run {
         src: src.addr() + 2,
         dst: dst.addr(),
         len: 2,
@@ -184,22 +184,22 @@ fn strided_copy_gathers_and_refuses_what_is_not_registered() {
     assert_eq!(&dst.as_slice()[..16], &want[..]);
     // A span past its region, an unregistered destination, overlapping
     // destination pieces and a copy onto itself are refused.
-    let past = Strided { count: 9, ..gather };
+    let past = Run { count: 9, ..gather };
     assert!(r.copy_strided(&past).is_err());
-    let unregistered = Strided {
+    let unregistered = Run {
         dst: other.addr(),
         ..gather
     };
     assert!(r.copy_strided(&unregistered).is_err());
-    let overlapping = Strided {
+    let overlapping = Run {
         dst_stride: 1,
         ..gather
     };
     assert!(r.copy_strided(&overlapping).is_err());
-    let onto_itself = Strided {
+    let onto_itself = Run {
         dst: src.addr() + 3,
         ..gather
     };
     assert!(r.copy_strided(&onto_itself).is_err());
-    assert!(r.copy_strided(&Strided { count: 0, ..past }).is_ok());
+    assert!(r.copy_strided(&Run { count: 0, ..past }).is_ok());
 }

@@ -69,18 +69,9 @@ pub(crate) fn prepare_head_slice(
     let r = layout.attn_tp_rank();
     let d = reg.dst_tp_rank % d_size;
 
-    let total = if layout.total_kv_head_num > 0 {
-        layout.total_kv_head_num
-    } else {
-        mul(layout.kv_head_num, p)?
-    };
     // `total >= 1` unless kv_head_num is 0; a zero divisor is treated as 1
-    // heads, where Python would raise, so reject it explicitly.
-    if total == 0 {
-        return Err(PlanError::ZeroSize {
-            field: "kv_head_num",
-        });
-    }
+    // heads, where Python would raise, so it is rejected explicitly.
+    let total = crate::staging::total_heads(layout, p)?;
     let src_heads = (total / p).max(1);
     let dst_heads = (total / d_size).max(1);
     let head_bytes = dst_item / ps / dst_heads;

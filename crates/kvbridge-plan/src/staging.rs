@@ -20,6 +20,7 @@ use std::ops::Range;
 
 use crate::block::Run;
 use crate::error::PlanError;
+use crate::index_runs::{add, mul};
 use crate::layout::{PeerRegistration, PrefillLayout};
 
 /// The heads one prefill rank sends one decode rank (sglang
@@ -135,14 +136,6 @@ fn unsupported(reason: &'static str) -> PlanError {
     PlanError::StagingUnsupported { reason }
 }
 
-fn mul(a: u64, b: u64) -> Result<u64, PlanError> {
-    a.checked_mul(b).ok_or(PlanError::AddressOverflow)
-}
-
-fn add(a: u64, b: u64) -> Result<u64, PlanError> {
-    a.checked_add(b).ok_or(PlanError::AddressOverflow)
-}
-
 fn page(p: i32) -> Result<u64, PlanError> {
     u64::try_from(p).map_err(|_| PlanError::SignedOverflow {
         what: "negative page index",
@@ -187,7 +180,9 @@ fn kv_slots(layout: &PrefillLayout) -> Result<(Vec<u64>, u64), PlanError> {
     Ok((layout.kv_data_ptrs.clone(), item))
 }
 
-fn total_heads(layout: &PrefillLayout, tp: u64) -> Result<u64, PlanError> {
+/// The model's KV heads: `total_kv_head_num`, else `kv_head_num × tp`;
+/// zero is refused.
+pub(crate) fn total_heads(layout: &PrefillLayout, tp: u64) -> Result<u64, PlanError> {
     let total = if layout.total_kv_head_num > 0 {
         layout.total_kv_head_num
     } else {

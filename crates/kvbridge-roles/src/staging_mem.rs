@@ -9,7 +9,7 @@
 //! **Never:** copies from or into memory the registry does not hold, or
 //! lets two copies of one call write the same bytes on the GPU.
 
-use kvbridge_mem::{HostBuffer, MemoryKind, RegionRegistry, Strided, probe_kind};
+use kvbridge_mem::{HostBuffer, MemoryKind, RegionRegistry, probe_kind};
 use kvbridge_plan::Run;
 
 use crate::error::ConfigError;
@@ -96,9 +96,7 @@ impl StagingMemory {
         match &self.memory {
             Memory::Host(_) => {
                 for r in runs {
-                    registry
-                        .copy_strided(&strided(r))
-                        .map_err(|e| e.to_string())?;
+                    registry.copy_strided(r).map_err(|e| e.to_string())?;
                     bytes = bytes.saturating_add(r.bytes());
                 }
             }
@@ -123,17 +121,6 @@ impl StagingMemory {
             }
         }
         Ok(bytes)
-    }
-}
-
-fn strided(r: &Run) -> Strided {
-    Strided {
-        src: r.src,
-        dst: r.dst,
-        len: r.len,
-        count: r.count,
-        src_stride: r.src_stride,
-        dst_stride: r.dst_stride,
     }
 }
 

@@ -178,13 +178,11 @@ fn on_status(shared: &Shared, s: &Status<'_>) {
 /// lies in its own slots.
 fn room_takes(shared: &Shared, room: u64, dst: u64, len: u64) -> bool {
     let rooms = shared.rooms.lock();
-    matches!(
-        rooms.table.get(room),
-        Some(KvPoll::WaitingForInput | KvPoll::Transferring)
-    ) && rooms
-        .slots
-        .get(&room)
-        .is_some_and(|s| s.allows(&shared.kv_args.layout, dst, len))
+    rooms.takes_writes(room)
+        && rooms
+            .slots
+            .get(&room)
+            .is_some_and(|s| s.allows(&shared.kv_args.layout, dst, len))
 }
 
 fn on_aux(shared: &Shared, a: &AuxData<'_>) {

@@ -16,7 +16,7 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use kvbridge_plan::StagingTarget;
-use kvbridge_wire::{ChunkReady, KvPoll, StagingReq, StagingRsp, Watermark};
+use kvbridge_wire::{ChunkReady, StagingReq, StagingRsp, Watermark};
 use parking_lot::Mutex;
 
 use super::Shared;
@@ -209,10 +209,7 @@ pub(crate) fn on_staging_req(shared: &Shared, r: &StagingReq<'_>) {
     };
     let (answer, targets) = {
         let mut rooms = shared.rooms.lock();
-        let live = matches!(
-            rooms.table.get(r.room),
-            Some(KvPoll::WaitingForInput | KvPoll::Transferring)
-        );
+        let live = rooms.takes_writes(r.room);
         let Some(room) = rooms.staging.get_mut(&r.room).filter(|_| live) else {
             drop(rooms);
             shared.metrics.dropped("staging_req");
@@ -322,10 +319,7 @@ pub(crate) fn on_chunk_ready(shared: &Shared, c: &ChunkReady<'_>) {
         return;
     };
     let mut rooms = shared.rooms.lock();
-    let live = matches!(
-        rooms.table.get(c.room),
-        Some(KvPoll::WaitingForInput | KvPoll::Transferring)
-    );
+    let live = rooms.takes_writes(c.room);
     let writer = c.prefill_unique_rank.unwrap_or(u64::MAX);
     let Some(room) = rooms.staging.get_mut(&c.room).filter(|_| live) else {
         drop(rooms);

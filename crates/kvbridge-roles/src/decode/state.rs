@@ -2,6 +2,8 @@
 
 use std::collections::{HashMap, HashSet};
 
+use kvbridge_wire::KvPoll;
+
 use crate::rooms::RoomTable;
 
 use super::slots::{ExpectedRanks, SlotsByRoom};
@@ -76,6 +78,17 @@ pub(crate) struct DecodeRooms {
     /// Engine sessions fenced for silent ranks, with the `(room, rank)`
     /// ACKs still owed; the fence is lifted when the last one arrives.
     pub fences: HashMap<String, HashSet<(u64, u64)>>,
+}
+
+impl DecodeRooms {
+    /// Whether `room` takes writes now: told its ranks where its KV goes
+    /// and not concluded (not aborted, failed, succeeded or cleared).
+    pub fn takes_writes(&self, room: u64) -> bool {
+        matches!(
+            self.table.get(room),
+            Some(KvPoll::WaitingForInput | KvPoll::Transferring)
+        )
+    }
 }
 
 /// What a decode rank knows of a resolved prefill server (sglang's
