@@ -55,6 +55,7 @@ fn model() -> ModelSpec {
         mla: false,
         page_size: 2,
         aux_item_lens: vec![16],
+        ..Default::default()
     }
 }
 
@@ -64,6 +65,7 @@ fn rank(tp_size: u64, tp_rank: u64) -> RankSpec {
         tp_rank,
         pp_size: 1,
         pp_rank: 0,
+        ..Default::default()
     }
 }
 

@@ -76,6 +76,7 @@ fn bootstrap_timeout_fails_the_sender() {
             tp_rank: 0,
             pp_size: 1,
             pp_rank: 0,
+            ..Default::default()
         },
         4,
         2,
@@ -108,6 +109,7 @@ fn waiting_timeout_fails_the_receiver() {
             tp_rank: 0,
             pp_size: 1,
             pp_rank: 0,
+            ..Default::default()
         },
         8,
         2,

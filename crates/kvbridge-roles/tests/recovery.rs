@@ -69,6 +69,8 @@ const RANK: RankSpec = RankSpec {
     tp_rank: 0,
     pp_size: 1,
     pp_rank: 0,
+    dcp_size: 1,
+    dcp_rank: 0,
 };
 
 fn room(

@@ -307,6 +307,7 @@ fn a_restarted_decode_gets_a_fresh_ring() {
         tp_rank: 0,
         pp_size: 1,
         pp_rank: 0,
+        ..Default::default()
     };
     let mut pools = RankPools::new(tiny_model(false, 2), rank, 64, 8).unwrap();
     pools.poison(&[12, 13], 0x5a);

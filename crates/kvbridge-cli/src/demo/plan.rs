@@ -133,6 +133,7 @@ pub(super) fn plan(args: &DemoArgs, bootstrap: SocketAddr) -> Result<Plan> {
                     tp_rank: tp,
                     pp_size: args.prefill_pp,
                     pp_rank: pp,
+                    ..Default::default()
                 },
                 pages: prefill_pages,
                 aux_slots: requests.len() as u64 + workload.concurrency as u64 + 1,
@@ -162,6 +163,7 @@ pub(super) fn plan(args: &DemoArgs, bootstrap: SocketAddr) -> Result<Plan> {
                 tp_rank: tp,
                 pp_size: 1,
                 pp_rank: 0,
+                ..Default::default()
             },
             pages: decode_pages,
             aux_slots: workload.concurrency as u64 + 1,

@@ -208,6 +208,7 @@ impl RankArgs {
                     tp_rank: 0,
                     pp_size: 1,
                     pp_rank: 0,
+                    ..Default::default()
                 },
                 pages: 1024,
                 aux_slots: default_aux_slots(),

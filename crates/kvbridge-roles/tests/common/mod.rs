@@ -285,6 +285,7 @@ pub fn tiny_model(mla: bool, layers: u64) -> ModelSpec {
         mla,
         page_size: 4,
         aux_item_lens: vec![16, 40],
+        ..Default::default()
     }
 }
 
@@ -375,6 +376,7 @@ impl Cluster {
                     tp_rank: tp,
                     pp_size: prefill_pp,
                     pp_rank: pp,
+                    ..Default::default()
                 };
                 let pools = RankPools::new(model.clone(), rank, pages, 8).expect("pools");
                 let mut config = prefill_config(bootstrap.local_addr(), prefill_tp, tp);
@@ -394,6 +396,7 @@ impl Cluster {
                 tp_rank: tp,
                 pp_size: 1,
                 pp_rank: 0,
+                ..Default::default()
             };
             let pools = RankPools::new(model.clone(), rank, pages, 8).expect("pools");
             let mut config = decode_config(decode_tp);
@@ -496,4 +499,6 @@ pub const SINGLE_RANK: RankSpec = RankSpec {
     tp_rank: 0,
     pp_size: 1,
     pp_rank: 0,
+    dcp_size: 1,
+    dcp_rank: 0,
 };
