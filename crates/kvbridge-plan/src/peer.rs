@@ -157,6 +157,15 @@ impl PreparedPeer {
         self.inner.path
     }
 
+    /// The first error any request to this peer would meet, found without a
+    /// request: the KV configuration's, then each state component's.
+    pub fn config_error(&self, layout: &PrefillLayout) -> Option<PlanError> {
+        if let Some(e) = self.kv_config_error() {
+            return Some(e.clone());
+        }
+        crate::state::check_states(layout, &self.inner.registration).err()
+    }
+
     /// The error every chunk carrying KV pages will be rejected with, if the
     /// KV configuration is unusable (`None` when KV is fine, or never sent).
     pub fn kv_config_error(&self) -> Option<&PlanError> {

@@ -40,6 +40,29 @@ pub(crate) fn plan(ctx: &StateCtx<'_>, out: &mut Vec<Block>) -> Result<(), PlanE
     })
 }
 
+/// The request-independent part of [`plan`]: the decode's buffers slice to
+/// this stage and pair one to one.
+pub(crate) fn check(ctx: &StateCtx<'_>) -> Result<(), PlanError> {
+    let err = |reason| PlanError::DsaTail {
+        component: ctx.component,
+        reason,
+    };
+    let n = ctx.comp.data_ptrs.len();
+    let start = ctx.layout.prefill_start_layer;
+    let dst_ptrs = slice_for_pp(n, ctx.dst_ptrs, start).map_err(err)?;
+    let dst_lens = slice_for_pp(n, ctx.dst_lens, start).map_err(err)?;
+    let src_lens = ctx.comp.item_lens.len();
+    if !(n == dst_ptrs.len() && n == src_lens && n == dst_lens.len()) {
+        return Err(err(DsaTailError::MetadataMismatch {
+            src_ptrs: n,
+            dst_ptrs: dst_ptrs.len(),
+            src_lens,
+            dst_lens: dst_lens.len(),
+        }));
+    }
+    Ok(())
+}
+
 /// `slice_dsa_tail_dst_ptrs_for_pp` (applied to pointers and to sizes, with
 /// the prefill pointer count as reference).
 fn slice_for_pp(n_src: usize, dst: &[u64], start: u64) -> Result<Vec<u64>, DsaTailError> {

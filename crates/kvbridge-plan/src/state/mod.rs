@@ -102,6 +102,43 @@ pub(crate) fn plan_states(
     Ok(())
 }
 
+/// Checks every state component against a decode registration without a
+/// request: each component is planned once with item 0 on both sides (a
+/// tail ring's pairing only), so a layout that no request could move fails
+/// at registration instead of at the first last chunk.
+pub(crate) fn check_states(
+    layout: &PrefillLayout,
+    reg: &PeerRegistration,
+) -> Result<(), PlanError> {
+    let mut scratch = StateScratch::default();
+    let mut out = Vec::new();
+    for (i, comp) in layout.states.iter().enumerate() {
+        let ctx = StateCtx {
+            layout,
+            component: i,
+            comp,
+            src_idx: &[0],
+            dst_idx: &[0],
+            dst_ptrs: inner(&reg.dst_state_data_ptrs, i),
+            dst_lens: inner(&reg.dst_state_item_lens, i),
+            dst_dims: inner(&reg.dst_state_dim_per_tensor, i),
+            dst_ids: inner(&reg.dst_state_layer_ids, i),
+            dst_tp: reg.dst_attn_tp_size,
+            dst_rank: reg.dst_tp_rank,
+        };
+        out.clear();
+        match comp.state_type {
+            StateType::Mamba => mamba::plan(&ctx, &mut scratch, &mut out)?,
+            StateType::DsaTail => dsa_tail::check(&ctx)?,
+            StateType::MinimaxIndexK => paged::plan_minimax(&ctx, &mut scratch, &mut out)?,
+            StateType::MinimaxDenseKv | StateType::RequestRow => {}
+            t if t.is_paged() => paged::plan(&ctx, &mut scratch, &mut out)?,
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
 /// `should_send_replicated_state`: which prefill ranks write state that is
 /// replicated within an attention-TP group (scatter: all; aggregation: the
 /// first rank of each group).

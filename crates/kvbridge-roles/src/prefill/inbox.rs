@@ -55,7 +55,10 @@ fn on_register(shared: &Shared, r: &Register<'_>) {
             return;
         }
     }
-    let peer = match PreparedPeer::new(&shared.kv_args.layout, peer_registration(r)) {
+    let layout = &shared.kv_args.layout;
+    let prepared = PreparedPeer::new(layout, peer_registration(r))
+        .and_then(|p| p.config_error(layout).map_or(Ok(p), Err));
+    let peer = match prepared {
         Ok(p) => {
             if r.dst_aux_ptrs.len() != shared.kv_args.layout.aux_data_ptrs.len() {
                 tracing::error!(
@@ -162,18 +165,21 @@ fn on_transfer(shared: &Shared, t: &Transfer<'_>) {
              which kvbridge's prefill does not support; refusing the room instead of writing \
              other pages"
         );
-        let targets: Vec<(String, u16)> = info.status_target().into_iter().collect();
-        if shared
-            .conclude(
-                room,
-                KvPoll::Failed,
-                Some(targets.clone()),
-                Some(reason.clone()),
-            )
-            .is_none()
-        {
-            shared.send_status(&targets, room, KvPoll::Failed, Some(&reason));
-        }
+        refuse(shared, room, &info, reason);
+        return;
+    }
+    // A session whose registration was rejected: say why now, not when the
+    // prefill reaches the room.
+    let rejected = shared
+        .peers
+        .read()
+        .get(&info.session)
+        .and_then(|p| match &p.peer {
+            Peer::Rejected(reason) => Some(reason.clone()),
+            Peer::Ready(_) => None,
+        });
+    if let Some(reason) = rejected {
+        refuse(shared, room, &info, format!("room {room}: {reason}"));
         return;
     }
     let mut rooms = shared.rooms.lock();
@@ -253,6 +259,31 @@ fn on_transfer(shared: &Shared, t: &Transfer<'_>) {
         drop(rooms);
         tracing::debug!(room, "all decode destinations known");
         staged::prefetch(shared, room, &infos);
+    }
+}
+
+/// Fails `room` at once with `reason` and tells the decode that asked. A
+/// room this rank has no sender for yet is entered as failed (up to
+/// `max_rooms` rooms), so the sender, once created, polls `Failed` with the
+/// reason instead of waiting out its bootstrap timeout.
+fn refuse(shared: &Shared, room: u64, info: &TransferInfo, reason: String) {
+    let targets: Vec<(String, u16)> = info.status_target().into_iter().collect();
+    {
+        let mut rooms = shared.rooms.lock();
+        if !rooms.table.contains(room) && rooms.table.len() < shared.config.max_rooms {
+            rooms.table.update(room, KvPoll::Bootstrapping);
+        }
+    }
+    if shared
+        .conclude(
+            room,
+            KvPoll::Failed,
+            Some(targets.clone()),
+            Some(reason.clone()),
+        )
+        .is_none()
+    {
+        shared.send_status(&targets, room, KvPoll::Failed, Some(&reason));
     }
 }
 

@@ -273,7 +273,7 @@ pub fn wait_for(timeout: Duration, want: KvPoll, mut f: impl FnMut() -> KvPoll) 
     }
 }
 
-use kvbridge_roles::synthetic::{ModelSpec, RankPools, RankSpec, Verified};
+use kvbridge_roles::synthetic::{ModelSpec, RankPools, RankSpec, RequestSlots, Verified};
 
 /// A small model for tests: `layers` layers, 8 KV heads (or MLA), tiny heads.
 pub fn tiny_model(mla: bool, layers: u64) -> ModelSpec {
@@ -318,7 +318,22 @@ impl Cluster {
         engine: impl Fn() -> Arc<dyn TransferEngine>,
     ) -> Self {
         Self::build(
-            model, prefill_tp, prefill_pp, decode_tp, pages, engine, None,
+            model, prefill_tp, prefill_pp, decode_tp, 1, pages, engine, None,
+        )
+    }
+
+    /// [`Cluster::new`] whose decode ranks form DCP groups of `decode_cp`
+    /// (decode rank `r` holds DCP share `r % decode_cp`).
+    pub fn with_decode_cp(
+        model: ModelSpec,
+        prefill_tp: u64,
+        prefill_pp: u64,
+        decode_tp: u64,
+        decode_cp: u64,
+        pages: u64,
+    ) -> Self {
+        Self::build(
+            model, prefill_tp, prefill_pp, decode_tp, decode_cp, pages, tcp_engine, None,
         )
     }
 
@@ -331,7 +346,7 @@ impl Cluster {
         staging: StagingConfig,
     ) -> Self {
         let both = Some((staging.clone(), staging));
-        Self::build(model, prefill_tp, 1, decode_tp, pages, tcp_engine, both)
+        Self::build(model, prefill_tp, 1, decode_tp, 1, pages, tcp_engine, both)
     }
 
     /// [`Cluster::new`] with `prefill` staging on the prefill ranks and
@@ -345,7 +360,7 @@ impl Cluster {
         decode: StagingConfig,
     ) -> Self {
         let sides = Some((prefill, decode));
-        Self::build(model, prefill_tp, 1, decode_tp, pages, tcp_engine, sides)
+        Self::build(model, prefill_tp, 1, decode_tp, 1, pages, tcp_engine, sides)
     }
 
     fn build(
@@ -353,16 +368,20 @@ impl Cluster {
         prefill_tp: u64,
         prefill_pp: u64,
         decode_tp: u64,
+        decode_cp: u64,
         pages: u64,
         engine: impl Fn() -> Arc<dyn TransferEngine>,
         staging: Option<(StagingConfig, StagingConfig)>,
     ) -> Self {
         let bootstrap = bootstrap();
         // Positional PP pairing (no layer ids, as sglang's plain pools)
-        // needs equal stages; an uneven split pairs by layer id on both sides.
-        let uneven = !model.layers.is_multiple_of(prefill_pp);
+        // needs equal stages of plain layers; an uneven split, a hybrid
+        // model or a staged draft pairs by layer id on both sides.
+        let by_ids = !model.layers.is_multiple_of(prefill_pp)
+            || model.full_attention_interval > 1
+            || (model.draft_layers > 0 && prefill_pp > 1);
         let kv_args = |pools: &RankPools| {
-            if uneven {
+            if by_ids {
                 pools.kv_args_with_layer_ids()
             } else {
                 pools.kv_args()
@@ -394,8 +413,8 @@ impl Cluster {
             let rank = RankSpec {
                 tp_size: decode_tp,
                 tp_rank: tp,
-                pp_size: 1,
-                pp_rank: 0,
+                dcp_size: decode_cp,
+                dcp_rank: tp % decode_cp,
                 ..Default::default()
             };
             let pools = RankPools::new(model.clone(), rank, pages, 8).expect("pools");
@@ -414,9 +433,10 @@ impl Cluster {
         }
     }
 
-    /// Runs one request end to end: `pages` source pages on every prefill
-    /// rank, `dst` destination pages on every decode rank, sent in chunks of
-    /// `chunk` pages. Returns each decode rank's verification.
+    /// Runs one request end to end: `src` source pages on every prefill
+    /// rank, `dst` destination pages on every decode rank (whole pages of
+    /// tokens), sent in chunks of `chunk` pages. Returns each decode rank's
+    /// verification.
     pub fn run(
         &mut self,
         room: u64,
@@ -424,26 +444,58 @@ impl Cluster {
         dst: &[i32],
         chunk: usize,
     ) -> Vec<(KvPoll, Verified)> {
+        let tokens = src.len() as u64 * self.model.page_size;
+        self.run_tokens(room, tokens, src, dst, chunk)
+    }
+
+    /// [`Cluster::run`] for a request of `tokens` tokens: states travel on
+    /// the last chunk, each chunk says how many tokens it holds, and each
+    /// decode rank takes as many of `dst` as it needs (a DCP rank fewer).
+    pub fn run_tokens(
+        &mut self,
+        room: u64,
+        tokens: u64,
+        src: &[i32],
+        dst: &[i32],
+        chunk: usize,
+    ) -> Vec<(KvPoll, Verified)> {
         let addr = self.bootstrap.local_addr().to_string();
         let mut receivers = Vec::new();
-        for (manager, _) in &self.decode {
+        for (manager, pools) in &self.decode {
+            let n = pools.pages_for(tokens) as usize;
+            let req = RequestSlots {
+                tokens,
+                pages: dst[..n].to_vec(),
+                slot: 3,
+            };
+            let states: Vec<Vec<i32>> = pools
+                .state_indices(&req)
+                .iter()
+                .map(|v| v.iter().map(|&i| i as i32).collect())
+                .collect();
             let mut rx = manager.receiver(&addr, room);
             assert_eq!(
                 rx.init(0),
                 KvPoll::WaitingForInput,
                 "room {room}: decode init"
             );
-            rx.send_metadata(dst, 3, &[], None);
-            receivers.push(rx);
+            rx.send_metadata(&req.pages, req.slot, &states, None);
+            receivers.push((rx, req));
         }
+        let src_req = RequestSlots {
+            tokens,
+            pages: src.to_vec(),
+            slot: 1,
+        };
         let mut senders = Vec::new();
         for (manager, pools) in &mut self.prefill {
-            pools.fill(room, src, 1);
+            pools.fill_request(room, &src_req);
+            let states = pools.state_indices(&src_req);
             let mut tx = manager.sender(room);
             tx.init(src.len() as u64, Some(1));
-            senders.push(tx);
+            senders.push((tx, states));
         }
-        for tx in &mut senders {
+        for (tx, _) in &mut senders {
             let s = wait_for(Duration::from_secs(20), KvPoll::WaitingForInput, || {
                 tx.poll()
             });
@@ -452,20 +504,25 @@ impl Cluster {
                 "room {room}: prefill stuck in {s:?}"
             );
         }
+        let ps = self.model.page_size;
+        let mut sent = 0;
         for pages in src.chunks(chunk) {
-            for tx in &mut senders {
-                tx.send(pages, None, None).expect("send");
+            let n = (pages.len() as u64 * ps).min(tokens - sent);
+            sent += n;
+            for (tx, states) in &mut senders {
+                let states = Some(states.iter().cloned().map(Some).collect());
+                tx.send(pages, states, Some(n)).expect("send");
             }
         }
-        for tx in &mut senders {
+        for (tx, _) in &mut senders {
             let s = wait_terminal(Duration::from_secs(20), || tx.poll());
             assert_eq!(s, KvPoll::Success, "room {room}: prefill ended {s:?}");
             tx.clear();
         }
         let mut out = Vec::new();
-        for (rx, (_, pools)) in receivers.iter_mut().zip(&self.decode) {
+        for ((rx, req), (_, pools)) in receivers.iter_mut().zip(&self.decode) {
             let s = wait_terminal(Duration::from_secs(20), || rx.poll());
-            out.push((s, pools.verify(room, dst, 3)));
+            out.push((s, pools.verify_request(room, req)));
             rx.clear();
         }
         out

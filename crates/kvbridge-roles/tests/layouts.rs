@@ -1,0 +1,268 @@
+//! Every model layout the planner handles, through real prefill and decode
+//! managers over TCP: hybrid state components (mamba whole and TP-sliced,
+//! SWA windows, DSA indexer pages, DSA tail rings, QSA pages), speculative
+//! draft layers and decode context parallelism. Each decode rank verifies
+//! every byte of its share: KV, aux and states.
+// Test code: a failed unwrap is a failed test.
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use common::*;
+
+use kvbridge_roles::KvPoll;
+use kvbridge_roles::synthetic::{ModelSpec, StateBuffer, StateLayers, StateSpec};
+
+/// A small hybrid: `layers` layers, every second one full attention.
+fn hybrid(mla: bool, layers: u64, states: Vec<StateSpec>) -> ModelSpec {
+    ModelSpec {
+        full_attention_interval: 2,
+        states,
+        ..tiny_model(mla, layers)
+    }
+}
+
+fn state(state_type: &str, layers: StateLayers, buffers: Vec<StateBuffer>) -> StateSpec {
+    StateSpec {
+        state_type: state_type.into(),
+        layers,
+        window_tokens: None,
+        buffers,
+    }
+}
+
+/// A gated-delta-net slot: conv `[q | k | v]` channels × 3 taps and a
+/// recurrent state of 8 heads, both TP-sliced, plus a replicated scalar row.
+fn mamba() -> StateSpec {
+    state(
+        "mamba",
+        StateLayers::Linear,
+        vec![
+            StateBuffer::Slot {
+                outer: 1,
+                dim: 32,
+                unit_bytes: 6,
+                groups: vec![8, 8, 16],
+            },
+            StateBuffer::Slot {
+                outer: 2,
+                dim: 8,
+                unit_bytes: 24,
+                groups: Vec::new(),
+            },
+            StateBuffer::Slot {
+                outer: 1,
+                dim: 0,
+                unit_bytes: 40,
+                groups: Vec::new(),
+            },
+        ],
+    )
+}
+
+fn swa(window: u64) -> StateSpec {
+    StateSpec {
+        window_tokens: Some(window),
+        ..state(
+            "swa",
+            StateLayers::Linear,
+            vec![
+                StateBuffer::Page {
+                    heads: 8,
+                    head_bytes: 32,
+                    sliced: true,
+                };
+                2
+            ],
+        )
+    }
+}
+
+fn replicated_pages(state_type: &str, layers: StateLayers) -> StateSpec {
+    state(
+        state_type,
+        layers,
+        vec![StateBuffer::Page {
+            heads: 1,
+            head_bytes: 20,
+            sliced: false,
+        }],
+    )
+}
+
+fn tail_ring(ring: u64) -> StateSpec {
+    state(
+        "dsa_tail",
+        StateLayers::All,
+        vec![
+            StateBuffer::Ring {
+                ring,
+                slot_bytes: 12,
+            };
+            2
+        ],
+    )
+}
+
+/// Three requests of awkward lengths (a partial last page, one page, many),
+/// each checked on every decode rank.
+fn check(mut cluster: Cluster) {
+    let ps = cluster.model.page_size;
+    for (k, (room, tokens)) in [(21u64, 9 * ps - 3), (22, ps), (23, 13 * ps + 1)]
+        .into_iter()
+        .enumerate()
+    {
+        let n = tokens.div_ceil(ps) as i32;
+        let src: Vec<i32> = (0..n).map(|i| 2 * i + k as i32).collect();
+        let dst: Vec<i32> = (0..n).map(|i| 60 - i - k as i32).collect();
+        let results = cluster.run_tokens(room, tokens, &src, &dst, 3);
+        for (rank, (status, verified)) in results.into_iter().enumerate() {
+            assert_eq!(status, KvPoll::Success, "room {room}: decode rank {rank}");
+            assert!(verified.bytes > 0);
+            assert_eq!(
+                verified.mismatched, 0,
+                "room {room}: decode rank {rank}: {verified:?}"
+            );
+        }
+    }
+    cluster.shutdown();
+}
+
+fn run(model: ModelSpec, prefill_tp: u64, prefill_pp: u64, decode_tp: u64) {
+    check(Cluster::new(model, prefill_tp, prefill_pp, decode_tp, 64));
+}
+
+#[test]
+fn mamba_slots_with_equal_tp() {
+    run(hybrid(false, 4, vec![mamba()]), 2, 1, 2);
+}
+
+#[test]
+fn mamba_slots_sliced_tp_1_to_2() {
+    run(hybrid(false, 4, vec![mamba()]), 1, 1, 2);
+}
+
+#[test]
+fn mamba_slots_sliced_tp_4_to_2() {
+    run(hybrid(false, 4, vec![mamba()]), 4, 1, 2);
+}
+
+#[test]
+fn mamba_slots_sliced_tp_2_to_4_from_two_pp_stages() {
+    run(hybrid(false, 6, vec![mamba()]), 2, 2, 4);
+}
+
+#[test]
+fn swa_windows_with_equal_tp_and_pp() {
+    // A window of 3 pages and a bit: long requests move only its pages.
+    run(hybrid(false, 4, vec![swa(13)]), 2, 2, 2);
+}
+
+#[test]
+fn swa_and_mamba_together() {
+    run(hybrid(false, 4, vec![swa(8), mamba()]), 1, 1, 1);
+}
+
+#[test]
+fn dsa_indexer_pages_on_mla_across_tp() {
+    let m = ModelSpec {
+        states: vec![replicated_pages("dsa", StateLayers::All)],
+        ..tiny_model(true, 3)
+    };
+    run(m.clone(), 2, 1, 1);
+    run(m, 1, 1, 2);
+}
+
+#[test]
+fn dsa_indexer_pages_from_pp_stages() {
+    let m = ModelSpec {
+        states: vec![replicated_pages("dsa", StateLayers::All)],
+        ..tiny_model(true, 4)
+    };
+    run(m, 1, 2, 1);
+}
+
+#[test]
+fn dsa_tail_rings_wrap_and_split_over_pp() {
+    let m = ModelSpec {
+        states: vec![tail_ring(8)],
+        ..tiny_model(true, 4)
+    };
+    run(m.clone(), 1, 1, 1);
+    run(m, 1, 2, 2);
+}
+
+#[test]
+fn qsa_pages_replicated_across_tp() {
+    let m = ModelSpec {
+        states: vec![
+            replicated_pages("qsa_pending", StateLayers::Attention),
+            replicated_pages("qsa_compressed", StateLayers::Attention),
+        ],
+        ..hybrid(false, 4, Vec::new())
+    };
+    run(m.clone(), 2, 1, 1);
+    run(m, 1, 1, 2);
+}
+
+#[test]
+fn draft_layers_mha_and_mla() {
+    let mha = ModelSpec {
+        draft_layers: 1,
+        ..tiny_model(false, 3)
+    };
+    run(mha.clone(), 2, 1, 2);
+    run(mha, 1, 2, 2);
+    let mla = ModelSpec {
+        draft_layers: 2,
+        ..tiny_model(true, 3)
+    };
+    run(mla.clone(), 2, 1, 1);
+    run(mla, 1, 3, 1);
+}
+
+#[test]
+fn decode_context_parallel_relayout() {
+    // Each of 2 DCP ranks holds every 2nd token; the draft layer every token.
+    let m = ModelSpec {
+        draft_layers: 1,
+        ..tiny_model(true, 3)
+    };
+    check(Cluster::with_decode_cp(m.clone(), 1, 1, 2, 2, 64));
+    check(Cluster::with_decode_cp(m, 2, 1, 4, 4, 64));
+}
+
+#[test]
+fn decode_context_parallel_from_pp_stages() {
+    check(Cluster::with_decode_cp(tiny_model(true, 4), 1, 2, 2, 2, 64));
+}
+
+#[test]
+fn swa_across_different_tp_fails_the_room_with_the_reason() {
+    // sglang refuses SWA pages between different TP sizes on an MHA pool:
+    // so do we, loudly, instead of moving the wrong heads.
+    let cluster = Cluster::new(hybrid(false, 4, vec![swa(8)]), 2, 1, 1, 64);
+    let addr = cluster.bootstrap.local_addr().to_string();
+    let (manager, pools) = &cluster.decode[0];
+    let req = kvbridge_roles::synthetic::RequestSlots {
+        tokens: 16,
+        pages: vec![5, 6, 7, 8],
+        slot: 3,
+    };
+    let states: Vec<Vec<i32>> = pools
+        .state_indices(&req)
+        .iter()
+        .map(|v| v.iter().map(|&i| i as i32).collect())
+        .collect();
+    let mut rx = manager.receiver(&addr, 77);
+    rx.init(0);
+    rx.send_metadata(&req.pages, req.slot, &states, None);
+    let s = wait_terminal(std::time::Duration::from_secs(20), || rx.poll());
+    assert_eq!(s, KvPoll::Failed);
+    let reason = rx.failure_exception().reason;
+    assert!(
+        reason.contains("rejected") && reason.contains("swa"),
+        "{reason}"
+    );
+    cluster.shutdown();
+}
