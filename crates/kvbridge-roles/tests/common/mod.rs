@@ -318,7 +318,11 @@ impl Cluster {
         engine: impl Fn() -> Arc<dyn TransferEngine>,
     ) -> Self {
         Self::build(
-            model, prefill_tp, prefill_pp, decode_tp, 1, pages, engine, None,
+            model,
+            (prefill_tp, prefill_pp, decode_tp, 1),
+            pages,
+            engine,
+            None,
         )
     }
 
@@ -333,7 +337,11 @@ impl Cluster {
         pages: u64,
     ) -> Self {
         Self::build(
-            model, prefill_tp, prefill_pp, decode_tp, decode_cp, pages, tcp_engine, None,
+            model,
+            (prefill_tp, prefill_pp, decode_tp, decode_cp),
+            pages,
+            tcp_engine,
+            None,
         )
     }
 
@@ -346,7 +354,13 @@ impl Cluster {
         staging: StagingConfig,
     ) -> Self {
         let both = Some((staging.clone(), staging));
-        Self::build(model, prefill_tp, 1, decode_tp, 1, pages, tcp_engine, both)
+        Self::build(
+            model,
+            (prefill_tp, 1, decode_tp, 1),
+            pages,
+            tcp_engine,
+            both,
+        )
     }
 
     /// [`Cluster::new`] with `prefill` staging on the prefill ranks and
@@ -360,15 +374,19 @@ impl Cluster {
         decode: StagingConfig,
     ) -> Self {
         let sides = Some((prefill, decode));
-        Self::build(model, prefill_tp, 1, decode_tp, 1, pages, tcp_engine, sides)
+        Self::build(
+            model,
+            (prefill_tp, 1, decode_tp, 1),
+            pages,
+            tcp_engine,
+            sides,
+        )
     }
 
+    /// `(prefill_tp, prefill_pp, decode_tp, decode_cp)` ranks.
     fn build(
         model: ModelSpec,
-        prefill_tp: u64,
-        prefill_pp: u64,
-        decode_tp: u64,
-        decode_cp: u64,
+        (prefill_tp, prefill_pp, decode_tp, decode_cp): (u64, u64, u64, u64),
         pages: u64,
         engine: impl Fn() -> Arc<dyn TransferEngine>,
         staging: Option<(StagingConfig, StagingConfig)>,
