@@ -312,3 +312,114 @@ fn gpu_options_say_no_cuda_without_a_gpu() {
         assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
     }
 }
+
+#[test]
+fn demo_model_presets_move_states_draft_layers_and_dcp_shares_byte_exact() {
+    let runs: [&[&str]; 6] = [
+        // Mamba slots TP-sliced 2 -> 1 out of two PP stages, with aborts.
+        &[
+            "--model",
+            "qwen3-next",
+            "--layers",
+            "8",
+            "--prefill-tp",
+            "2",
+            "--prefill-pp",
+            "2",
+        ],
+        &[
+            "--model",
+            "qwen3-next",
+            "--layers",
+            "8",
+            "--decode-tp",
+            "2",
+            "--abort-fraction",
+            "0.3",
+        ],
+        // SWA: prompts longer than the 128-token window.
+        &[
+            "--model",
+            "gpt-oss",
+            "--layers",
+            "4",
+            "--prefill-tp",
+            "2",
+            "--decode-tp",
+            "2",
+            "--prompt-tokens",
+            "300",
+        ],
+        // DSA indexer pages plus a draft layer, MLA TP 1 -> 2.
+        &[
+            "--model",
+            "deepseek-v32",
+            "--layers",
+            "3",
+            "--decode-tp",
+            "2",
+            "--draft-layers",
+            "1",
+        ],
+        // Decode context parallelism: 2 groups of 2, a draft layer.
+        &[
+            "--model",
+            "deepseek-v3",
+            "--layers",
+            "3",
+            "--decode-tp",
+            "4",
+            "--decode-cp",
+            "2",
+            "--draft-layers",
+            "1",
+        ],
+        // MHA draft layers over PP.
+        &[
+            "--model",
+            "llama3-8b",
+            "--prefill-pp",
+            "2",
+            "--draft-layers",
+            "1",
+        ],
+    ];
+    for args in runs {
+        let (code, v) = demo(args);
+        if args.contains(&"--abort-fraction") {
+            assert_eq!(code, 0, "{args:?}: {v}");
+            assert_eq!(v["mismatched_bytes"], 0, "{args:?}: {v}");
+            assert!(v["succeeded"].as_u64().unwrap() > 0, "{args:?}: {v}");
+        } else {
+            assert_clean(code, &v);
+        }
+    }
+}
+
+#[test]
+fn demo_refuses_layouts_that_cannot_work_with_the_reason() {
+    // SWA pages of an MHA model cannot move between different TP sizes:
+    // every room fails, naming the rejected registration.
+    let (code, v) = demo(&[
+        "--model",
+        "gpt-oss",
+        "--layers",
+        "4",
+        "--decode-tp",
+        "2",
+        "--requests",
+        "3",
+    ]);
+    assert_ne!(code, 0, "{v}");
+    assert_eq!(v["succeeded"], 0, "{v}");
+    for f in v["failures"].as_array().unwrap() {
+        let why = f["reason"].as_str().unwrap_or_default();
+        assert!(why.contains("rejected") && why.contains("swa"), "{v}");
+    }
+    let out = Command::new(BIN)
+        .args(["demo", "--decode-cp", "2", "--decode-tp", "2"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--decode-cp needs an MLA model"));
+}

@@ -34,9 +34,21 @@ use summary::{Failure, Summary, percentile};
 /// `kvbridge demo` flags; every one has a default.
 #[derive(Debug, Args)]
 pub struct DemoArgs {
-    /// Model preset: `llama3-8b` (MHA/GQA) or `deepseek-v3` (MLA).
+    /// Model preset: `llama3-8b` (MHA/GQA), `deepseek-v3` (MLA),
+    /// `deepseek-v32` (MLA + DSA indexer pages), `qwen3-next` (hybrid:
+    /// full attention every 4th layer, mamba slots TP-sliced on the rest) or
+    /// `gpt-oss` (alternating full and 128-token sliding-window layers).
     #[arg(long, default_value = "llama3-8b")]
     model: String,
+    /// Speculative draft layers (MTP/EAGLE) after the model's, same KV
+    /// shape, on the last prefill stage and every decode rank.
+    #[arg(long, default_value_t = 0)]
+    draft_layers: u64,
+    /// Decode context parallelism (MLA models): decode ranks form groups of
+    /// this size, each rank holding every N-th token; must divide
+    /// `--decode-tp`.
+    #[arg(long, default_value_t = 1)]
+    decode_cp: u64,
     /// Tokens per KV page (default: the preset's).
     #[arg(long)]
     page_size: Option<u64>,

@@ -46,10 +46,12 @@ pub(super) fn plan(args: &DemoArgs, bootstrap: SocketAddr) -> Result<Plan> {
     if let Some(l) = args.layers {
         model.layers = l.max(1);
     }
+    model.draft_layers = args.draft_layers;
     for (name, v) in [
         ("prefill-tp", args.prefill_tp),
         ("prefill-pp", args.prefill_pp),
         ("decode-tp", args.decode_tp),
+        ("decode-cp", args.decode_cp),
     ] {
         if v == 0 {
             bail!("--{name} must be at least 1");
@@ -61,6 +63,26 @@ pub(super) fn plan(args: &DemoArgs, bootstrap: SocketAddr) -> Result<Plan> {
             args.prefill_pp,
             model.layers
         );
+    }
+    if args.decode_cp > 1 {
+        if !model.mla {
+            bail!(
+                "--decode-cp needs an MLA model (deepseek-v3), not {}",
+                model.name
+            );
+        }
+        if !args.decode_tp.is_multiple_of(args.decode_cp) {
+            bail!(
+                "--decode-cp {} must divide --decode-tp {}",
+                args.decode_cp,
+                args.decode_tp
+            );
+        }
+    }
+    for tp in [args.prefill_tp, args.decode_tp] {
+        model
+            .validate(tp)
+            .map_err(|e| anyhow::anyhow!("--model {} at TP {tp}: {e}", model.name))?;
     }
     let workload = Workload {
         requests: args.requests,
@@ -115,7 +137,9 @@ pub(super) fn plan(args: &DemoArgs, bootstrap: SocketAddr) -> Result<Plan> {
     // K/V-halves pairing assumes equal stages: an uneven split (3 layers over
     // 2 stages) is read as "the decode has draft layers" and V lands on the
     // wrong buffers (docs/sglang.md, "Layer ids").
-    let publish_layer_ids = args.prefill_pp > 1;
+    // Hybrid models publish layer ids like sglang's hybrid pools: their KV
+    // buffers are only the full-attention layers.
+    let publish_layer_ids = args.prefill_pp > 1 || model.full_attention_interval > 1;
     for pp in 0..args.prefill_pp {
         for tp in 0..args.prefill_tp {
             let mut prefill = PrefillConfig {
@@ -161,8 +185,8 @@ pub(super) fn plan(args: &DemoArgs, bootstrap: SocketAddr) -> Result<Plan> {
             rank: RankSpec {
                 tp_size: args.decode_tp,
                 tp_rank: tp,
-                pp_size: 1,
-                pp_rank: 0,
+                dcp_size: args.decode_cp,
+                dcp_rank: tp % args.decode_cp,
                 ..Default::default()
             },
             pages: decode_pages,

@@ -10,7 +10,7 @@ use kvbridge_roles::{DecodeManager, KvPoll, KvReceiver};
 
 use super::RankFile;
 use super::events::{Event, emit};
-use super::workload::{PageAllocator, Request, Workload};
+use super::workload::{PageAllocator, Request};
 
 /// Byte written over an aborted room's pages once its ACK arrived; a later
 /// write by the prefill would show up as a mismatch.
@@ -78,15 +78,26 @@ pub fn run(file: &RankFile) -> Result<bool> {
             let Some(request) = pending.front().copied() else {
                 break;
             };
-            let n = Workload::pages(request.tokens, model.page_size);
+            // A DCP rank's pages are virtual (`page_size * dcp_size` tokens).
+            let n = pools.pages_for(request.tokens);
             let (Some(p), Some(a)) = (pages.alloc(n), aux_slots.alloc(1)) else {
                 break;
             };
             pending.pop_front();
+            let slots = request.slots(&p, a[0]);
+            let states: Vec<Vec<i32>> = pools
+                .state_indices(&slots)
+                .iter()
+                .map(|v| {
+                    v.iter()
+                        .map(|&i| i32::try_from(i).unwrap_or(i32::MAX))
+                        .collect()
+                })
+                .collect();
             let mut receiver = manager.receiver(&addr, request.room);
             let mut state = receiver.init(0);
             if state != KvPoll::Failed {
-                state = receiver.send_metadata(&p, a[0] as u64, &[], None);
+                state = receiver.send_metadata(&p, a[0] as u64, &states, None);
             }
             emit(&Event::Started { room: request.room });
             jitter ^= jitter << 13;
@@ -157,7 +168,8 @@ pub fn run(file: &RankFile) -> Result<bool> {
             let mut a = active.swap_remove(i);
             let latency_ms = a.started.elapsed().as_secs_f64() * 1e3;
             let (verified, reason) = if status == KvPoll::Success {
-                (pools.verify(a.request.room, &a.pages, a.aux as u64), None)
+                let slots = a.request.slots(&a.pages, a.aux);
+                (pools.verify_request(a.request.room, &slots), None)
             } else {
                 let why = a.receiver.failure_exception().reason;
                 let why = if a.abort_at.is_some() {

@@ -54,7 +54,7 @@ pub fn run(file: &RankFile) -> Result<bool> {
         let (Some(p), Some(a)) = (pages.alloc(n), aux_slots.alloc(1)) else {
             break;
         };
-        pools.fill(r.room, &p, a[0] as u64);
+        pools.fill_request(r.room, &r.slots(&p, a[0]));
         filled.insert(r.index, (p, a[0]));
     }
     // SAFETY: `pools` lives until after `manager.teardown()` below.
@@ -90,7 +90,7 @@ pub fn run(file: &RankFile) -> Result<bool> {
                 Some(x) => x,
                 None => match (pages.alloc(n), aux_slots.alloc(1)) {
                     (Some(p), Some(a)) => {
-                        pools.fill(request.room, &p, a[0] as u64);
+                        pools.fill_request(request.room, &request.slots(&p, a[0]));
                         (p, a[0])
                     }
                     (p, a) => {
@@ -122,13 +122,17 @@ pub fn run(file: &RankFile) -> Result<bool> {
                 && a.ready_at.get_or_insert_with(Instant::now).elapsed() >= forward;
             if a.first_send.is_none() && computed {
                 a.first_send = Some(Instant::now());
+                // States travel with the last chunk (the sender attaches them there).
+                let states = pools.state_indices(&a.request.slots(&a.pages, a.aux));
+                let states: Vec<Option<Vec<i64>>> = states.into_iter().map(Some).collect();
                 let mut sent_tokens = 0;
                 for chunk in a.pages.chunks(chunk_pages) {
                     let tokens =
                         (chunk.len() as u64 * model.page_size).min(a.request.tokens - sent_tokens);
                     sent_tokens += tokens;
+                    let last = sent_tokens == a.request.tokens;
                     a.sender
-                        .send(chunk, None, Some(tokens))
+                        .send(chunk, last.then(|| states.clone()), Some(tokens))
                         .context("queueing a chunk")?;
                 }
                 progressed = true;

@@ -2,6 +2,7 @@
 //! rooms, how long each prompt is, how it is chunked.
 
 use kvbridge_plan::rng::mix;
+use kvbridge_roles::synthetic::RequestSlots;
 use serde::{Deserialize, Serialize};
 
 /// A deterministic list of requests.
@@ -46,6 +47,18 @@ pub struct Request {
     pub room: u64,
     /// Prompt length in tokens.
     pub tokens: u64,
+}
+
+impl Request {
+    /// Where the request lives in a rank's pools: its `pages`, and `aux`
+    /// as its aux, mamba and tail-ring slot.
+    pub fn slots(&self, pages: &[i32], aux: i32) -> RequestSlots {
+        RequestSlots {
+            tokens: self.tokens,
+            pages: pages.to_vec(),
+            slot: u64::try_from(aux).unwrap_or(0),
+        }
+    }
 }
 
 impl Workload {
