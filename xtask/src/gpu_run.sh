@@ -47,6 +47,18 @@ step demo-tcp-device-staged-tp2-4 "${demo[@]}" --engine tcp --prefill-tp 2 --dec
 step demo-tcp-device-staged-tp4-2 "${demo[@]}" --engine tcp --prefill-tp 4 --decode-tp 2 --staging
 step demo-tcp-device-staged-tp8-2 "${demo[@]}" --engine tcp --prefill-tp 8 --decode-tp 2 --staging
 step demo-tcp-device-staged-abort "${demo[@]}" --engine tcp --prefill-tp 2 --decode-tp 4 --staging --abort-fraction 0.3
+# Every model layout with KV and state buffers in device memory: mamba
+# slots (TP-sliced), SWA windows, DSA pages, draft layers, decode context
+# parallelism; over the IPC engine (device to device) and TCP.
+step demo-ipc-qwen3-next-tp2-1 "${demo[@]}" --engine ipc --model qwen3-next --layers 16 --prefill-tp 2 --decode-tp 1
+step demo-ipc-qwen3-next-pp2-tp1-2 "${demo[@]}" --engine ipc --model qwen3-next --layers 16 --prefill-pp 2 --decode-tp 2
+step demo-ipc-gpt-oss-tp2-2 "${demo[@]}" --engine ipc --model gpt-oss --layers 8 --prefill-tp 2 --decode-tp 2
+step demo-ipc-deepseek-v32-tp2-1-draft "${demo[@]}" --engine ipc --model deepseek-v32 --layers 8 --prefill-tp 2 --decode-tp 1 --draft-layers 1
+step demo-ipc-dcp2-draft "${demo[@]}" --engine ipc --model deepseek-v3 --layers 8 --decode-tp 2 --decode-cp 2 --draft-layers 1
+step demo-ipc-draft-mha-tp2-4 "${demo[@]}" --engine ipc --layers 8 --prefill-tp 2 --decode-tp 4 --draft-layers 2
+step demo-tcp-device-qwen3-next-tp2-4 "${demo[@]}" --engine tcp --model qwen3-next --layers 16 --prefill-tp 2 --decode-tp 4
+step demo-tcp-device-dcp4-draft "${demo[@]}" --engine tcp --model deepseek-v3 --layers 8 --decode-tp 4 --decode-cp 4 --draft-layers 1
+step demo-ipc-qwen3-next-abort "${demo[@]}" --engine ipc --model qwen3-next --layers 16 --prefill-tp 2 --decode-tp 1 --abort-fraction 0.3
 if [ "$bench" = 1 ]; then
   # Heterogeneous TP against homogeneous, per-slice against staged, KV in
   # device memory: TCP engine, then CUDA IPC (which copies head slices on
