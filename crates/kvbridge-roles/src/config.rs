@@ -228,6 +228,9 @@ pub struct PrefillConfig {
     /// Largest control message accepted from a peer, in bytes (zmq
     /// `MAXMSGSIZE`); a peer sending a larger one is disconnected.
     pub zmq_max_message_bytes: usize,
+    /// Most control sockets open to peers at once, one per peer endpoint
+    /// (`SGLANG_DISAGGREGATION_ZMQ_MAX_SOCKETS`).
+    pub zmq_max_sockets: usize,
     /// Most blocks handed to the engine in one batch (0 = no cap beyond
     /// `max_transfer_batch_indices`).
     pub max_batch_blocks: usize,
@@ -277,6 +280,7 @@ impl Default for PrefillConfig {
             probe: ProbeConfig::default(),
             zmq_send_timeout: Duration::from_secs(30),
             zmq_max_message_bytes: crate::control::DEFAULT_MAX_MESSAGE_BYTES,
+            zmq_max_sockets: crate::control::DEFAULT_MAX_SOCKETS,
             max_batch_blocks: 1 << 16,
             max_transfer_batch_indices: None,
             max_sessions: 4096,
@@ -313,6 +317,9 @@ impl PrefillConfig {
         }
         if let Some(v) = env_bool(get, "SGLANG_MOONCAKE_SEND_AUX_TCP") {
             self.send_aux_tcp = v;
+        }
+        if let Some(v) = env::<usize>(get, "SGLANG_DISAGGREGATION_ZMQ_MAX_SOCKETS") {
+            self.zmq_max_sockets = v.max(1);
         }
         if let Some(v) = env_bool(get, "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE") {
             self.deferred_release = v;
@@ -394,6 +401,9 @@ pub struct DecodeConfig {
     /// Largest control message accepted from a peer, in bytes (zmq
     /// `MAXMSGSIZE`); a peer sending a larger one is disconnected.
     pub zmq_max_message_bytes: usize,
+    /// Most control sockets open to peers at once, one per peer endpoint
+    /// (`SGLANG_DISAGGREGATION_ZMQ_MAX_SOCKETS`).
+    pub zmq_max_sockets: usize,
     /// Serve Prometheus metrics here when set.
     pub metrics_addr: Option<SocketAddr>,
     /// Intra-node transport: only device regions are registered with the
@@ -425,6 +435,7 @@ impl Default for DecodeConfig {
             abort_ack_timeout: Duration::from_secs(30),
             zmq_send_timeout: Duration::from_secs(1),
             zmq_max_message_bytes: crate::control::DEFAULT_MAX_MESSAGE_BYTES,
+            zmq_max_sockets: crate::control::DEFAULT_MAX_SOCKETS,
             metrics_addr: None,
             nvlink_intra: false,
             secret: None,
@@ -465,6 +476,9 @@ impl DecodeConfig {
         }
         if let Some(v) = env::<f64>(get, "SGLANG_DISAGGREGATION_ZMQ_SEND_TIMEOUT") {
             self.zmq_send_timeout = secs(v);
+        }
+        if let Some(v) = env::<usize>(get, "SGLANG_DISAGGREGATION_ZMQ_MAX_SOCKETS") {
+            self.zmq_max_sockets = v.max(1);
         }
         self.nvlink_intra |= crate::local::nvlink_intra_env();
         self.staging = self.staging.with_vars(get);
@@ -542,6 +556,7 @@ mod tests {
             ),
             ("SGLANG_DISAGG_STAGING_BUFFER", "1"),
             ("SGLANG_DISAGG_STAGING_POOL_SIZE_MB", "2"),
+            ("SGLANG_DISAGGREGATION_ZMQ_MAX_SOCKETS", "20000"),
         ]
         .into_iter()
         .collect();
@@ -560,7 +575,9 @@ mod tests {
             )
         );
         assert!(p.staging.enabled && p.staging.pool_bytes == 2 << 20);
+        assert_eq!(p.zmq_max_sockets, 20000);
         let d = DecodeConfig::default().with_vars(&get);
+        assert_eq!(d.zmq_max_sockets, 20000);
         // sglang's floors: heartbeats at least 2 s apart, at least one failure.
         assert_eq!(d.heartbeat_interval, Duration::from_secs(2));
         assert_eq!(d.heartbeat_max_failures, 1);
@@ -573,6 +590,7 @@ mod tests {
         let none = |_: &str| None;
         let p = PrefillConfig::default().with_vars(&none);
         assert_eq!(p.probe.interval, Duration::from_secs(30));
+        assert_eq!(p.zmq_max_sockets, 16384);
         assert_eq!(
             DecodeConfig::default().with_vars(&none).abort_ack_timeout,
             Duration::from_secs(30)

@@ -131,3 +131,43 @@ fn try_send_never_blocks_on_a_peer_that_does_not_read() {
     assert!(sent > 0);
     push.close_all();
 }
+
+#[test]
+fn sockets_past_one_context_spill_into_more_up_to_the_cap() {
+    // Past a context's share the pool opens another (libzmq caps a context
+    // at 1023 sockets; sglang raises it with ZMQ_MAX_SOCKETS): every socket
+    // still speaks CURVE and delivers, and past the cap the error names
+    // the setting.
+    let s = secret("a-cluster-secret-of-some-length");
+    let inboxes: Vec<_> = (0..7)
+        .map(|_| inbox(ControlSecurity::from_secret(Some(&s))))
+        .collect();
+    let sender_ctx = ControlContext::new(ControlSecurity::from_secret(Some(&s))).unwrap();
+    let push = PushPool::with_limits(&sender_ctx, Duration::from_secs(2), 6, 2);
+    for (i, (_, pull)) in inboxes.iter().take(6).enumerate() {
+        push.send(&endpoint(pull), [format!("{i}").into_bytes()])
+            .unwrap();
+    }
+    assert_eq!((push.open(), push.contexts()), (6, 3));
+    for (i, (_, pull)) in inboxes.iter().take(6).enumerate() {
+        let got = receive(pull, Duration::from_secs(10)).expect("delivered");
+        assert_eq!(got, vec![format!("{i}").into_bytes()]);
+    }
+    let err = push
+        .send(&endpoint(&inboxes[6].1), [&b"one too many"[..]])
+        .unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("SGLANG_DISAGGREGATION_ZMQ_MAX_SOCKETS"),
+        "{err}"
+    );
+    // A closed socket frees its place (in its own context).
+    push.disconnect(&endpoint(&inboxes[0].1));
+    push.send(&endpoint(&inboxes[6].1), [&b"now"[..]]).unwrap();
+    assert_eq!((push.open(), push.contexts()), (6, 3));
+    assert_eq!(
+        receive(&inboxes[6].1, Duration::from_secs(10)),
+        Some(vec![b"now".to_vec()])
+    );
+    push.close_all();
+}

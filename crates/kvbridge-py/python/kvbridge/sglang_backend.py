@@ -78,7 +78,6 @@ REFUSED_ENV = {
     "SGLANG_MOONCAKE_CUSTOM_MEM_POOL": "Mooncake's custom memory pools (NVLINK/BAREX) are Mooncake-specific",
     "SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER": "attention context parallelism is not supported yet",
     "SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK": "data-parallel prefill is not supported yet",
-    "SGLANG_DISAGGREGATION_ZMQ_MAX_SOCKETS": "kvbridge bounds its control sockets by its own peer limits",
     "SGLANG_RUST_SERVER": "the Rust HTTP server's bootstrap registry is not supported with this backend",
 }
 
@@ -151,6 +150,7 @@ def role_settings(mode: DisaggregationMode, kv_args: KVArgs, local_ip: str) -> d
         "local_ip": local_ip,
         "kv_cache_dtype": getattr(kv_args, "kv_cache_dtype_str", None) or "auto",
         "zmq_send_timeout": float(_env("SGLANG_DISAGGREGATION_ZMQ_SEND_TIMEOUT")),
+        "zmq_max_sockets": int(_env("SGLANG_DISAGGREGATION_ZMQ_MAX_SOCKETS")),
     }
     deferred = bool(_env("SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE"))
     common["staging"] = _staging_settings(kv_args)

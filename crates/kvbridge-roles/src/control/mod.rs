@@ -48,7 +48,26 @@ pub enum ControlError {
     /// A control-plane thread could not be started.
     #[error("cannot start a control-plane thread: {0}")]
     Thread(#[source] std::io::Error),
+    /// Every allowed PUSH socket is open (one per peer endpoint).
+    #[error(
+        "cannot open a control socket to {endpoint}: all {max} are open, one per peer \
+         endpoint (raise SGLANG_DISAGGREGATION_ZMQ_MAX_SOCKETS / zmq_max_sockets)"
+    )]
+    TooManySockets {
+        /// The endpoint that would have needed one more.
+        endpoint: String,
+        /// The cap.
+        max: usize,
+    },
 }
+
+/// Control sockets a rank may open to peers by default (sglang's
+/// `SGLANG_DISAGGREGATION_ZMQ_MAX_SOCKETS` default).
+pub const DEFAULT_MAX_SOCKETS: usize = 16384;
+
+/// PUSH sockets per zmq context: below libzmq's default cap of 1023
+/// sockets per context, with room for the rank's own PULL and ZAP sockets.
+const SOCKETS_PER_CONTEXT: usize = 1000;
 
 /// Largest inbound control message by default (`ZMQ_MAXMSGSIZE`): far above
 /// any legitimate frame (a 1 M-page transfer request is 4 MiB).
@@ -169,42 +188,120 @@ impl PullSocket {
     }
 }
 
-/// PUSH sockets to peers, one per endpoint, created on first use.
+/// PUSH sockets to peers, one per endpoint, created on first use. libzmq
+/// caps a context at 1023 sockets; past [`SOCKETS_PER_CONTEXT`] the pool
+/// opens further contexts (client sockets need no ZAP handler), up to
+/// `max_sockets` sockets in all.
 pub struct PushPool {
     context: zmq::Context,
     security: ControlSecurity,
     send_timeout: Duration,
-    sockets: Mutex<HashMap<String, Arc<Mutex<zmq::Socket>>>>,
+    max_sockets: usize,
+    per_context: usize,
+    sockets: Mutex<Sockets>,
     dropped: AtomicU64,
+}
+
+/// The open sockets, each with the index of its context (0: the rank's),
+/// the sockets open per context, and the extra contexts. Sockets drop
+/// before their contexts (field order).
+#[derive(Default)]
+struct Sockets {
+    by_endpoint: HashMap<String, (usize, Arc<Mutex<zmq::Socket>>)>,
+    open: Vec<usize>,
+    extra: Vec<zmq::Context>,
+}
+
+impl Sockets {
+    fn remove(&mut self, endpoint: &str) {
+        if let Some((ctx, _)) = self.by_endpoint.remove(endpoint)
+            && let Some(n) = self.open.get_mut(ctx)
+        {
+            *n = n.saturating_sub(1);
+        }
+    }
 }
 
 impl std::fmt::Debug for PushPool {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let sockets = self.sockets.lock();
         f.debug_struct("PushPool")
-            .field("endpoints", &self.sockets.lock().len())
+            .field("endpoints", &sockets.by_endpoint.len())
+            .field("contexts", &(1 + sockets.extra.len()))
             .finish()
     }
 }
 
 impl PushPool {
     /// A pool of sockets secured as `control` says, whose sends give up
-    /// after `send_timeout` (zmq `SNDTIMEO`).
+    /// after `send_timeout` (zmq `SNDTIMEO`), at most
+    /// [`DEFAULT_MAX_SOCKETS`] of them.
     pub fn new(control: &ControlContext, send_timeout: Duration) -> Self {
+        Self::with_limits(
+            control,
+            send_timeout,
+            DEFAULT_MAX_SOCKETS,
+            SOCKETS_PER_CONTEXT,
+        )
+    }
+
+    /// [`PushPool::new`] with at most `max_sockets` sockets.
+    pub fn capped(control: &ControlContext, send_timeout: Duration, max_sockets: usize) -> Self {
+        Self::with_limits(control, send_timeout, max_sockets, SOCKETS_PER_CONTEXT)
+    }
+
+    /// [`PushPool::new`] with at most `max_sockets` sockets, `per_context`
+    /// in each zmq context (tests use small numbers).
+    pub fn with_limits(
+        control: &ControlContext,
+        send_timeout: Duration,
+        max_sockets: usize,
+        per_context: usize,
+    ) -> Self {
         Self {
             context: control.context().clone(),
             security: control.security().clone(),
             send_timeout,
-            sockets: Mutex::new(HashMap::new()),
+            max_sockets,
+            per_context: per_context.clamp(1, SOCKETS_PER_CONTEXT),
+            sockets: Mutex::new(Sockets::default()),
             dropped: AtomicU64::new(0),
         }
     }
 
+    /// The zmq contexts the pool uses (the rank's own and any extra).
+    pub fn contexts(&self) -> usize {
+        1 + self.sockets.lock().extra.len()
+    }
+
     fn socket(&self, endpoint: &str) -> Result<Arc<Mutex<zmq::Socket>>, ControlError> {
         let mut sockets = self.sockets.lock();
-        if let Some(s) = sockets.get(endpoint) {
+        if let Some((_, s)) = sockets.by_endpoint.get(endpoint) {
             return Ok(s.clone());
         }
-        let context = &self.context;
+        if sockets.by_endpoint.len() >= self.max_sockets {
+            return Err(ControlError::TooManySockets {
+                endpoint: endpoint.to_owned(),
+                max: self.max_sockets,
+            });
+        }
+        // The first context with room: the rank's own, then the extras,
+        // opening one more when all are full.
+        let per = self.per_context;
+        let slot = match sockets.open.iter().position(|&n| n < per) {
+            Some(i) => i,
+            None => sockets.open.len(),
+        };
+        if slot >= sockets.open.len() {
+            sockets.open.push(0);
+        }
+        while sockets.extra.len() < slot {
+            sockets.extra.push(zmq::Context::new());
+        }
+        let context = match slot {
+            0 => self.context.clone(),
+            i => sockets.extra[i - 1].clone(),
+        };
         let socket = zmq_call!(context.socket(zmq::PUSH), endpoint)?;
         if endpoint.contains('[') {
             zmq_call!(socket.set_ipv6(true), endpoint)?;
@@ -217,7 +314,10 @@ impl PushPool {
         zmq_call!(socket.set_tcp_keepalive(1), endpoint)?;
         zmq_call!(socket.connect(endpoint), endpoint)?;
         let socket = Arc::new(Mutex::new(socket));
-        sockets.insert(endpoint.to_owned(), socket.clone());
+        sockets
+            .by_endpoint
+            .insert(endpoint.to_owned(), (slot, socket.clone()));
+        sockets.open[slot] += 1;
         Ok(socket)
     }
 
@@ -282,8 +382,15 @@ impl PushPool {
         self.sockets.lock().remove(endpoint);
     }
 
+    /// Sockets open now.
+    pub fn open(&self) -> usize {
+        self.sockets.lock().by_endpoint.len()
+    }
+
     /// Closes every socket.
     pub fn close_all(&self) {
-        self.sockets.lock().clear();
+        let mut sockets = self.sockets.lock();
+        sockets.by_endpoint.clear();
+        sockets.open.iter_mut().for_each(|n| *n = 0);
     }
 }

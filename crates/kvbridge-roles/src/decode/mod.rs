@@ -129,7 +129,11 @@ impl DecodeManager {
         let pull = lifecycle.bind_inbox(&config.local_ip, config.zmq_max_message_bytes)?;
         let metrics = lifecycle.serve_metrics(config.metrics_addr)?;
         let shared = Arc::new(Shared {
-            push: PushPool::new(lifecycle.context(), config.zmq_send_timeout),
+            push: PushPool::capped(
+                lifecycle.context(),
+                config.zmq_send_timeout,
+                config.zmq_max_sockets,
+            ),
             rank_port: pull.port(),
             http: crate::http::agent(Duration::from_secs(5)),
             config,

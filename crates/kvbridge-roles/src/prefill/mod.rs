@@ -249,7 +249,11 @@ impl PrefillManager {
         let probe = config.probe;
         let shared = Arc::new(Shared {
             unique_rank: config.rank.unique_rank(),
-            push: PushPool::new(lifecycle.context(), config.zmq_send_timeout),
+            push: PushPool::capped(
+                lifecycle.context(),
+                config.zmq_send_timeout,
+                config.zmq_max_sockets,
+            ),
             health: Mutex::new(SessionHealth::new(
                 probe.interval,
                 probe.max_interval,
