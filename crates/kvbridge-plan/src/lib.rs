@@ -54,6 +54,7 @@
 
 mod aux;
 mod block;
+mod cp;
 mod dcp;
 mod error;
 mod head_slice;
@@ -75,6 +76,7 @@ pub mod synthetic;
 
 pub use aux::aux_slot;
 pub use block::{Block, Run, canonicalize, expand_runs, total_bytes};
+pub use cp::{cp_filter_chunk, cp_page_share};
 pub use error::{DsaTailError, PlanError};
 pub use layout::{
     PeerRegistration, PrefillLayout, StateComponent, StateType, TransferChunk, TransferRequest,

@@ -604,3 +604,37 @@ proptest! {
         }
     }
 }
+
+proptest! {
+    /// The CP shares of all ranks tile the request's pages, and filtering
+    /// chunk by chunk gives each rank exactly its share, in order.
+    #[test]
+    fn cp_shares_tile_the_request_and_chunks_filter_to_them(
+        total in 0u64..200,
+        size in 1u64..9,
+        chunk in 1u64..40,
+    ) {
+        let pages: Vec<i32> = (0..total as i32).map(|p| 1000 + p).collect();
+        let mut next = 0;
+        for rank in 0..size {
+            let share = kvbridge_plan::cp_page_share(total, rank, size);
+            prop_assert_eq!(share.start, next);
+            next = share.end;
+            let mut got = Vec::new();
+            let mut pos = 0u64;
+            for c in pages.chunks(chunk as usize) {
+                let end = pos + c.len() as u64;
+                let (kept, at) = kvbridge_plan::cp_filter_chunk(c, pos..end, total, rank, size);
+                prop_assert_eq!(kept.len() as u64, at.end - at.start);
+                for (k, p) in kept.iter().enumerate() {
+                    prop_assert_eq!(i64::from(*p) - 1000, (at.start + k as u64) as i64);
+                }
+                got.extend_from_slice(kept);
+                pos = end;
+            }
+            let want: Vec<i32> = share.map(|p| 1000 + p as i32).collect();
+            prop_assert_eq!(got, want);
+        }
+        prop_assert_eq!(next, total);
+    }
+}

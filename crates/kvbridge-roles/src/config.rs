@@ -231,6 +231,10 @@ pub struct PrefillConfig {
     /// Most control sockets open to peers at once, one per peer endpoint
     /// (`SGLANG_DISAGGREGATION_ZMQ_MAX_SOCKETS`).
     pub zmq_max_sockets: usize,
+    /// With prefill context parallelism, every CP rank transfers a share
+    /// of each request instead of CP rank 0 alone; both roles must agree
+    /// (`SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER`).
+    pub all_cp_ranks: bool,
     /// Most blocks handed to the engine in one batch (0 = no cap beyond
     /// `max_transfer_batch_indices`).
     pub max_batch_blocks: usize,
@@ -281,6 +285,7 @@ impl Default for PrefillConfig {
             zmq_send_timeout: Duration::from_secs(30),
             zmq_max_message_bytes: crate::control::DEFAULT_MAX_MESSAGE_BYTES,
             zmq_max_sockets: crate::control::DEFAULT_MAX_SOCKETS,
+            all_cp_ranks: false,
             max_batch_blocks: 1 << 16,
             max_transfer_batch_indices: None,
             max_sessions: 4096,
@@ -320,6 +325,9 @@ impl PrefillConfig {
         }
         if let Some(v) = env::<usize>(get, "SGLANG_DISAGGREGATION_ZMQ_MAX_SOCKETS") {
             self.zmq_max_sockets = v.max(1);
+        }
+        if let Some(v) = env_bool(get, "SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER") {
+            self.all_cp_ranks = v;
         }
         if let Some(v) = env_bool(get, "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE") {
             self.deferred_release = v;
@@ -404,6 +412,10 @@ pub struct DecodeConfig {
     /// Most control sockets open to peers at once, one per peer endpoint
     /// (`SGLANG_DISAGGREGATION_ZMQ_MAX_SOCKETS`).
     pub zmq_max_sockets: usize,
+    /// With prefill context parallelism, every CP rank transfers a share
+    /// of each request instead of CP rank 0 alone; both roles must agree
+    /// (`SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER`).
+    pub all_cp_ranks: bool,
     /// Serve Prometheus metrics here when set.
     pub metrics_addr: Option<SocketAddr>,
     /// Intra-node transport: only device regions are registered with the
@@ -436,6 +448,7 @@ impl Default for DecodeConfig {
             zmq_send_timeout: Duration::from_secs(1),
             zmq_max_message_bytes: crate::control::DEFAULT_MAX_MESSAGE_BYTES,
             zmq_max_sockets: crate::control::DEFAULT_MAX_SOCKETS,
+            all_cp_ranks: false,
             metrics_addr: None,
             nvlink_intra: false,
             secret: None,
@@ -479,6 +492,9 @@ impl DecodeConfig {
         }
         if let Some(v) = env::<usize>(get, "SGLANG_DISAGGREGATION_ZMQ_MAX_SOCKETS") {
             self.zmq_max_sockets = v.max(1);
+        }
+        if let Some(v) = env_bool(get, "SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER") {
+            self.all_cp_ranks = v;
         }
         self.nvlink_intra |= crate::local::nvlink_intra_env();
         self.staging = self.staging.with_vars(get);
@@ -557,6 +573,7 @@ mod tests {
             ("SGLANG_DISAGG_STAGING_BUFFER", "1"),
             ("SGLANG_DISAGG_STAGING_POOL_SIZE_MB", "2"),
             ("SGLANG_DISAGGREGATION_ZMQ_MAX_SOCKETS", "20000"),
+            ("SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER", "1"),
         ]
         .into_iter()
         .collect();
@@ -576,8 +593,10 @@ mod tests {
         );
         assert!(p.staging.enabled && p.staging.pool_bytes == 2 << 20);
         assert_eq!(p.zmq_max_sockets, 20000);
+        assert!(p.all_cp_ranks);
         let d = DecodeConfig::default().with_vars(&get);
         assert_eq!(d.zmq_max_sockets, 20000);
+        assert!(d.all_cp_ranks);
         // sglang's floors: heartbeats at least 2 s apart, at least one failure.
         assert_eq!(d.heartbeat_interval, Duration::from_secs(2));
         assert_eq!(d.heartbeat_max_failures, 1);

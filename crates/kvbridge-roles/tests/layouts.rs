@@ -228,13 +228,21 @@ fn decode_context_parallel_relayout() {
         draft_layers: 1,
         ..tiny_model(true, 3)
     };
-    check(Cluster::with_decode_cp(m.clone(), 1, 1, 2, 2, 64));
-    check(Cluster::with_decode_cp(m, 2, 1, 4, 4, 64));
+    let dcp = |prefill_tp, decode_tp, decode_cp| Shape {
+        decode_cp,
+        ..Shape::new(prefill_tp, 1, decode_tp)
+    };
+    check(Cluster::shaped(m.clone(), dcp(1, 2, 2), 64));
+    check(Cluster::shaped(m, dcp(2, 4, 4), 64));
 }
 
 #[test]
 fn decode_context_parallel_from_pp_stages() {
-    check(Cluster::with_decode_cp(tiny_model(true, 4), 1, 2, 2, 2, 64));
+    let shape = Shape {
+        decode_cp: 2,
+        ..Shape::new(1, 2, 2)
+    };
+    check(Cluster::shaped(tiny_model(true, 4), shape, 64));
 }
 
 #[test]
@@ -265,4 +273,36 @@ fn swa_across_different_tp_fails_the_room_with_the_reason() {
         "{reason}"
     );
     cluster.shutdown();
+}
+
+#[test]
+fn prefill_context_parallel_rank_0_sends_and_the_others_stand_by() {
+    // CP 2 without all-ranks transfer: CP rank 1 is a dummy the decode
+    // never asks; its rooms still succeed, and every byte comes from rank 0.
+    for model in [tiny_model(false, 3), hybrid(false, 4, vec![mamba()])] {
+        let shape = Shape {
+            prefill_cp: 2,
+            ..Shape::new(2, 1, 1)
+        };
+        check(Cluster::shaped(model, shape, 64));
+    }
+}
+
+#[test]
+fn prefill_context_parallel_ranks_each_send_a_share() {
+    // All-ranks transfer: each CP rank sends its contiguous share of the
+    // pages (the decode learns this from the bootstrap server and asks
+    // every CP rank); the replicated state comes from CP rank 0 only.
+    for (model, tp, cp, decode_tp) in [
+        (tiny_model(false, 3), 1, 3, 2),
+        (tiny_model(true, 3), 2, 2, 1),
+        (hybrid(false, 4, vec![mamba(), swa(8)]), 2, 2, 2),
+    ] {
+        let shape = Shape {
+            prefill_cp: cp,
+            all_cp_ranks: true,
+            ..Shape::new(tp, 1, decode_tp)
+        };
+        check(Cluster::shaped(model, shape, 64));
+    }
 }

@@ -158,3 +158,46 @@ fn prefill_rejects_incompatible_registrations_loudly() {
     assert_eq!(out[0].0, KvPoll::Success);
     cluster.shutdown();
 }
+
+#[test]
+fn a_dummy_cp_rank_asked_for_a_share_fails_the_room_with_the_reason() {
+    // CP 2 without all-ranks transfer: a decode configured to pull from
+    // every CP rank (an sglang decode with the variable set) asks CP rank
+    // 1, which would never send: the room fails at once, naming the setting.
+    let shape = Shape {
+        prefill_cp: 2,
+        ..Shape::new(1, 1, 1)
+    };
+    let cluster = Cluster::shaped(tiny_model(false, 2), shape, 16);
+    let (dummy, _) = &cluster.prefill[1];
+    let (_ctx, sock) = rogue_socket(dummy.rank_port());
+    let t = Transfer {
+        room: 91,
+        endpoint: "127.0.0.1".into(),
+        dst_port: 1,
+        mooncake_session_id: "127.0.0.1:1".into(),
+        pages: Some(TransferPages {
+            dst_kv_indices: PackedArray::from(vec![1i32]),
+            dst_aux_index: 0,
+            ..TransferPages::default()
+        }),
+        required_dst_info_num: 1,
+        decode_prefix_len: Some(0),
+    };
+    sock.send_multipart(t.encode().iter().map(|f| f.as_ref()), 0)
+        .unwrap();
+    let metrics = dummy.metrics().clone();
+    wait_until(|| metrics.failures_for("cp_mismatch") >= 1);
+    let mut tx = dummy.sender(91);
+    tx.init(1, Some(0));
+    assert_eq!(
+        wait_terminal(Duration::from_secs(5), || tx.poll()),
+        KvPoll::Failed
+    );
+    let why = tx.failure_exception().reason;
+    assert!(
+        why.contains("SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER"),
+        "{why}"
+    );
+    cluster.shutdown();
+}

@@ -79,6 +79,7 @@ fn info() -> impl Strategy<Value = PrefillServerInfo> {
             kv_layout: None,
             decode_allocation_policy: "early".into(),
             enable_kv_cache_sharding: flags[3],
+            all_cp_ranks_transfer: None,
             prefill_http_port: None,
             target_tp_rank: None,
             target_tp_ranks: None,
@@ -106,6 +107,7 @@ fn local() -> impl Strategy<Value = LocalTopology> {
             is_mla: flags[0],
             is_hybrid_mla: flags[1],
             all_cp_ranks: flags[2],
+            dcp_size: 1,
         })
 }
 
@@ -149,6 +151,7 @@ fn huge_or_zero_sizes_are_refused_with_a_reason() {
         kv_layout: None,
         decode_allocation_policy: "early".into(),
         enable_kv_cache_sharding: false,
+        all_cp_ranks_transfer: None,
         prefill_http_port: None,
         target_tp_rank: None,
         target_tp_ranks: None,
@@ -166,6 +169,7 @@ fn huge_or_zero_sizes_are_refused_with_a_reason() {
         is_mla: false,
         is_hybrid_mla: false,
         all_cp_ranks: false,
+        dcp_size: 1,
     };
     assert!(resolve(&base, &local, "auto").is_ok());
     let spoiled: [fn(&mut PrefillServerInfo); 4] = [

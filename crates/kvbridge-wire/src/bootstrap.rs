@@ -229,6 +229,12 @@ pub struct RouteRegistration {
     /// and from ours when unknown.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub engine_session: Option<String>,
+    /// kvbridge extension: under context parallelism, whether every CP
+    /// rank transfers a share (`SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER`
+    /// on the prefill), so decodes pull from all of them without having
+    /// to be configured alike. Absent from sglang's bodies.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub all_cp_ranks_transfer: Option<bool>,
 }
 
 impl RouteRegistration {
@@ -360,6 +366,10 @@ pub struct PrefillServerInfo {
     /// Whether KV pages are sharded across ranks.
     #[serde(default)]
     pub enable_kv_cache_sharding: bool,
+    /// kvbridge extension: every prefill CP rank transfers a share (absent
+    /// from sglang's servers: the decode's own setting decides).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub all_cp_ranks_transfer: Option<bool>,
     /// The prefill server's HTTP API port.
     #[serde(default)]
     pub prefill_http_port: Option<u64>,
@@ -497,6 +507,7 @@ mod tests {
             kv_layout: None,
             decode_allocation_policy: "early".into(),
             enable_kv_cache_sharding: false,
+            all_cp_ranks_transfer: None,
             prefill_http_port: None,
             target_tp_rank: None,
             target_tp_ranks: None,

@@ -50,6 +50,7 @@ pub fn registration(
         decode_allocation_policy: Some("early".into()),
         engine_session: kvbridge_wire::bootstrap::is_session_id(engine_session)
             .then(|| engine_session.to_owned()),
+        all_cp_ranks_transfer: (r.attn_cp_size > 1).then_some(config.all_cp_ranks),
     }
 }
 

@@ -58,7 +58,8 @@ pub(crate) fn ensure_parallel_info(shared: &Shared, addr: &str) -> Fetch<RankMap
         page_size: l.page_size,
         is_mla: l.is_mla_backend,
         is_hybrid_mla: l.is_hybrid_mla_backend,
-        all_cp_ranks: false,
+        all_cp_ranks: shared.config.all_cp_ranks,
+        dcp_size: l.dcp_size,
     };
     match resolve(&info, &local, &shared.config.kv_cache_dtype) {
         Ok(m) => {

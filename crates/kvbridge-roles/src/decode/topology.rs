@@ -22,6 +22,8 @@ pub struct LocalTopology {
     pub is_hybrid_mla: bool,
     /// Pull from every prefill CP rank (`SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER`).
     pub all_cp_ranks: bool,
+    /// Decode context-parallel size.
+    pub dcp_size: u64,
 }
 
 /// The prefill ranks of one prefill server that hold this decode rank's KV.
@@ -75,6 +77,26 @@ pub fn resolve(
     let (p, d) = (info.attn_tp_size, local.attn_tp_size);
     if d == 0 || local.pp_size == 0 {
         return Err("this decode rank has a zero parallel size".into());
+    }
+    if local.dcp_size > 1 {
+        // The DCP relayout feeds every decode DCP rank from one whole copy
+        // of the KV: an MLA pool, prefill without context parallelism.
+        if !(local.is_mla || local.is_hybrid_mla) {
+            return Err(format!(
+                "decode context parallelism (dcp size {}) needs an MLA KV pool",
+                local.dcp_size
+            ));
+        }
+        if info.attn_cp_size != 1 {
+            return Err(format!(
+                "decode context parallelism needs a prefill without context parallelism, got \
+                 prefill attn_cp_size={}",
+                info.attn_cp_size
+            ));
+        }
+        if info.enable_kv_cache_sharding {
+            return Err("decode context parallelism cannot pull from a KV-sharded prefill".into());
+        }
     }
     let r = local.engine_rank % d;
     let mut mapping = if local.is_mla && info.enable_kv_cache_sharding && info.attn_cp_size == 1 {
@@ -134,7 +156,9 @@ pub fn resolve(
     };
     if info.attn_cp_size == 1 {
         mapping.target_cp_ranks = vec![0];
-    } else if local.all_cp_ranks
+    } else if info
+        .all_cp_ranks_transfer
+        .unwrap_or(local.all_cp_ranks || local.is_hybrid_mla)
         || info.enable_dsa_cache_layer_split
         || info.enable_kv_cache_sharding
     {
@@ -180,6 +204,7 @@ mod tests {
             is_mla: mla,
             is_hybrid_mla: false,
             all_cp_ranks: false,
+            dcp_size: 1,
         }
     }
 
@@ -240,5 +265,56 @@ mod tests {
                 .contains("dtype")
         );
         assert!(resolve(&info(3, 1), &local(2, 0, false), "auto").is_err());
+    }
+
+    #[test]
+    fn prefill_cp_targets_follow_the_prefill_announcement_then_our_setting() {
+        let cp = |announced: Option<bool>| {
+            let mut i = info(1, 1);
+            i.attn_cp_size = 4;
+            i.all_cp_ranks_transfer = announced;
+            i
+        };
+        let all = LocalTopology {
+            all_cp_ranks: true,
+            ..local(1, 0, false)
+        };
+        // A kvbridge prefill says what its CP ranks do: that wins.
+        let m = resolve(&cp(Some(false)), &all, "auto").unwrap();
+        assert_eq!(
+            (m.target_cp_ranks, m.required_prefill_response_num),
+            (vec![0], 1)
+        );
+        let m = resolve(&cp(Some(true)), &local(1, 0, false), "auto").unwrap();
+        assert_eq!(
+            (m.target_cp_ranks, m.required_prefill_response_num),
+            (vec![0, 1, 2, 3], 4)
+        );
+        // sglang's prefill does not: our setting (or a hybrid-MLA pool) decides.
+        let m = resolve(&cp(None), &all, "auto").unwrap();
+        assert_eq!(m.target_cp_ranks.len(), 4);
+        let m = resolve(&cp(None), &local(1, 0, false), "auto").unwrap();
+        assert_eq!(m.target_cp_ranks, vec![0]);
+    }
+
+    #[test]
+    fn decode_context_parallelism_needs_mla_and_a_prefill_without_cp() {
+        let dcp = |mla| LocalTopology {
+            dcp_size: 2,
+            ..local(2, 0, mla)
+        };
+        assert!(
+            resolve(&info(1, 1), &dcp(false), "auto")
+                .unwrap_err()
+                .contains("MLA")
+        );
+        let mut i = info(1, 1);
+        i.attn_cp_size = 2;
+        assert!(
+            resolve(&i, &dcp(true), "auto")
+                .unwrap_err()
+                .contains("attn_cp_size=2")
+        );
+        assert!(resolve(&info(1, 1), &dcp(true), "auto").is_ok());
     }
 }

@@ -168,6 +168,18 @@ fn on_transfer(shared: &Shared, t: &Transfer<'_>) {
         refuse(shared, room, &info, reason);
         return;
     }
+    if shared.cp.is_dummy() {
+        // Only CP rank 0 sends unless every CP rank shares the transfer: a
+        // decode asking this rank expects a share it will never get.
+        shared.metrics.failure("cp_mismatch");
+        let reason = format!(
+            "room {room}: decode session {} asked prefill CP rank {} of {}, which sends nothing \
+             unless SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER is on for the prefill too",
+            info.session, shared.config.rank.attn_cp_rank, shared.config.rank.attn_cp_size
+        );
+        refuse(shared, room, &info, reason);
+        return;
+    }
     // A session whose registration was rejected: say why now, not when the
     // prefill reaches the room.
     let rejected = shared

@@ -6,6 +6,7 @@
 //! queue (chunks of one room stay in order on one shard), one probe thread
 //! for blacklisted sessions, and optionally a metrics endpoint.
 
+pub(crate) mod cp;
 mod flight;
 mod inbox;
 mod pipeline;
@@ -62,6 +63,8 @@ pub(crate) struct Shared {
     pub stop_signal: StopSignal,
     pub queues: Vec<Sender<Option<QueuedChunk>>>,
     pub unique_rank: u64,
+    /// What this rank sends under context parallelism.
+    pub cp: cp::CpRole,
     pub in_flight: usize,
     /// Our buffers for local reads, and what the engine has registered.
     pub local: crate::local::LocalMemory,
@@ -218,10 +221,13 @@ impl PrefillManager {
     /// until [`PrefillManager::teardown`] returns (or the manager is dropped),
     /// as for [`TransferEngine::batch_register`].
     pub unsafe fn start(
-        config: PrefillConfig,
+        mut config: PrefillConfig,
         mut kv_args: KvArgs,
         engine: Arc<dyn TransferEngine>,
     ) -> Result<Self, StartError> {
+        // A hybrid-MLA prefill under CP always splits the transfer across
+        // its CP ranks (sglang's `cp_sharded_prefill`).
+        config.all_cp_ranks |= kv_args.layout.is_hybrid_mla_backend;
         if let Some(n) = config.max_transfer_batch_indices {
             kv_args.layout.max_transfer_batch_indices = n;
         }
@@ -249,6 +255,7 @@ impl PrefillManager {
         let probe = config.probe;
         let shared = Arc::new(Shared {
             unique_rank: config.rank.unique_rank(),
+            cp: cp::CpRole::new(&config.rank, config.all_cp_ranks),
             push: PushPool::capped(
                 lifecycle.context(),
                 config.zmq_send_timeout,

@@ -4,9 +4,10 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
-use kvbridge_plan::TransferChunk;
+use kvbridge_plan::{TransferChunk, cp_filter_chunk};
 use kvbridge_wire::KvPoll;
 
+use super::cp::CpRole;
 use super::state::Concluded;
 use super::{QueuedChunk, Shared};
 use crate::error::{KvTransferError, SendError};
@@ -36,7 +37,13 @@ impl KvSender {
                 rooms.concluded.remove(room);
                 rooms.payload_bytes.remove(&room);
             }
-            rooms.table.update(room, KvPoll::Bootstrapping);
+            // A dummy CP rank is never asked by a decode: nothing to wait for.
+            let first = if shared.cp.is_dummy() {
+                KvPoll::WaitingForInput
+            } else {
+                KvPoll::Bootstrapping
+            };
+            rooms.table.update(room, first);
         }
         Self {
             shared,
@@ -94,6 +101,23 @@ impl KvSender {
             return Err(SendError::Stopped(room));
         }
         self.sent_pages = end;
+        let (kv_indices, positions, state_indices) = match self.shared.cp {
+            CpRole::Whole => (kv_indices, start..end, state_indices),
+            CpRole::Dummy => {
+                if is_last {
+                    let mut rooms = self.shared.rooms.lock();
+                    if rooms.table.get(room) != Some(KvPoll::Failed) {
+                        rooms.table.update(room, KvPoll::Success);
+                    }
+                }
+                return Ok(());
+            }
+            CpRole::Share { rank, size } => {
+                let (pages, at) = cp_filter_chunk(kv_indices, start..end, total, rank, size);
+                // The state is replicated across CP ranks: rank 0 sends it.
+                (pages, at, state_indices.filter(|_| rank == 0))
+            }
+        };
         let shard = {
             let mut rooms = self.shared.rooms.lock();
             match rooms.table.get(room) {
@@ -123,8 +147,8 @@ impl KvSender {
         };
         let chunk = TransferChunk {
             prefill_kv_indices: kv_indices.to_vec(),
-            index_slice_start: start,
-            index_slice_end: Some(end),
+            index_slice_start: positions.start,
+            index_slice_end: Some(positions.end),
             is_last_chunk: is_last,
             prefill_aux_index: if is_last { self.aux_index } else { None },
             state_indices: if is_last { state_indices } else { None },

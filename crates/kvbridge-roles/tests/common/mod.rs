@@ -289,7 +289,35 @@ pub fn tiny_model(mla: bool, layers: u64) -> ModelSpec {
     }
 }
 
-/// Prefill ranks (TP × PP) and decode ranks (TP) on one bootstrap server.
+/// The ranks of a test cluster.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Shape {
+    pub prefill_tp: u64,
+    pub prefill_pp: u64,
+    /// Prefill context-parallel ranks (each holds the whole KV).
+    pub prefill_cp: u64,
+    pub decode_tp: u64,
+    /// Decode DCP group size (decode rank `r` holds share `r % decode_cp`).
+    pub decode_cp: u64,
+    /// Every prefill CP rank sends a share.
+    pub all_cp_ranks: bool,
+}
+
+impl Shape {
+    /// TP × PP prefill ranks, TP decode ranks, no context parallelism.
+    pub fn new(prefill_tp: u64, prefill_pp: u64, decode_tp: u64) -> Self {
+        Self {
+            prefill_tp,
+            prefill_pp,
+            prefill_cp: 1,
+            decode_tp,
+            decode_cp: 1,
+            all_cp_ranks: false,
+        }
+    }
+}
+
+/// Prefill ranks (TP × CP × PP) and decode ranks (TP) on one bootstrap server.
 pub struct Cluster {
     pub bootstrap: BootstrapServer,
     pub prefill: Vec<(PrefillManager, RankPools)>,
@@ -319,30 +347,16 @@ impl Cluster {
     ) -> Self {
         Self::build(
             model,
-            (prefill_tp, prefill_pp, decode_tp, 1),
+            Shape::new(prefill_tp, prefill_pp, decode_tp),
             pages,
             engine,
             None,
         )
     }
 
-    /// [`Cluster::new`] whose decode ranks form DCP groups of `decode_cp`
-    /// (decode rank `r` holds DCP share `r % decode_cp`).
-    pub fn with_decode_cp(
-        model: ModelSpec,
-        prefill_tp: u64,
-        prefill_pp: u64,
-        decode_tp: u64,
-        decode_cp: u64,
-        pages: u64,
-    ) -> Self {
-        Self::build(
-            model,
-            (prefill_tp, prefill_pp, decode_tp, decode_cp),
-            pages,
-            tcp_engine,
-            None,
-        )
+    /// A cluster of any [`Shape`].
+    pub fn shaped(model: ModelSpec, shape: Shape, pages: u64) -> Self {
+        Self::build(model, shape, pages, tcp_engine, None)
     }
 
     /// [`Cluster::new`] with `staging` on every rank.
@@ -356,7 +370,7 @@ impl Cluster {
         let both = Some((staging.clone(), staging));
         Self::build(
             model,
-            (prefill_tp, 1, decode_tp, 1),
+            Shape::new(prefill_tp, 1, decode_tp),
             pages,
             tcp_engine,
             both,
@@ -376,21 +390,28 @@ impl Cluster {
         let sides = Some((prefill, decode));
         Self::build(
             model,
-            (prefill_tp, 1, decode_tp, 1),
+            Shape::new(prefill_tp, 1, decode_tp),
             pages,
             tcp_engine,
             sides,
         )
     }
 
-    /// `(prefill_tp, prefill_pp, decode_tp, decode_cp)` ranks.
     fn build(
         model: ModelSpec,
-        (prefill_tp, prefill_pp, decode_tp, decode_cp): (u64, u64, u64, u64),
+        shape: Shape,
         pages: u64,
         engine: impl Fn() -> Arc<dyn TransferEngine>,
         staging: Option<(StagingConfig, StagingConfig)>,
     ) -> Self {
+        let Shape {
+            prefill_tp,
+            prefill_pp,
+            prefill_cp,
+            decode_tp,
+            decode_cp,
+            all_cp_ranks,
+        } = shape;
         let bootstrap = bootstrap();
         // Positional PP pairing (no layer ids, as sglang's plain pools)
         // needs equal stages of plain layers; an uneven split, a hybrid
@@ -407,7 +428,8 @@ impl Cluster {
         };
         let mut prefill = Vec::new();
         for pp in 0..prefill_pp {
-            for tp in 0..prefill_tp {
+            // Every CP rank holds the whole KV of its TP slice.
+            for (cp, tp) in (0..prefill_cp).flat_map(|c| (0..prefill_tp).map(move |t| (c, t))) {
                 let rank = RankSpec {
                     tp_size: prefill_tp,
                     tp_rank: tp,
@@ -419,6 +441,9 @@ impl Cluster {
                 let mut config = prefill_config(bootstrap.local_addr(), prefill_tp, tp);
                 config.rank.pp_size = prefill_pp;
                 config.rank.pp_rank = pp;
+                config.rank.attn_cp_size = prefill_cp;
+                config.rank.attn_cp_rank = cp;
+                config.all_cp_ranks = all_cp_ranks;
                 if let Some((s, _)) = &staging {
                     config.staging = s.clone();
                 }
