@@ -44,6 +44,14 @@ pub struct DemoArgs {
     /// shape, on the last prefill stage and every decode rank.
     #[arg(long, default_value_t = 0)]
     draft_layers: u64,
+    /// Prefill context parallelism: each prefill TP rank has this many CP
+    /// peers holding the same KV; CP rank 0 sends unless `--all-cp-ranks`.
+    #[arg(long, default_value_t = 1)]
+    prefill_cp: u64,
+    /// With `--prefill-cp`: every CP rank sends its share of each request
+    /// (`SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER`).
+    #[arg(long)]
+    all_cp_ranks: bool,
     /// Decode context parallelism (MLA models): decode ranks form groups of
     /// this size, each rank holding every N-th token; must divide
     /// `--decode-tp`.
@@ -485,10 +493,19 @@ fn summarize(
     Summary {
         model: plan.model.name.clone(),
         topology: format!(
-            "prefill TP{} PP{} -> decode TP{}, {} engine{}{}",
+            "prefill TP{} PP{}{} -> decode TP{}{}, {} engine{}{}",
             args.prefill_tp,
             args.prefill_pp,
+            match (args.prefill_cp, args.all_cp_ranks) {
+                (1, _) => String::new(),
+                (cp, true) => format!(" CP{cp} (all ranks send)"),
+                (cp, false) => format!(" CP{cp}"),
+            },
             args.decode_tp,
+            match args.decode_cp {
+                1 => String::new(),
+                cp => format!(" DCP{cp}"),
+            },
             match args.engine {
                 EngineKind::Tcp => "tcp",
                 EngineKind::Ipc => "ipc",

@@ -52,6 +52,7 @@ pub(super) fn plan(args: &DemoArgs, bootstrap: SocketAddr) -> Result<Plan> {
         ("prefill-pp", args.prefill_pp),
         ("decode-tp", args.decode_tp),
         ("decode-cp", args.decode_cp),
+        ("prefill-cp", args.prefill_cp),
     ] {
         if v == 0 {
             bail!("--{name} must be at least 1");
@@ -140,14 +141,21 @@ pub(super) fn plan(args: &DemoArgs, bootstrap: SocketAddr) -> Result<Plan> {
     // Hybrid models publish layer ids like sglang's hybrid pools: their KV
     // buffers are only the full-attention layers.
     let publish_layer_ids = args.prefill_pp > 1 || model.full_attention_interval > 1;
-    for pp in 0..args.prefill_pp {
-        for tp in 0..args.prefill_tp {
+    let ranks = (0..args.prefill_pp).flat_map(|pp| {
+        (0..args.prefill_cp).flat_map(move |cp| (0..args.prefill_tp).map(move |tp| (pp, cp, tp)))
+    });
+    for (pp, cp, tp) in ranks {
+        {
             let mut prefill = PrefillConfig {
                 bootstrap_addr: bootstrap.to_string(),
                 nvlink_intra: args.nvlink_intra,
                 staging: staging.clone(),
+                all_cp_ranks: args.all_cp_ranks,
                 ..PrefillConfig::default()
             };
+            // Every CP rank holds the whole KV of its TP slice.
+            prefill.rank.attn_cp_size = args.prefill_cp;
+            prefill.rank.attn_cp_rank = cp;
             timeouts(&mut prefill);
             prefill_files.push(RankFile {
                 model: ModelChoice::Spec(model.clone()),

@@ -60,7 +60,11 @@ pub fn run(file: &RankFile) -> Result<bool> {
     // SAFETY: `pools` lives until after `manager.teardown()` below.
     let manager = unsafe { PrefillManager::start(config, file.kv_args(&pools), engine) }
         .context("starting the prefill manager")?;
-    let rank = file.rank.pp_rank * file.rank.tp_size + file.rank.tp_rank;
+    let cp = (
+        file.prefill.rank.attn_cp_size.max(1),
+        file.prefill.rank.attn_cp_rank,
+    );
+    let rank = (file.rank.pp_rank * cp.0 + cp.1) * file.rank.tp_size + file.rank.tp_rank;
     emit(&Event::Ready {
         role: "prefill".into(),
         rank,
