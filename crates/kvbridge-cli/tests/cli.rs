@@ -315,7 +315,7 @@ fn gpu_options_say_no_cuda_without_a_gpu() {
 
 #[test]
 fn demo_model_presets_move_states_draft_layers_and_dcp_shares_byte_exact() {
-    let runs: [&[&str]; 6] = [
+    let runs: [&[&str]; 8] = [
         // Mamba slots TP-sliced 2 -> 1 out of two PP stages, with aborts.
         &[
             "--model",
@@ -382,6 +382,21 @@ fn demo_model_presets_move_states_draft_layers_and_dcp_shares_byte_exact() {
             "2",
             "--draft-layers",
             "1",
+        ],
+        // Prefill context parallelism: rank 0 sends, or every CP rank a share.
+        &["--prefill-cp", "2"],
+        &[
+            "--model",
+            "qwen3-next",
+            "--layers",
+            "8",
+            "--prefill-cp",
+            "2",
+            "--all-cp-ranks",
+            "--prefill-tp",
+            "2",
+            "--decode-tp",
+            "4",
         ],
     ];
     for args in runs {
