@@ -88,6 +88,16 @@ impl Default for ParallelRank {
 }
 
 impl ParallelRank {
+    /// `(dp rank, dp size)` as the bootstrap server keys ranks: attention DP,
+    /// or system DP when there is one.
+    pub fn dp_group(&self) -> (u64, u64) {
+        if self.system_dp_size <= 1 {
+            (self.attn_dp_rank, self.attn_dp_size.max(1))
+        } else {
+            (self.system_dp_rank, self.system_dp_size)
+        }
+    }
+
     /// sglang's `_prefill_unique_rank`: a stable id per sender.
     pub fn unique_rank(&self) -> u64 {
         self.attn_tp_rank * (self.pp_size * self.attn_cp_size)
@@ -235,6 +245,16 @@ pub struct PrefillConfig {
     /// of each request instead of CP rank 0 alone; both roles must agree
     /// (`SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER`).
     pub all_cp_ranks: bool,
+    /// Register (prefill) or query (decode) every room's DP rank through
+    /// the bootstrap server even when routing follows the bootstrap room
+    /// (`SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK`).
+    pub force_query_dp_rank: bool,
+    /// How requests reach this prefill's DP ranks (sglang's
+    /// `--load-balance-method`): with `follow_bootstrap_room` a room goes to
+    /// DP rank `room % dp_size`, which decodes compute themselves; with any
+    /// other method each room's DP rank is registered with the bootstrap
+    /// server (`/register_dp_rank`) for decodes to query.
+    pub load_balance_method: String,
     /// Most blocks handed to the engine in one batch (0 = no cap beyond
     /// `max_transfer_batch_indices`).
     pub max_batch_blocks: usize,
@@ -286,6 +306,8 @@ impl Default for PrefillConfig {
             zmq_max_message_bytes: crate::control::DEFAULT_MAX_MESSAGE_BYTES,
             zmq_max_sockets: crate::control::DEFAULT_MAX_SOCKETS,
             all_cp_ranks: false,
+            load_balance_method: "follow_bootstrap_room".into(),
+            force_query_dp_rank: false,
             max_batch_blocks: 1 << 16,
             max_transfer_batch_indices: None,
             max_sessions: 4096,
@@ -328,6 +350,9 @@ impl PrefillConfig {
         }
         if let Some(v) = env_bool(get, "SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER") {
             self.all_cp_ranks = v;
+        }
+        if let Some(v) = env_bool(get, "SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK") {
+            self.force_query_dp_rank = v;
         }
         if let Some(v) = env_bool(get, "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE") {
             self.deferred_release = v;
@@ -416,6 +441,10 @@ pub struct DecodeConfig {
     /// of each request instead of CP rank 0 alone; both roles must agree
     /// (`SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER`).
     pub all_cp_ranks: bool,
+    /// Register (prefill) or query (decode) every room's DP rank through
+    /// the bootstrap server even when routing follows the bootstrap room
+    /// (`SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK`).
+    pub force_query_dp_rank: bool,
     /// Serve Prometheus metrics here when set.
     pub metrics_addr: Option<SocketAddr>,
     /// Intra-node transport: only device regions are registered with the
@@ -449,6 +478,7 @@ impl Default for DecodeConfig {
             zmq_max_message_bytes: crate::control::DEFAULT_MAX_MESSAGE_BYTES,
             zmq_max_sockets: crate::control::DEFAULT_MAX_SOCKETS,
             all_cp_ranks: false,
+            force_query_dp_rank: false,
             metrics_addr: None,
             nvlink_intra: false,
             secret: None,
@@ -495,6 +525,9 @@ impl DecodeConfig {
         }
         if let Some(v) = env_bool(get, "SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER") {
             self.all_cp_ranks = v;
+        }
+        if let Some(v) = env_bool(get, "SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK") {
+            self.force_query_dp_rank = v;
         }
         self.nvlink_intra |= crate::local::nvlink_intra_env();
         self.staging = self.staging.with_vars(get);
@@ -574,6 +607,7 @@ mod tests {
             ("SGLANG_DISAGG_STAGING_POOL_SIZE_MB", "2"),
             ("SGLANG_DISAGGREGATION_ZMQ_MAX_SOCKETS", "20000"),
             ("SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER", "1"),
+            ("SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK", "true"),
         ]
         .into_iter()
         .collect();
@@ -593,10 +627,10 @@ mod tests {
         );
         assert!(p.staging.enabled && p.staging.pool_bytes == 2 << 20);
         assert_eq!(p.zmq_max_sockets, 20000);
-        assert!(p.all_cp_ranks);
+        assert!(p.all_cp_ranks && p.force_query_dp_rank);
         let d = DecodeConfig::default().with_vars(&get);
         assert_eq!(d.zmq_max_sockets, 20000);
-        assert!(d.all_cp_ranks);
+        assert!(d.all_cp_ranks && d.force_query_dp_rank);
         // sglang's floors: heartbeats at least 2 s apart, at least one failure.
         assert_eq!(d.heartbeat_interval, Duration::from_secs(2));
         assert_eq!(d.heartbeat_max_failures, 1);

@@ -306,3 +306,46 @@ fn prefill_context_parallel_ranks_each_send_a_share() {
         check(Cluster::shaped(model, shape, 64));
     }
 }
+
+#[test]
+fn prefill_data_parallel_groups_routed_by_the_bootstrap_room() {
+    // Two prefill DP groups on one bootstrap server: each room goes to DP
+    // rank room % 2, which the decode computes itself.
+    let shape = Shape {
+        prefill_dp: 2,
+        ..Shape::new(2, 1, 1)
+    };
+    check(Cluster::shaped(tiny_model(false, 3), shape, 64));
+}
+
+#[test]
+fn prefill_data_parallel_groups_registered_and_queried() {
+    // Rooms dispatched by another rule: each prefill registers the room's
+    // DP rank with the bootstrap server and the decode asks for it.
+    let shape = Shape {
+        prefill_dp: 3,
+        dp_query: true,
+        ..Shape::new(1, 2, 2)
+    };
+    check(Cluster::shaped(tiny_model(true, 4), shape, 64));
+}
+
+#[test]
+fn a_room_dispatched_against_the_bootstrap_room_rule_fails_with_the_reason() {
+    let shape = Shape {
+        prefill_dp: 2,
+        ..Shape::new(1, 1, 1)
+    };
+    let cluster = Cluster::shaped(tiny_model(false, 2), shape, 16);
+    let (dp1, _) = &cluster.prefill[1];
+    assert_eq!(cluster.prefill_dp_ranks[1], 1);
+    let mut tx = dp1.sender(4); // 4 % 2 == 0: not DP rank 1's
+    assert_eq!(tx.poll(), KvPoll::Failed);
+    let why = tx.failure_exception().reason;
+    assert!(why.contains("follow_bootstrap_room conflict"), "{why}");
+    // A router hint names the DP rank: no rule applies.
+    let mut hinted = dp1.sender_dp_hinted(6);
+    assert_eq!(hinted.poll(), KvPoll::Bootstrapping);
+    hinted.clear();
+    cluster.shutdown();
+}

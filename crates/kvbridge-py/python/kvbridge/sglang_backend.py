@@ -76,7 +76,6 @@ class BackendConfigError(ValueError):
 #: Environment variables the kvbridge backend refuses when set, with why.
 REFUSED_ENV = {
     "SGLANG_MOONCAKE_CUSTOM_MEM_POOL": "Mooncake's custom memory pools (NVLINK/BAREX) are Mooncake-specific",
-    "SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER": "attention context parallelism is not supported yet",
     "SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK": "data-parallel prefill is not supported yet",
     "SGLANG_RUST_SERVER": "the Rust HTTP server's bootstrap registry is not supported with this backend",
 }
@@ -106,8 +105,9 @@ def _refusals(mode: DisaggregationMode, kv_args: KVArgs) -> List[str]:
     policy = disagg.disaggregation_decode_allocation_policy
     if policy != "early":
         out.append(f"--disaggregation-decode-allocation-policy {policy}: only 'early' is supported")
-    if parallel.attn_cp_size > 1:
-        out.append(f"attention context parallelism (attn_cp_size={parallel.attn_cp_size}) is not supported")
+    if parallel.attn_cp_size > 1 and mode == DisaggregationMode.DECODE:
+        out.append(f"attention context parallelism on decode (attn_cp_size={parallel.attn_cp_size}): sglang "
+                   "requires 1")
     for flag in ("enable_kv_cache_sharding", "enable_dsa_cache_layer_split", "enable_cp_tp_group_sharing"):
         if getattr(parallel, flag, False):
             out.append(f"--{flag.replace('_', '-')}: not supported")
@@ -151,6 +151,7 @@ def role_settings(mode: DisaggregationMode, kv_args: KVArgs, local_ip: str) -> d
         "kv_cache_dtype": getattr(kv_args, "kv_cache_dtype_str", None) or "auto",
         "zmq_send_timeout": float(_env("SGLANG_DISAGGREGATION_ZMQ_SEND_TIMEOUT")),
         "zmq_max_sockets": int(_env("SGLANG_DISAGGREGATION_ZMQ_MAX_SOCKETS")),
+        "all_cp_ranks": bool(_env("SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER")),
     }
     deferred = bool(_env("SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE"))
     common["staging"] = _staging_settings(kv_args)
@@ -450,6 +451,8 @@ class KVManager(BaseKVManager):
         self._pp: Optional[_PipelineConsensus] = None
         if disaggregation_mode == DisaggregationMode.PREFILL:
             self._rust = _kvbridge.PrefillManager(engine, spec, config)
+            # Under context parallelism sglang's scheduler reads these.
+            self.is_dummy_cp_rank, self.enable_all_cp_ranks_for_transfer = self._rust.cp_transfer
             self.transfer_infos: Dict = {}
             self.bootstrap_timeout = settings["bootstrap_timeout"]
             if get_parallel().pp_size > 1:

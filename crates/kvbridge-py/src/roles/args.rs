@@ -316,9 +316,6 @@ impl RoleSpec {
         if let Some(layout) = &a.kv_layout {
             return refuse(&format!("a KV layout tag ({layout:?})"));
         }
-        if self.parallel.attn_cp_size > 1 {
-            return refuse("attention context parallelism (attn_cp_size > 1)");
-        }
         Ok(())
     }
 

@@ -95,6 +95,12 @@ impl PyPrefillManager {
         Ok(self.manager()?.session_id().to_owned())
     }
 
+    /// `(is_dummy_cp_rank, enable_all_cp_ranks_for_transfer)` of this rank.
+    #[getter]
+    fn cp_transfer(&self) -> PyResult<(bool, bool)> {
+        Ok(self.manager()?.cp_transfer())
+    }
+
     /// Sum of the KV buffers' bytes per page (sglang's `kv_item_lens_sum`).
     #[getter]
     fn kv_item_lens_sum(&self) -> u64 {

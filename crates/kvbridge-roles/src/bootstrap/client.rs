@@ -43,7 +43,7 @@ pub fn registration(
         kv_cache_dtype: Some(config.kv_cache_dtype.clone()),
         kv_layout: None,
         dsv41_spec_layout: None,
-        load_balance_method: Some("follow_bootstrap_room".into()),
+        load_balance_method: Some(config.load_balance_method.clone()),
         enable_dsa_cache_layer_split: Some(false),
         enable_kv_cache_sharding: Some(false),
         prefill_http_port: None,
@@ -109,5 +109,42 @@ pub fn register_with_bootstrap(
         tracing::warn!(url, reason, "bootstrap registration failed; retrying");
         std::thread::sleep(delay);
         delay = (delay * 2).min(Duration::from_secs(5));
+    }
+}
+
+/// `POST /register_dp_rank`: tells the bootstrap server that this prefill's
+/// DP rank `dp_rank` serves `room`, for decodes that cannot compute it
+/// (routing that does not follow the bootstrap room). One attempt of at
+/// most 5 s, signed when `config.secret` is set; as in sglang, a failure is
+/// the caller's to log (the room's decode then cannot find it and times out).
+pub fn register_dp_rank(config: &PrefillConfig, room: u64, dp_rank: u64) -> Result<(), String> {
+    let body = serde_json::to_vec(&kvbridge_wire::bootstrap::RegisterDpRank {
+        bootstrap_room: room,
+        dp_rank,
+    })
+    .map_err(|e| format!("cannot encode the DP registration: {e}"))?;
+    let url = format!("http://{}/register_dp_rank", config.bootstrap_addr);
+    let mut request = crate::http::agent(ATTEMPT_TIMEOUT)
+        .post(&url)
+        .content_type("application/json");
+    if let Some(secret) = config.secret.as_ref() {
+        let signed = WriteAuth::new(secret).sign("POST", "/register_dp_rank", &body);
+        for (name, value) in signed.pairs() {
+            request = request.header(name, value);
+        }
+    }
+    match request.send(&body[..]) {
+        Ok(resp) if resp.status() == 200 => Ok(()),
+        Ok(mut resp) => {
+            let status = resp.status().as_u16();
+            let text = resp
+                .body_mut()
+                .with_config()
+                .limit(4096)
+                .read_to_string()
+                .unwrap_or_default();
+            Err(format!("{url} answered {status}: {text}"))
+        }
+        Err(e) => Err(format!("{url}: {e}")),
     }
 }

@@ -16,13 +16,15 @@ use crate::error::KvTransferError;
 /// destination pages, poll until `Success` or `Failed`.
 #[derive(Debug)]
 pub struct KvReceiver {
-    shared: Arc<Shared>,
-    bootstrap_addr: String,
-    room: u64,
+    pub(super) shared: Arc<Shared>,
+    pub(super) bootstrap_addr: String,
+    pub(super) room: u64,
     infos: Option<Vec<BootstrapInfo>>,
     mapping: Option<RankMapping>,
-    conclude_state: Option<KvPoll>,
+    pub(super) conclude_state: Option<KvPoll>,
     init_time: Option<Instant>,
+    /// When DP routing gives up waiting for the room's DP rank.
+    pub(super) dp_deadline: Option<Instant>,
 }
 
 /// The outcome of one bootstrap lookup.
@@ -121,6 +123,7 @@ impl KvReceiver {
             mapping: None,
             conclude_state: None,
             init_time: None,
+            dp_deadline: None,
         }
     }
 
@@ -134,7 +137,7 @@ impl KvReceiver {
         self.infos.as_deref()
     }
 
-    fn fail(&mut self, reason: String) -> KvPoll {
+    pub(super) fn fail(&mut self, reason: String) -> KvPoll {
         tracing::warn!(room = self.room, %reason, "room failed");
         {
             let mut rooms = self.shared.rooms.lock();

@@ -321,7 +321,23 @@ impl PrefillManager {
 
     /// A sender for one request's room (sglang `MooncakeKVSender`).
     pub fn sender(&self, room: u64) -> KvSender {
-        KvSender::new(self.shared.clone(), room)
+        KvSender::new(self.shared.clone(), room, false)
+    }
+
+    /// [`PrefillManager::sender`] for a room whose DP rank the router named
+    /// to both sides (sglang's `disagg_prefill_dp_rank`): no DP
+    /// registration, no bootstrap-room check.
+    pub fn sender_dp_hinted(&self, room: u64) -> KvSender {
+        KvSender::new(self.shared.clone(), room, true)
+    }
+
+    /// Under context parallelism: whether this rank never transfers (a CP
+    /// rank other than 0 without all-ranks transfer; sglang's
+    /// `is_dummy_cp_rank`), and whether every CP rank sends a share
+    /// (`enable_all_cp_ranks_for_transfer`).
+    pub fn cp_transfer(&self) -> (bool, bool) {
+        let cp = self.shared.cp;
+        (cp.is_dummy(), matches!(cp, cp::CpRole::Share { .. }))
     }
 
     /// The port of this rank's zmq bootstrap socket.

@@ -25,8 +25,37 @@ pub struct KvSender {
     init_time: Instant,
 }
 
+/// With several DP ranks and no router hint: registers the room's DP rank
+/// with the bootstrap server for decodes to query, or, when routing follows
+/// the bootstrap room, fails a room this DP rank should not have received.
+fn route_dp(shared: &Shared, room: u64) {
+    let config = &shared.config;
+    let (dp, dp_size) = config.rank.dp_group();
+    if dp_size <= 1 {
+        return;
+    }
+    if config.load_balance_method != "follow_bootstrap_room" || config.force_query_dp_rank {
+        if let Err(e) = crate::bootstrap::client::register_dp_rank(config, room, dp) {
+            shared.metrics.failure("dp_registration");
+            tracing::warn!(room, dp, error = %e, "cannot register the room's DP rank; its decode cannot find it");
+        }
+    } else if room % dp_size != dp {
+        shared.metrics.failure("dp_conflict");
+        let reason = format!(
+            "follow_bootstrap_room conflict: room {room} was dispatched to DP rank {dp} but the \
+             bootstrap room implies DP rank {}; set SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK=1 \
+             or route by the bootstrap room",
+            room % dp_size
+        );
+        shared.rooms.lock().table.fail(room, reason);
+    }
+}
+
 impl KvSender {
-    pub(crate) fn new(shared: Arc<Shared>, room: u64) -> Self {
+    /// A sender for `room`; `dp_hinted`: the router told the decode which
+    /// DP rank serves the room (sglang's `disagg_prefill_dp_rank`), so it
+    /// needs neither the bootstrap room rule nor a registration.
+    pub(crate) fn new(shared: Arc<Shared>, room: u64, dp_hinted: bool) -> Self {
         {
             let mut rooms = shared.rooms.lock();
             if !rooms.table.contains(room) {
@@ -44,6 +73,9 @@ impl KvSender {
                 KvPoll::Bootstrapping
             };
             rooms.table.update(room, first);
+        }
+        if !dp_hinted && !shared.cp.is_dummy() {
+            route_dp(&shared, room);
         }
         Self {
             shared,

@@ -301,6 +301,11 @@ pub struct Shape {
     pub decode_cp: u64,
     /// Every prefill CP rank sends a share.
     pub all_cp_ranks: bool,
+    /// Prefill DP groups (each TP × CP × PP ranks, one bootstrap server).
+    pub prefill_dp: u64,
+    /// Rooms go to DP groups by a rule other than the bootstrap room: the
+    /// prefill registers each room's DP rank, the decode asks for it.
+    pub dp_query: bool,
 }
 
 impl Shape {
@@ -313,16 +318,21 @@ impl Shape {
             decode_tp,
             decode_cp: 1,
             all_cp_ranks: false,
+            prefill_dp: 1,
+            dp_query: false,
         }
     }
 }
 
-/// Prefill ranks (TP × CP × PP) and decode ranks (TP) on one bootstrap server.
+/// Prefill ranks (DP × PP × CP × TP) and decode ranks (TP) on one bootstrap server.
 pub struct Cluster {
     pub bootstrap: BootstrapServer,
     pub prefill: Vec<(PrefillManager, RankPools)>,
+    /// The DP group of each prefill rank.
+    pub prefill_dp_ranks: Vec<u64>,
     pub decode: Vec<(DecodeManager, RankPools)>,
     pub model: ModelSpec,
+    pub shape: Shape,
 }
 
 impl Cluster {
@@ -411,6 +421,8 @@ impl Cluster {
             decode_tp,
             decode_cp,
             all_cp_ranks,
+            prefill_dp,
+            dp_query,
         } = shape;
         let bootstrap = bootstrap();
         // Positional PP pairing (no layer ids, as sglang's plain pools)
@@ -427,7 +439,8 @@ impl Cluster {
             }
         };
         let mut prefill = Vec::new();
-        for pp in 0..prefill_pp {
+        let mut prefill_dp_ranks = Vec::new();
+        for (dp, pp) in (0..prefill_dp).flat_map(|d| (0..prefill_pp).map(move |p| (d, p))) {
             // Every CP rank holds the whole KV of its TP slice.
             for (cp, tp) in (0..prefill_cp).flat_map(|c| (0..prefill_tp).map(move |t| (c, t))) {
                 let rank = RankSpec {
@@ -444,6 +457,12 @@ impl Cluster {
                 config.rank.attn_cp_size = prefill_cp;
                 config.rank.attn_cp_rank = cp;
                 config.all_cp_ranks = all_cp_ranks;
+                config.rank.attn_dp_size = prefill_dp;
+                config.rank.attn_dp_rank = dp;
+                if dp_query {
+                    config.load_balance_method = "round_robin".into();
+                }
+                prefill_dp_ranks.push(dp);
                 if let Some((s, _)) = &staging {
                     config.staging = s.clone();
                 }
@@ -471,8 +490,10 @@ impl Cluster {
         Self {
             bootstrap,
             prefill,
+            prefill_dp_ranks,
             decode,
             model,
+            shape,
         }
     }
 
@@ -503,6 +524,32 @@ impl Cluster {
         chunk: usize,
     ) -> Vec<(KvPoll, Verified)> {
         let addr = self.bootstrap.local_addr().to_string();
+        // The DP group the room is dispatched to: by the bootstrap room, or
+        // (routing that does not follow it) by a rule the decode cannot
+        // know, so it must ask the bootstrap server.
+        let dp_size = self.shape.prefill_dp;
+        let dp = if self.shape.dp_query {
+            (room / 7) % dp_size
+        } else {
+            room % dp_size
+        };
+        let src_req = RequestSlots {
+            tokens,
+            pages: src.to_vec(),
+            slot: 1,
+        };
+        // Prefill senders first: with DP they register the room's DP rank.
+        let mut senders = Vec::new();
+        for ((manager, pools), group) in self.prefill.iter_mut().zip(&self.prefill_dp_ranks) {
+            if *group != dp {
+                continue;
+            }
+            pools.fill_request(room, &src_req);
+            let states = pools.state_indices(&src_req);
+            let mut tx = manager.sender(room);
+            tx.init(src.len() as u64, Some(1));
+            senders.push((tx, states));
+        }
         let mut receivers = Vec::new();
         for (manager, pools) in &self.decode {
             let n = pools.pages_for(tokens) as usize;
@@ -517,26 +564,28 @@ impl Cluster {
                 .map(|v| v.iter().map(|&i| i as i32).collect())
                 .collect();
             let mut rx = manager.receiver(&addr, room);
+            let deadline = std::time::Instant::now() + Duration::from_secs(10);
+            let routed = loop {
+                if let Some(d) = rx.prefill_dp_rank(None) {
+                    break d;
+                }
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "room {room}: no DP rank"
+                );
+                std::thread::sleep(Duration::from_millis(5));
+            };
             assert_eq!(
-                rx.init(0),
+                routed, dp,
+                "room {room}: decode routed to the wrong DP rank"
+            );
+            assert_eq!(
+                rx.init(routed),
                 KvPoll::WaitingForInput,
                 "room {room}: decode init"
             );
             rx.send_metadata(&req.pages, req.slot, &states, None);
             receivers.push((rx, req));
-        }
-        let src_req = RequestSlots {
-            tokens,
-            pages: src.to_vec(),
-            slot: 1,
-        };
-        let mut senders = Vec::new();
-        for (manager, pools) in &mut self.prefill {
-            pools.fill_request(room, &src_req);
-            let states = pools.state_indices(&src_req);
-            let mut tx = manager.sender(room);
-            tx.init(src.len() as u64, Some(1));
-            senders.push((tx, states));
         }
         for (tx, _) in &mut senders {
             let s = wait_for(Duration::from_secs(20), KvPoll::WaitingForInput, || {
