@@ -59,6 +59,7 @@ step demo-ipc-draft-mha-tp2-4 "${demo[@]}" --engine ipc --layers 8 --prefill-tp 
 step demo-tcp-device-qwen3-next-tp2-4 "${demo[@]}" --engine tcp --model qwen3-next --layers 16 --prefill-tp 2 --decode-tp 4
 step demo-tcp-device-dcp4-draft "${demo[@]}" --engine tcp --model deepseek-v3 --layers 8 --decode-tp 4 --decode-cp 4 --draft-layers 1
 step demo-ipc-prefill-cp2-all-ranks "${demo[@]}" --engine ipc --prefill-cp 2 --all-cp-ranks --prefill-tp 2 --decode-tp 1
+step demo-ipc-dp2-round-robin "${demo[@]}" --engine ipc --dp 2 --dp-round-robin --prefill-tp 2 --decode-tp 1
 step demo-ipc-qwen3-next-abort "${demo[@]}" --engine ipc --model qwen3-next --layers 16 --prefill-tp 2 --decode-tp 1 --abort-fraction 0.3
 if [ "$bench" = 1 ]; then
   # Heterogeneous TP against homogeneous, per-slice against staged, KV in

@@ -315,7 +315,7 @@ fn gpu_options_say_no_cuda_without_a_gpu() {
 
 #[test]
 fn demo_model_presets_move_states_draft_layers_and_dcp_shares_byte_exact() {
-    let runs: [&[&str]; 8] = [
+    let runs: [&[&str]; 10] = [
         // Mamba slots TP-sliced 2 -> 1 out of two PP stages, with aborts.
         &[
             "--model",
@@ -398,6 +398,9 @@ fn demo_model_presets_move_states_draft_layers_and_dcp_shares_byte_exact() {
             "--decode-tp",
             "4",
         ],
+        // Prefill DP groups: routed by the bootstrap room, or registered and queried.
+        &["--dp", "2"],
+        &["--dp", "3", "--dp-round-robin", "--prefill-tp", "2"],
     ];
     for args in runs {
         let (code, v) = demo(args);

@@ -52,6 +52,14 @@ pub struct DemoArgs {
     /// (`SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER`).
     #[arg(long)]
     all_cp_ranks: bool,
+    /// Prefill data parallelism: this many prefill groups (each TP × CP ×
+    /// PP ranks) on one bootstrap server; each room goes to one group.
+    #[arg(long, default_value_t = 1)]
+    dp: u64,
+    /// With `--dp`: dispatch rooms round robin instead of by the bootstrap
+    /// room; prefills register each room's DP rank and decodes query it.
+    #[arg(long)]
+    dp_round_robin: bool,
     /// Decode context parallelism (MLA models): decode ranks form groups of
     /// this size, each rank holding every N-th token; must divide
     /// `--decode-tp`.
@@ -493,7 +501,12 @@ fn summarize(
     Summary {
         model: plan.model.name.clone(),
         topology: format!(
-            "prefill TP{} PP{}{} -> decode TP{}{}, {} engine{}{}",
+            "prefill {}TP{} PP{}{} -> decode TP{}{}, {} engine{}{}",
+            match (args.dp, args.dp_round_robin) {
+                (1, _) => String::new(),
+                (dp, true) => format!("DP{dp} (round robin) "),
+                (dp, false) => format!("DP{dp} "),
+            },
             args.prefill_tp,
             args.prefill_pp,
             match (args.prefill_cp, args.all_cp_ranks) {

@@ -53,6 +53,7 @@ pub(super) fn plan(args: &DemoArgs, bootstrap: SocketAddr) -> Result<Plan> {
         ("decode-tp", args.decode_tp),
         ("decode-cp", args.decode_cp),
         ("prefill-cp", args.prefill_cp),
+        ("dp", args.dp),
     ] {
         if v == 0 {
             bail!("--{name} must be at least 1");
@@ -95,6 +96,9 @@ pub(super) fn plan(args: &DemoArgs, bootstrap: SocketAddr) -> Result<Plan> {
         only: None,
         room_timeout_s: 60.0,
         forward_s: 0.0,
+        dp_size: args.dp,
+        dp_rank: None,
+        dp_round_robin: args.dp_round_robin,
     };
     let requests = workload.requests();
     let pages_of = |r: &crate::rank::workload::Request| Workload::pages(r.tokens, model.page_size);
@@ -141,10 +145,13 @@ pub(super) fn plan(args: &DemoArgs, bootstrap: SocketAddr) -> Result<Plan> {
     // Hybrid models publish layer ids like sglang's hybrid pools: their KV
     // buffers are only the full-attention layers.
     let publish_layer_ids = args.prefill_pp > 1 || model.full_attention_interval > 1;
-    let ranks = (0..args.prefill_pp).flat_map(|pp| {
-        (0..args.prefill_cp).flat_map(move |cp| (0..args.prefill_tp).map(move |tp| (pp, cp, tp)))
+    let ranks = (0..args.dp).flat_map(|dp| {
+        (0..args.prefill_pp).flat_map(move |pp| {
+            (0..args.prefill_cp)
+                .flat_map(move |cp| (0..args.prefill_tp).map(move |tp| (dp, pp, cp, tp)))
+        })
     });
-    for (pp, cp, tp) in ranks {
+    for (dp, pp, cp, tp) in ranks {
         {
             let mut prefill = PrefillConfig {
                 bootstrap_addr: bootstrap.to_string(),
@@ -156,6 +163,12 @@ pub(super) fn plan(args: &DemoArgs, bootstrap: SocketAddr) -> Result<Plan> {
             // Every CP rank holds the whole KV of its TP slice.
             prefill.rank.attn_cp_size = args.prefill_cp;
             prefill.rank.attn_cp_rank = cp;
+            // DP groups share the bootstrap server; each serves its rooms.
+            prefill.rank.attn_dp_size = args.dp;
+            prefill.rank.attn_dp_rank = dp;
+            if args.dp_round_robin {
+                prefill.load_balance_method = "round_robin".into();
+            }
             timeouts(&mut prefill);
             prefill_files.push(RankFile {
                 model: ModelChoice::Spec(model.clone()),
@@ -178,7 +191,10 @@ pub(super) fn plan(args: &DemoArgs, bootstrap: SocketAddr) -> Result<Plan> {
                 prefill,
                 decode: DecodeConfig::default(),
                 bootstrap_addr: None,
-                workload: Some(workload.clone()),
+                workload: Some(Workload {
+                    dp_rank: (args.dp > 1).then_some(dp),
+                    ..workload.clone()
+                }),
                 publish_layer_ids,
                 // Until the decode ranks are done: a restarted decode's
                 // retries must find the prefill still answering.

@@ -95,7 +95,20 @@ pub fn run(file: &RankFile) -> Result<bool> {
                 })
                 .collect();
             let mut receiver = manager.receiver(&addr, request.room);
-            let mut state = receiver.init(0);
+            // The prefill DP rank holding the room: computed, or asked of the
+            // bootstrap server until its prefill registered it (bounded by
+            // the bootstrap timeout; `None` with the room failed past it).
+            let dp = loop {
+                match receiver.prefill_dp_rank(None) {
+                    Some(dp) => break Some(dp),
+                    None if receiver.poll() == KvPoll::Failed => break None,
+                    None => std::thread::sleep(Duration::from_millis(2)),
+                }
+            };
+            let mut state = match dp {
+                Some(dp) => receiver.init(dp),
+                None => KvPoll::Failed,
+            };
             if state != KvPoll::Failed {
                 state = receiver.send_metadata(&p, a[0] as u64, &states, None);
             }

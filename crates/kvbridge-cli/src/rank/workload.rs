@@ -32,6 +32,20 @@ pub struct Workload {
     /// destination arriving and its first chunk being sent.
     #[serde(default)]
     pub forward_s: f64,
+    /// Prefill DP groups the rooms are dispatched over (1: none).
+    #[serde(default = "one")]
+    pub dp_size: u64,
+    /// Prefill ranks: only the rooms dispatched to this DP group.
+    #[serde(default)]
+    pub dp_rank: Option<u64>,
+    /// Dispatch by request index (a router's round robin, which decodes
+    /// must query) instead of by the bootstrap room.
+    #[serde(default)]
+    pub dp_round_robin: bool,
+}
+
+fn one() -> u64 {
+    1
 }
 
 fn default_room_timeout() -> f64 {
@@ -62,8 +76,27 @@ impl Request {
 }
 
 impl Workload {
-    /// The requests, in order (restricted to `only` when set).
+    /// The DP group request `r` is dispatched to.
+    pub fn dp_of(&self, r: &Request) -> u64 {
+        let n = self.dp_size.max(1);
+        if self.dp_round_robin {
+            r.index % n
+        } else {
+            r.room % n
+        }
+    }
+
+    /// The requests, in order (restricted to `only` when set, and on a
+    /// prefill rank of a DP group to that group's).
     pub fn requests(&self) -> Vec<Request> {
+        let all = self.all_requests();
+        match self.dp_rank {
+            Some(g) => all.into_iter().filter(|r| self.dp_of(r) == g).collect(),
+            None => all,
+        }
+    }
+
+    fn all_requests(&self) -> Vec<Request> {
         (0..self.requests)
             .filter(|i| self.only.as_ref().is_none_or(|o| o.contains(i)))
             .map(|index| {
@@ -146,6 +179,9 @@ mod tests {
             only: None,
             room_timeout_s: 60.0,
             forward_s: 0.0,
+            dp_size: 1,
+            dp_rank: None,
+            dp_round_robin: false,
         }
     }
 
