@@ -8,8 +8,7 @@ use std::process::ExitCode;
 use clap::Args;
 use kvbridge_engine::ClusterSecret;
 use kvbridge_roles::bootstrap::{
-    BootstrapConfig, BootstrapLimits, BootstrapServer, DEFAULT_ENTRY_CLEANUP_INTERVAL,
-    DEFAULT_MAX_CONNECTIONS,
+    BootstrapConfig, BootstrapLimits, BootstrapServer, DEFAULT_MAX_CONNECTIONS,
 };
 
 /// Where the bootstrap server listens.
@@ -32,13 +31,8 @@ pub struct BootstrapArgs {
 
 /// Runs the server until a termination signal, then exits 0.
 pub fn run(args: BootstrapArgs) -> ExitCode {
-    let cleanup = std::env::var("SGLANG_DISAGGREGATION_BOOTSTRAP_ENTRY_CLEANUP_INTERVAL")
-        .ok()
-        .and_then(|v| v.trim().parse::<u64>().ok())
-        .map_or(
-            DEFAULT_ENTRY_CLEANUP_INTERVAL,
-            std::time::Duration::from_secs,
-        );
+    let cleanup =
+        kvbridge_roles::bootstrap::entry_cleanup_interval(&|name| std::env::var(name).ok());
     let secret = match ClusterSecret::load(args.secret_file.as_deref()) {
         Ok(s) => s,
         Err(e) => {

@@ -369,7 +369,7 @@ impl PrefillConfig {
         if let Some(v) = env::<f64>(get, "SGLANG_FAILED_SESSION_IDLE_TIMEOUT_S") {
             self.probe.idle_timeout = secs(v);
         }
-        self.nvlink_intra |= crate::local::nvlink_intra_env();
+        self.nvlink_intra |= crate::local::nvlink_intra_vars(get);
         self.staging = self.staging.with_vars(get);
         self
     }
@@ -529,7 +529,7 @@ impl DecodeConfig {
         if let Some(v) = env_bool(get, "SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK") {
             self.force_query_dp_rank = v;
         }
-        self.nvlink_intra |= crate::local::nvlink_intra_env();
+        self.nvlink_intra |= crate::local::nvlink_intra_vars(get);
         self.staging = self.staging.with_vars(get);
         self
     }
@@ -608,6 +608,8 @@ mod tests {
             ("SGLANG_DISAGGREGATION_ZMQ_MAX_SOCKETS", "20000"),
             ("SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER", "1"),
             ("SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK", "true"),
+            ("MC_INTRANODE_NVLINK", "1"),
+            ("SGLANG_DISAGGREGATION_BOOTSTRAP_ENTRY_CLEANUP_INTERVAL", "30"),
         ]
         .into_iter()
         .collect();
@@ -627,10 +629,14 @@ mod tests {
         );
         assert!(p.staging.enabled && p.staging.pool_bytes == 2 << 20);
         assert_eq!(p.zmq_max_sockets, 20000);
-        assert!(p.all_cp_ranks && p.force_query_dp_rank);
+        assert!(p.all_cp_ranks && p.force_query_dp_rank && p.nvlink_intra);
+        assert_eq!(
+            crate::bootstrap::entry_cleanup_interval(&get),
+            Duration::from_secs(30)
+        );
         let d = DecodeConfig::default().with_vars(&get);
         assert_eq!(d.zmq_max_sockets, 20000);
-        assert!(d.all_cp_ranks && d.force_query_dp_rank);
+        assert!(d.all_cp_ranks && d.force_query_dp_rank && d.nvlink_intra);
         // sglang's floors: heartbeats at least 2 s apart, at least one failure.
         assert_eq!(d.heartbeat_interval, Duration::from_secs(2));
         assert_eq!(d.heartbeat_max_failures, 1);
@@ -648,6 +654,14 @@ mod tests {
             DecodeConfig::default().with_vars(&none).abort_ack_timeout,
             Duration::from_secs(30)
         );
+        assert!(!p.nvlink_intra);
+        assert_eq!(
+            crate::bootstrap::entry_cleanup_interval(&none),
+            Duration::from_secs(120)
+        );
+        // The intra-node transport also follows the protocol name.
+        let proto = |n: &str| (n == "MOONCAKE_PROTOCOL").then(|| "nvlink_intra".to_owned());
+        assert!(PrefillConfig::default().with_vars(&proto).nvlink_intra);
         let bad = |n: &str| (n == "SGLANG_DISAGGREGATION_QUEUE_SIZE").then(|| "many".to_owned());
         assert_eq!(PrefillConfig::default().with_vars(&bad).queue_size, 4);
     }

@@ -36,7 +36,7 @@ pub use config::{DecodeConfig, ParallelRank, PrefillConfig, ProbeConfig, Staging
 pub use error::{ConfigError, KvTransferError, SendError, StartError};
 pub use kv_args::KvArgs;
 pub use kvbridge_wire::KvPoll;
-pub use local::nvlink_intra_env;
+pub use local::{nvlink_intra_env, nvlink_intra_vars};
 pub use prefill::{KvSender, PrefillManager};
 pub mod decode;
 

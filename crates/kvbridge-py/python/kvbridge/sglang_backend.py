@@ -22,6 +22,7 @@ Importing this module imports sglang's disaggregation package.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import logging
 import os
@@ -76,7 +77,6 @@ class BackendConfigError(ValueError):
 #: Environment variables the kvbridge backend refuses when set, with why.
 REFUSED_ENV = {
     "SGLANG_MOONCAKE_CUSTOM_MEM_POOL": "Mooncake's custom memory pools (NVLINK/BAREX) are Mooncake-specific",
-    "SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK": "data-parallel prefill is not supported yet",
     "SGLANG_RUST_SERVER": "the Rust HTTP server's bootstrap registry is not supported with this backend",
 }
 
@@ -111,8 +111,6 @@ def _refusals(mode: DisaggregationMode, kv_args: KVArgs) -> List[str]:
     for flag in ("enable_kv_cache_sharding", "enable_dsa_cache_layer_split", "enable_cp_tp_group_sharing"):
         if getattr(parallel, flag, False):
             out.append(f"--{flag.replace('_', '-')}: not supported")
-    if parallel.num_dp_ranks > 1 or parallel.dp_size > 1:
-        out.append(f"data parallelism (dp_size={parallel.dp_size}): not supported yet")
     if get_observability().enable_trace:
         out.append("--enable-trace: per-request connector traces are not emitted by kvbridge's roles")
     if getattr(kv_args, "rust_http_port", None) is not None:
@@ -152,6 +150,7 @@ def role_settings(mode: DisaggregationMode, kv_args: KVArgs, local_ip: str) -> d
         "zmq_send_timeout": float(_env("SGLANG_DISAGGREGATION_ZMQ_SEND_TIMEOUT")),
         "zmq_max_sockets": int(_env("SGLANG_DISAGGREGATION_ZMQ_MAX_SOCKETS")),
         "all_cp_ranks": bool(_env("SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER")),
+        "force_query_dp_rank": bool(_env("SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK")),
     }
     deferred = bool(_env("SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE"))
     common["staging"] = _staging_settings(kv_args)
@@ -180,6 +179,10 @@ def role_settings(mode: DisaggregationMode, kv_args: KVArgs, local_ip: str) -> d
             thread_pool_size=int(pool),
             bootstrap_timeout=float(_env("SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT")),
             send_aux_tcp=bool(_env("SGLANG_MOONCAKE_SEND_AUX_TCP")),
+            # How rooms reach the DP ranks: decodes compute room % dp_size
+            # under follow_bootstrap_room, else query what each room's
+            # prefill registered.
+            load_balance_method=getattr(parallel, "load_balance_method", None) or "follow_bootstrap_room",
             deferred_release=deferred,
             probe={
                 "enabled": bool(_env("SGLANG_ENABLE_FAILED_SESSION_PROBE")),
@@ -449,6 +452,7 @@ class KVManager(BaseKVManager):
         config = json.dumps(settings)
         self._receivers: Dict[int, "KVReceiver"] = {}
         self._pp: Optional[_PipelineConsensus] = None
+        self._executor: Optional[concurrent.futures.ThreadPoolExecutor] = None
         if disaggregation_mode == DisaggregationMode.PREFILL:
             self._rust = _kvbridge.PrefillManager(engine, spec, config)
             # Under context parallelism sglang's scheduler reads these.
@@ -485,6 +489,16 @@ class KVManager(BaseKVManager):
     def register_to_bootstrap(self):
         """Nothing to do: the prefill role registered with the bootstrap
         server when it started (and failed start-up if it could not)."""
+
+    def _ensure_prefill_recompute_executor(self) -> concurrent.futures.ThreadPoolExecutor:
+        """The decode's executor for background bootstrap-server lookups:
+        sglang's scheduler prefetches prefill DP ranks on it
+        (``CommonKVReceiver.query_prefill_dp_ranks``)."""
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(
+                max_workers=4, thread_name_prefix="kvb-dp-query"
+            )
+        return self._executor
 
     def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
         """One non-blocking attempt to resolve a prefill server (decode)."""
@@ -532,6 +546,9 @@ class KVManager(BaseKVManager):
 
     def teardown(self) -> None:
         """Stops the role's threads and deregisters its memory."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
         if self._pp is not None:
             self._pp.close()
             self._pp = None
@@ -568,7 +585,9 @@ class KVSender(_RoomEnds, BaseKVSender):
         self.bootstrap_server_url = bootstrap_addr
         self.bootstrap_room = bootstrap_room
         self.conclude_state: Optional[int] = None
-        self._rust = mgr._rust.sender(bootstrap_room)
+        # With several DP ranks and no router hint the Rust sender registers
+        # the room's DP rank (or checks the bootstrap-room rule), as sglang's.
+        self._rust = mgr._rust.sender(bootstrap_room, bool(req_has_disagg_prefill_dp_rank))
 
     def init(self, num_kv_indices: int, aux_index: Optional[int] = None):
         self.num_kv_indices = num_kv_indices

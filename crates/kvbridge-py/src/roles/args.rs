@@ -492,9 +492,11 @@ mod tests {
         let mut s = mha();
         s.kv_args.kv_layout = Some("nhd".into());
         assert!(refused(&s).contains("layout"), "{}", refused(&s));
+        // Prefill context parallelism is supported: a CP rank is accepted.
         let mut s = mha();
         s.parallel.attn_cp_size = 2;
-        assert!(refused(&s).contains("context parallel"), "{}", refused(&s));
+        s.parallel.attn_cp_rank = 1;
+        assert!(s.to_kv_args().is_ok());
     }
 
     #[test]

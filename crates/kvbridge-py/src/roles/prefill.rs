@@ -151,8 +151,14 @@ impl PyPrefillManager {
     }
 
     /// A sender for `room` (the room becomes `Bootstrapping`).
-    fn sender(&self, room: u64) -> PyResult<PyKvSender> {
-        let sender = self.manager()?.sender(room);
+    #[pyo3(signature = (room, dp_hinted = false))]
+    fn sender(&self, room: u64, dp_hinted: bool) -> PyResult<PyKvSender> {
+        let manager = self.manager()?;
+        let sender = if dp_hinted {
+            manager.sender_dp_hinted(room)
+        } else {
+            manager.sender(room)
+        };
         Ok(PyKvSender {
             inner: Mutex::new(SenderState {
                 sender,

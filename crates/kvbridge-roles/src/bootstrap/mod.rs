@@ -46,6 +46,15 @@ pub use state::{Answer, BootstrapState, Replace};
 /// How often expired `register_dp_rank` entries are dropped, and their age
 /// limit (`SGLANG_DISAGGREGATION_BOOTSTRAP_ENTRY_CLEANUP_INTERVAL`).
 pub const DEFAULT_ENTRY_CLEANUP_INTERVAL: Duration = Duration::from_secs(120);
+
+/// The DP-rank entries' cleanup interval from
+/// `SGLANG_DISAGGREGATION_BOOTSTRAP_ENTRY_CLEANUP_INTERVAL` (whole seconds;
+/// unset or malformed: [`DEFAULT_ENTRY_CLEANUP_INTERVAL`]).
+pub fn entry_cleanup_interval(get: crate::config::Vars<'_>) -> Duration {
+    get("SGLANG_DISAGGREGATION_BOOTSTRAP_ENTRY_CLEANUP_INTERVAL")
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .map_or(DEFAULT_ENTRY_CLEANUP_INTERVAL, Duration::from_secs)
+}
 /// How long the server waits to learn whether a slot's old prefill is still
 /// alive (open mode) before letting a new address replace it.
 pub const REPLACE_PROBE_TIMEOUT: Duration = Duration::from_secs(1);
