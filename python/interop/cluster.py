@@ -23,6 +23,7 @@ Exit status 0 when every process that should survive reported success.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import shutil
@@ -75,6 +76,10 @@ class Spec:
     decode_tp: int = 1
     #: Decode PP: 1, or the prefill's PP (the pairings sglang supports).
     decode_pp: int = 1
+    #: Prefill attention-DP groups (TP 1 each; sglang-run prefills only).
+    prefill_dp: int = 1
+    #: How rooms reach the prefill DP groups (sglang's --load-balance-method).
+    load_balance_method: str = "follow_bootstrap_room"
     model: harness.ModelSpec = field(default_factory=harness.ModelSpec)
     workload: harness.Workload = field(default_factory=harness.Workload)
     pages: int = 64
@@ -295,22 +300,25 @@ def _run(spec: Spec, procs: Dict[str, Proc], scratch: str) -> Outcome:
         start("bootstrap", "bootstrap", SGLANG, [py, WORKER, "bootstrap", "--bootstrap-port", str(bport)]
               + _backend_args(spec, spec.bootstrap_backend))
     up = wait_port(bport, 30)
-    for kind, tp_size, pp_size, impl in (("prefill", spec.prefill_tp, spec.prefill_pp, spec.prefill),
-                                        ("decode", spec.decode_tp, spec.decode_pp, spec.decode)):
-        for pp_rank in range(pp_size):
-            for tp_rank in range(tp_size):
-                rank = harness.RankSpec(tp_size, tp_rank, pp_size, pp_rank)
-                name = f"{kind}-tp{tp_rank}" + (f"-pp{pp_rank}" if pp_size > 1 else "")
-                if impl == KVBRIDGE:
-                    cfg = _rank_file(spec, rank, boot, scratch, name)
-                    start(name, kind, impl, [kvbridge_bin(), kind, "--config", cfg])
-                else:
-                    backend = spec.prefill_backend if kind == "prefill" else spec.decode_backend
-                    start(name, kind, impl, [py, WORKER, kind, "--http-port", str(free_port()),
-                                             "--tp", str(tp_size), str(tp_rank),
-                                             "--pp", str(pp_size), str(pp_rank),
-                                             "--send-delay", str(_send_delay(spec))]
-                          + common + _backend_args(spec, backend) + spec.worker_args)
+    parts = (("prefill", spec.prefill_tp, spec.prefill_pp, spec.prefill_dp, spec.prefill),
+             ("decode", spec.decode_tp, spec.decode_pp, 1, spec.decode))
+    for kind, tp_size, pp_size, dp_size, impl in parts:
+        for dp_rank, pp_rank, tp_rank in itertools.product(range(dp_size), range(pp_size), range(tp_size)):
+            rank = harness.RankSpec(tp_size, tp_rank, pp_size, pp_rank)
+            name = (f"{kind}-tp{tp_rank}" + (f"-pp{pp_rank}" if pp_size > 1 else "")
+                    + (f"-dp{dp_rank}" if dp_size > 1 else ""))
+            dp_args = ["--dp", str(dp_size), str(dp_rank)] if dp_size > 1 else []
+            dp_args += ["--load-balance-method", spec.load_balance_method]
+            if impl == KVBRIDGE:
+                cfg = _rank_file(spec, rank, boot, scratch, name)
+                start(name, kind, impl, [kvbridge_bin(), kind, "--config", cfg])
+            else:
+                backend = spec.prefill_backend if kind == "prefill" else spec.decode_backend
+                start(name, kind, impl, [py, WORKER, kind, "--http-port", str(free_port()),
+                                         "--tp", str(tp_size), str(tp_rank),
+                                         "--pp", str(pp_size), str(pp_rank),
+                                         "--send-delay", str(_send_delay(spec))]
+                      + dp_args + common + _backend_args(spec, backend) + spec.worker_args)
     killers = {}
     if spec.scenario == "kill-decode" and spec.decode == KVBRIDGE:
         per_rank = min(spec.workload.requests, spec.workload.concurrency)

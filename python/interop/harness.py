@@ -448,6 +448,18 @@ def publish_server_args(mode: str, *, bootstrap_port: int, rank: RankSpec, http_
     return sa
 
 
+def override_dp(size: int, rank: int, load_balance_method: str) -> None:
+    """Makes this process attention-DP rank ``rank`` of ``size`` (one
+    attention-TP rank per DP group), as a DP-attention launch would: the
+    runtime context's TP/MoE widths grow with it."""
+    from sglang.srt.runtime_context import get_parallel
+
+    get_parallel().override_permanently(
+        tp_size=size, tp_rank=rank, moe_tp_size=size, moe_tp_rank=rank,
+        attn_dp_size=size, attn_dp_rank=rank, num_dp_ranks=size,
+        load_balance_method=load_balance_method)
+
+
 class FileGroup:
     """The part of sglang's ``GroupCoordinator`` the connector uses. With
     more than one rank, objects are broadcast through pickle files in

@@ -124,6 +124,8 @@ def build_manager(mode: str, args):
 
     rank = harness.RankSpec(args.tp[0], args.tp[1], args.pp[0], args.pp[1])
     sa = harness.publish_server_args(mode, bootstrap_port=args.bootstrap_port, rank=rank, http_port=args.http_port)
+    if args.dp[0] > 1:
+        harness.override_dp(args.dp[0], args.dp[1], args.load_balance_method)
     engine = harness.init_engine(gpu_id=rank.tp_rank)
     manager_class = kv_class("manager")
     log(mode, f"engine session {engine.get_session_id()} ({type(engine.engine).__module__}), "
@@ -139,8 +141,9 @@ def run_prefill(args) -> int:
     from sglang.srt.disaggregation.base.conn import KVPoll
 
     sender_class = kv_class("sender")
-    role = f"prefill-tp{args.tp[1]}-pp{args.pp[1]}"
-    requests = args.workload.plan()
+    role = f"prefill-tp{args.tp[1]}-pp{args.pp[1]}" + (f"-dp{args.dp[1]}" if args.dp[0] > 1 else "")
+    # A DP group serves only the rooms dispatched to it.
+    requests = [r for r in args.workload.plan() if dp_of(args, r) == args.dp[1]]
     plans = harness.allocate(requests, args.model, args.pages, args.aux_slots, reverse=False,
                              scatter_seed=args.scatter_pages)
     t0 = time.monotonic()
@@ -152,7 +155,7 @@ def run_prefill(args) -> int:
     chunk_pages = max(harness.pages_for(args.workload.chunk_tokens, args.model.page_size), 1)
     boot = f"127.0.0.1:{args.bootstrap_port}"
     senders = {p.room: sender_class(mgr, boot, p.room) for p in plans}
-    first = requests[0].room
+    first = requests[0].room if requests else None
     if args.scenario == "abort-bootstrap":
         assert senders[first].poll() == KVPoll.Bootstrapping
         senders[first].abort()  # sglang: release_aborted_prefill_waiting_req
@@ -258,6 +261,40 @@ def run_prefill(args) -> int:
                   secs=round(time.monotonic() - t0, 3), **extra)
 
 
+def dp_of(args, request) -> int:
+    """The prefill DP group a request is dispatched to: by the bootstrap
+    room (follow_bootstrap_room), else round robin by position, which a
+    decode cannot compute."""
+    size = args.dp[0]
+    if size <= 1:
+        return 0
+    if args.load_balance_method == "follow_bootstrap_room":
+        return request.room % size
+    return request.index % size
+
+
+def resolve_prefill_dp_rank(mgr, boot: str, room: int, deadline: float):
+    """The prefill DP rank of ``room`` as sglang's decode scheduler finds it
+    (``_resolve_prefill_dp_rank``, then ``query_prefill_dp_ranks`` on the
+    manager's executor until the prefill registered the room)."""
+    from sglang.srt.disaggregation.common.conn import CommonKVReceiver
+    from sglang.srt.environ import envs
+
+    info = mgr.prefill_info_table.get(boot)
+    if info is None or info.dp_size == 1:
+        return 0
+    if info.follow_bootstrap_room and not envs.SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK.get():
+        return room % info.dp_size
+    while time.monotonic() < deadline:
+        future = mgr._ensure_prefill_recompute_executor().submit(
+            CommonKVReceiver.query_prefill_dp_ranks, boot, [room])
+        found = future.result().get(str(room))
+        if found is not None:
+            return int(found)
+        time.sleep(0.05)
+    return None
+
+
 def run_decode(args) -> int:
     import numpy as np
     from sglang.srt.disaggregation.base.conn import KVPoll
@@ -284,7 +321,10 @@ def run_decode(args) -> int:
         if args.scenario == "abort-bootstrap" and plan.room == first:
             receiver.abort()  # aborted before init: never told any prefill rank
         else:
-            receiver.init(0)  # prefill DP rank
+            dp = resolve_prefill_dp_rank(mgr, boot, plan.room, deadline)
+            if dp is None:
+                return result(role, False, error=f"no prefill DP rank for room {plan.room}")
+            receiver.init(dp)
         receivers[plan.room] = receiver
     sent, done, failed = set(), set(), {}
     drained, held = {}, {}
@@ -682,6 +722,10 @@ def parse_args(argv=None):
                     help="JSON Workload fields (requests, prompt_tokens, chunk_tokens, seed)")
     ap.add_argument("--tp", type=int, nargs=2, default=[1, 0], metavar=("SIZE", "RANK"))
     ap.add_argument("--pp", type=int, nargs=2, default=[1, 0], metavar=("SIZE", "RANK"))
+    ap.add_argument("--dp", type=int, nargs=2, default=[1, 0], metavar=("SIZE", "RANK"),
+                    help="prefill: attention-DP size and this process's DP rank (one attention-TP rank each)")
+    ap.add_argument("--load-balance-method", default="follow_bootstrap_room",
+                    help="how rooms reach prefill DP ranks (sglang's --load-balance-method)")
     ap.add_argument("--pages", type=int, default=64, help="pages per KV buffer")
     ap.add_argument("--aux-slots", type=int, default=16, help="rows per aux buffer")
     ap.add_argument("--buffers", default="cpu", help="cpu (numpy) or cuda[:N] (torch device tensors)")

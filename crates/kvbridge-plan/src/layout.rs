@@ -211,6 +211,10 @@ pub struct PrefillLayout {
     pub max_transfer_batch_indices: u64,
     /// Whole-envelope ("unified memory") KV layout.
     pub enable_unified_memory: bool,
+    /// Compressed MLA (DeepSeek-V4): the compression ratio of every layer of
+    /// the whole model (0, 4 or 128); KV buffers are the C4 KV, C4 indexer
+    /// and C128 KV groups of this stage's layers. `None`: not compressed.
+    pub mla_compression_ratios: Option<Vec<u64>>,
 }
 
 impl Default for PrefillLayout {
@@ -237,6 +241,7 @@ impl Default for PrefillLayout {
             states: Vec::new(),
             max_transfer_batch_indices: 0,
             enable_unified_memory: false,
+            mla_compression_ratios: None,
         }
     }
 }
@@ -315,6 +320,10 @@ pub struct TransferRequest {
     pub dst_state_indices: Vec<Vec<i64>>,
     /// Tokens the decode already holds (DCP only; `None` = 0).
     pub decode_prefix_len: Option<u64>,
+    /// HiSparse: the request's pages in the decode's device page space,
+    /// for the decode buffers after its C4 KV ones (which take
+    /// `dst_kv_indices`, host pages). `None`: one page space.
+    pub dst_device_kv_indices: Option<Vec<i32>>,
 }
 
 /// One chunk of prefill output to send (`TransferKVChunk`).

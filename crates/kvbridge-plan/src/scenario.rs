@@ -314,6 +314,8 @@ impl Scenario {
                 states,
                 max_transfer_batch_indices: self.max_transfer_batch_indices,
                 enable_unified_memory: self.enable_unified_memory,
+                // Not representable in a scenario (the contract's scope).
+                mla_compression_ratios: None,
             },
             registration: PeerRegistration {
                 dst_kv_ptrs: self.dst_kv_ptrs.clone(),
@@ -335,6 +337,7 @@ impl Scenario {
                 dst_aux_index: self.dst_aux_index,
                 dst_state_indices: self.dst_state_indices.clone(),
                 decode_prefix_len: self.decode_prefix_len,
+                dst_device_kv_indices: None,
             },
             chunk: TransferChunk {
                 prefill_kv_indices: self.prefill_kv_indices.clone(),

@@ -535,13 +535,14 @@ proptest! {
             prefill_start_layer: start, prefill_end_layer: end,
             aux_data_ptrs: aux_ptrs, aux_item_lens: aux_lens, states: Vec::new(),
             max_transfer_batch_indices: batch, enable_unified_memory: unified,
+            mla_compression_ratios: None,
         };
         let mut reg = PeerRegistration {
             dst_kv_ptrs: dst_ptrs, dst_aux_ptrs: dst_aux, dst_tp_rank: drank, dst_attn_tp_size: d,
             dst_kv_item_len: dst_item, dst_kv_layer_ids: dst_ids, dst_dcp_size: dst_dcp,
             dst_dcp_rank, dst_kv_item_lens: dst_lens, ..PeerRegistration::default()
         };
-        let mut req = TransferRequest { dst_kv_indices: dst_pages, dst_aux_index: dst_aux_idx, dst_state_indices: Vec::new(), decode_prefix_len: prefix };
+        let mut req = TransferRequest { dst_kv_indices: dst_pages, dst_aux_index: dst_aux_idx, dst_state_indices: Vec::new(), decode_prefix_len: prefix, dst_device_kv_indices: None };
         let mut ch = TransferChunk {
             prefill_kv_indices: src_pages, index_slice_start: slice_start, index_slice_end: slice_end,
             is_last_chunk: last, prefill_aux_index: Some(aux_idx), state_indices: None, num_kv_tokens: tokens,

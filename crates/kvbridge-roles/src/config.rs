@@ -609,7 +609,10 @@ mod tests {
             ("SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER", "1"),
             ("SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK", "true"),
             ("MC_INTRANODE_NVLINK", "1"),
-            ("SGLANG_DISAGGREGATION_BOOTSTRAP_ENTRY_CLEANUP_INTERVAL", "30"),
+            (
+                "SGLANG_DISAGGREGATION_BOOTSTRAP_ENTRY_CLEANUP_INTERVAL",
+                "30",
+            ),
         ]
         .into_iter()
         .collect();

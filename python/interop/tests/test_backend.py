@@ -148,6 +148,39 @@ def test_backend_staging(monkeypatch, case):
         assert r["staged_bytes"] > 0, detail
 
 
+DP_MATRIX = [pytest.param(p, m, id=f"{p}-dp2-{m}") for p in PAIRINGS
+             for m in ("follow_bootstrap_room", "round_robin")
+             if FULL or p == "kvbridge-both" or m == "round_robin"]
+
+
+@pytest.mark.parametrize("pairing,method", DP_MATRIX)
+def test_backend_dp(pairing, method):
+    """Two prefill attention-DP groups on one bootstrap server. With
+    ``follow_bootstrap_room`` each room goes to DP rank ``room % 2``, which
+    the decode computes; with another method (round robin here) each
+    prefill registers its rooms' DP rank (``/register_dp_rank``) and the
+    decode asks for it (``query_prefill_dp_ranks`` on the manager's
+    executor), as sglang's decode scheduler does."""
+    prefill, decode, bootstrap = PAIRINGS[pairing]
+    spec = cluster.Spec(engine_module="kvbridge", prefill_backend=prefill, decode_backend=decode,
+                        bootstrap_backend=bootstrap, timeout=45, prefill_dp=2, load_balance_method=method,
+                        workload=harness.Workload(requests=8))
+    out = cluster.run(spec)
+    detail = out.report() + "\n" + out.outputs()
+    assert out.ok, detail
+    plan = spec.workload.plan()
+    rooms = sorted(r.room for r in plan)
+    groups = {g: sorted(r.room for r in plan
+                        if (r.room if method == "follow_bootstrap_room" else r.index) % 2 == g) for g in (0, 1)}
+    assert groups[0] and groups[1], "both DP groups get rooms"
+    for p in out.procs.values():
+        if p.kind == "decode":
+            assert p.result["done"] == rooms and p.result["bad"] == [], detail
+            assert p.result["verified_bytes"] == expected_bytes(spec, rooms), detail
+        elif p.kind == "prefill":
+            assert p.result["done"] == groups[int(p.name[-1])], detail
+
+
 def test_malformed_setting_is_refused(monkeypatch):
     """A malformed sglang setting fails start-up (sglang itself would fall
     back to the default with a warning)."""

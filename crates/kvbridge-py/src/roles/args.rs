@@ -282,6 +282,8 @@ impl RoleSpec {
                 states,
                 max_transfer_batch_indices: self.max_transfer_batch_indices,
                 enable_unified_memory: self.enable_unified_memory,
+                // Refused above (`refuse_unsupported`).
+                mla_compression_ratios: None,
             },
             kv_data_lens: a.kv_data_lens.clone(),
             aux_data_lens: a.aux_data_lens.clone(),

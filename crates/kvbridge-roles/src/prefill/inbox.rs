@@ -134,6 +134,11 @@ fn on_transfer(shared: &Shared, t: &Transfer<'_>) {
             .map(|l| l.iter().map(i64::from).collect())
             .collect(),
         decode_prefix_len: t.decode_prefix_len,
+        dst_device_kv_indices: p
+            .dst_device_kv_indices
+            .as_ref()
+            .filter(|d| !d.is_empty())
+            .map(|d| d.to_vec()),
     });
     let session = t.mooncake_session_id.to_string();
     let registration = shared
@@ -156,14 +161,14 @@ fn on_transfer(shared: &Shared, t: &Transfer<'_>) {
         .as_ref()
         .and_then(|p| p.dst_device_kv_indices.as_ref())
         .is_some_and(|d| !d.is_empty());
-    if device_pages {
-        // HiSparse: the decode wants the KV in a second (device) page space.
-        // Writing dst_kv_indices instead would put it in the wrong pages.
+    if device_pages && shared.kv_args.layout.mla_compression_ratios.is_none() {
+        // HiSparse device destinations exist only for compressed-MLA pools;
+        // writing dst_kv_indices instead would put the KV in the wrong pages.
         shared.metrics.failure("unsupported_destination");
         let reason = format!(
             "room {room}: the decode names HiSparse device destinations (dst_device_kv_indices), \
-             which kvbridge's prefill does not support; refusing the room instead of writing \
-             other pages"
+             but this prefill's pool is not compressed MLA (no mla_compression_ratios); \
+             refusing the room instead of writing other pages"
         );
         refuse(shared, room, &info, reason);
         return;
