@@ -398,6 +398,9 @@ pub enum PlanError {
         /// Decode attention TP size.
         decode: u64,
     },
+    /// A compressed-MLA (DeepSeek-V4) layout cannot be paired or addressed.
+    #[error("compressed MLA: {0}")]
+    CompressedMla(#[from] crate::compressed::CompressedMlaError),
     /// DSA tail ring remapping failed.
     #[error("dsa_tail (component {component}): {reason}")]
     DsaTail {

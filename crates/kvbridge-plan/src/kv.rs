@@ -13,6 +13,8 @@ use crate::pairing::{Entry, GenericPairing, generic_entries};
 pub(crate) struct PageCopy {
     /// Buffer pairs with their item sizes.
     pub entries: Vec<Entry>,
+    /// Per entry: its decode buffer takes HiSparse's device page space.
+    pub device: Vec<bool>,
 }
 
 /// Checks the unified-memory envelope (`_validate_envelope_kv_layout`) and
@@ -56,7 +58,8 @@ pub(crate) fn prepare_page_copy(
         &mut pairs,
         &mut entries,
     )?;
-    Ok(PageCopy { entries })
+    let device = crate::compressed::device_entries(layout, reg, &entries);
+    Ok(PageCopy { entries, device })
 }
 
 /// Appends one block per (entry, run) to `out`.
@@ -128,6 +131,63 @@ pub(crate) fn emit_generic<S: PageIndex, D: PageIndex>(
             what.1,
         )?;
         emit_entries_runs(entries, runs, out)?;
+        batch_ends.push(out.len());
+        start = end;
+    }
+    Ok(())
+}
+
+/// `idx[start..end]`, clipped to `idx`.
+fn window(idx: &[i32], start: usize, end: usize) -> &[i32] {
+    let e = end.min(idx.len());
+    &idx[start.min(e)..e]
+}
+
+/// [`emit_generic`] with a second destination page space (HiSparse): the
+/// entries flagged in `device` take `dev_idx`, the others `dst_idx`, each
+/// batch (and each entry within it) in the reference's order.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn emit_two_spaces(
+    entries: &[Entry],
+    device: &[bool],
+    src_idx: &[i32],
+    dst_idx: &[i32],
+    dev_idx: &[i32],
+    max_batch: u64,
+    runs: (&mut IndexRuns, &mut IndexRuns),
+    out: &mut Vec<Block>,
+    batch_ends: &mut Vec<usize>,
+) -> Result<(), PlanError> {
+    let (host, dev) = runs;
+    let batch = usize::try_from(max_batch).unwrap_or(usize::MAX);
+    let batch = if batch == 0 {
+        src_idx.len().max(1)
+    } else {
+        batch
+    };
+    let mut start = 0;
+    while start < src_idx.len() {
+        let end = start.saturating_add(batch).min(src_idx.len());
+        host.build(
+            &src_idx[start..end],
+            window(dst_idx, start, end),
+            "prefill_kv_indices",
+            "dst_kv_indices",
+        )?;
+        dev.build(
+            &src_idx[start..end],
+            window(dev_idx, start, end),
+            "prefill_kv_indices",
+            "dst_device_kv_indices",
+        )?;
+        for (i, e) in entries.iter().enumerate() {
+            let runs = if device.get(i).copied().unwrap_or(false) {
+                &*dev
+            } else {
+                &*host
+            };
+            emit_entries_runs(std::slice::from_ref(e), runs, out)?;
+        }
         batch_ends.push(out.len());
         start = end;
     }

@@ -54,6 +54,7 @@
 
 mod aux;
 mod block;
+mod compressed;
 mod cp;
 mod dcp;
 mod error;
@@ -76,6 +77,7 @@ pub mod synthetic;
 
 pub use aux::aux_slot;
 pub use block::{Block, Run, canonicalize, expand_runs, total_bytes};
+pub use compressed::CompressedMlaError;
 pub use cp::{cp_filter_chunk, cp_page_share};
 pub use error::{DsaTailError, PlanError};
 pub use layout::{

@@ -245,7 +245,17 @@ pub(crate) fn generic_entries(
             } else {
                 0
             };
-            let positions = flat_pp_positions(n_src, n_dst, layout.prefill_start_layer, num_draft);
+            let positions = match &layout.mla_compression_ratios {
+                Some(ratios) if n_src != n_dst => crate::compressed::stage_positions(
+                    ratios,
+                    layout.prefill_start_layer,
+                    layout.prefill_end_layer,
+                    g.state_type,
+                    n_src,
+                    n_dst,
+                )?,
+                _ => flat_pp_positions(n_src, n_dst, layout.prefill_start_layer, num_draft),
+            };
             for (k, &src) in g.src_ptrs.iter().enumerate() {
                 let j = *positions.get(k).ok_or(PlanError::FlatPairingOutOfRange {
                     entry: k,

@@ -5,11 +5,12 @@ use std::ops::Range;
 
 use crate::aux::plan_aux;
 use crate::block::{Block, Run, canonicalize};
+use crate::compressed::CompressedMlaError;
 use crate::dcp::DcpChunk;
 use crate::error::PlanError;
 use crate::head_slice::RunOut;
 use crate::index_runs::{IndexRuns, py_slice};
-use crate::kv::emit_generic;
+use crate::kv::{emit_generic, emit_two_spaces};
 use crate::layout::{PeerRegistration, PrefillLayout, TransferChunk, TransferRequest};
 use crate::peer::{KvMode, PreparedPeer};
 use crate::state::{StateScratch, plan_states};
@@ -201,6 +202,8 @@ impl<'a> Iterator for KvRunBatches<'a> {
 pub struct Planner {
     plan: TransferPlan,
     runs: IndexRuns,
+    /// Runs into HiSparse's device page space.
+    device_runs: IndexRuns,
     state: StateScratch,
     strided: bool,
 }
@@ -294,9 +297,46 @@ impl Planner {
             (&all_src[..all_src.len().min(dst_chunk.len())], dst_chunk)
         };
 
+        // HiSparse: the chunk's pages in the decode's device page space, cut
+        // like dst_kv_indices and then to the prefill pages.
+        let device_pages = match request.dst_device_kv_indices.as_deref() {
+            None | Some([]) => None,
+            Some(_) if layout.mla_compression_ratios.is_none() => {
+                return Err(CompressedMlaError::DeviceWithoutCompression.into());
+            }
+            Some(_) if peer.requires_dcp_relayout() => {
+                return Err(CompressedMlaError::DeviceWithDcp.into());
+            }
+            Some(all) => {
+                let start = i128::from(chunk.index_slice_start);
+                let end = chunk
+                    .index_slice_end
+                    .map_or(start + all_src.len() as i128, i128::from);
+                let dev = &all[py_slice(all.len(), start, end)];
+                if dev.len() < src_pages.len() {
+                    return Err(CompressedMlaError::DeviceIndicesShort {
+                        device: dev.len(),
+                        pages: src_pages.len(),
+                    }
+                    .into());
+                }
+                Some(&dev[..src_pages.len()])
+            }
+        };
         let plan = &mut self.plan;
         if !src_pages.is_empty() && !layout.kv_data_ptrs.is_empty() && !peer.skips_kv() {
             match peer.kv_mode()? {
+                KvMode::PageCopy(pc) if device_pages.is_some() => emit_two_spaces(
+                    &pc.entries,
+                    &pc.device,
+                    src_pages,
+                    dst_pages,
+                    device_pages.unwrap_or(&[]),
+                    layout.max_transfer_batch_indices,
+                    (&mut self.runs, &mut self.device_runs),
+                    &mut plan.kv,
+                    &mut plan.kv_batch_ends,
+                )?,
                 KvMode::PageCopy(pc) => emit_generic(
                     &pc.entries,
                     src_pages,
