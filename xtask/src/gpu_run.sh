@@ -60,6 +60,8 @@ step demo-tcp-device-qwen3-next-tp2-4 "${demo[@]}" --engine tcp --model qwen3-ne
 step demo-tcp-device-dcp4-draft "${demo[@]}" --engine tcp --model deepseek-v3 --layers 8 --decode-tp 4 --decode-cp 4 --draft-layers 1
 step demo-ipc-prefill-cp2-all-ranks "${demo[@]}" --engine ipc --prefill-cp 2 --all-cp-ranks --prefill-tp 2 --decode-tp 1
 step demo-ipc-dp2-round-robin "${demo[@]}" --engine ipc --dp 2 --dp-round-robin --prefill-tp 2 --decode-tp 1
+step demo-ipc-deepseek-v4-pp2 "${demo[@]}" --engine ipc --model deepseek-v4 --layers 16 --prefill-pp 2 --prefill-tp 2
+step demo-tcp-device-deepseek-v4-hisparse "${demo[@]}" --engine tcp --model deepseek-v4 --layers 16 --prefill-pp 2 --hisparse
 step demo-ipc-qwen3-next-abort "${demo[@]}" --engine ipc --model qwen3-next --layers 16 --prefill-tp 2 --decode-tp 1 --abort-fraction 0.3
 if [ "$bench" = 1 ]; then
   # Heterogeneous TP against homogeneous, per-slice against staged, KV in

@@ -315,7 +315,7 @@ fn gpu_options_say_no_cuda_without_a_gpu() {
 
 #[test]
 fn demo_model_presets_move_states_draft_layers_and_dcp_shares_byte_exact() {
-    let runs: [&[&str]; 10] = [
+    let runs: [&[&str]; 11] = [
         // Mamba slots TP-sliced 2 -> 1 out of two PP stages, with aborts.
         &[
             "--model",
@@ -397,6 +397,16 @@ fn demo_model_presets_move_states_draft_layers_and_dcp_shares_byte_exact() {
             "2",
             "--decode-tp",
             "4",
+        ],
+        // Compressed MLA over PP stages into a HiSparse decode.
+        &[
+            "--model",
+            "deepseek-v4",
+            "--layers",
+            "8",
+            "--prefill-pp",
+            "2",
+            "--hisparse",
         ],
         // Prefill DP groups: routed by the bootstrap room, or registered and queried.
         &["--dp", "2"],

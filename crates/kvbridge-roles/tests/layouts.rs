@@ -11,7 +11,7 @@ mod common;
 use common::*;
 
 use kvbridge_roles::KvPoll;
-use kvbridge_roles::synthetic::{ModelSpec, StateBuffer, StateLayers, StateSpec};
+use kvbridge_roles::synthetic::{CompressedSpec, ModelSpec, StateBuffer, StateLayers, StateSpec};
 
 /// A small hybrid: `layers` layers, every second one full attention.
 fn hybrid(mla: bool, layers: u64, states: Vec<StateSpec>) -> ModelSpec {
@@ -348,4 +348,38 @@ fn a_room_dispatched_against_the_bootstrap_room_rule_fails_with_the_reason() {
     assert_eq!(hinted.poll(), KvPoll::Bootstrapping);
     hinted.clear();
     cluster.shutdown();
+}
+
+/// A small DeepSeek-V4-like pool: 6 layers [0, 4, 128, 4, 128, 4].
+fn compressed() -> ModelSpec {
+    ModelSpec {
+        page_size: 8,
+        compressed: Some(CompressedSpec {
+            ratios: vec![0, 4, 128, 4, 128, 4],
+            c4_bytes: 200,
+            indexer_bytes: 72,
+            c128_bytes: 24,
+        }),
+        ..tiny_model(true, 6)
+    }
+}
+
+#[test]
+fn compressed_mla_stages_pair_per_ratio_group() {
+    // No layer ids (as sglang's V4 pool): each PP stage's C4 KV, indexer and
+    // C128 buffers are sliced out of the decode's whole-model groups.
+    run(compressed(), 1, 1, 1);
+    run(compressed(), 2, 2, 1);
+    run(compressed(), 1, 3, 2);
+}
+
+#[test]
+fn hisparse_decodes_take_c4_kv_in_host_pages() {
+    for (tp, pp) in [(1, 1), (2, 2)] {
+        let shape = Shape {
+            hisparse: true,
+            ..Shape::new(tp, pp, 1)
+        };
+        check(Cluster::shaped(compressed(), shape, 64));
+    }
 }

@@ -35,7 +35,8 @@ use summary::{Failure, Summary, percentile};
 #[derive(Debug, Args)]
 pub struct DemoArgs {
     /// Model preset: `llama3-8b` (MHA/GQA), `deepseek-v3` (MLA),
-    /// `deepseek-v32` (MLA + DSA indexer pages), `qwen3-next` (hybrid:
+    /// `deepseek-v32` (MLA + DSA indexer pages), `deepseek-v4` (compressed
+    /// MLA: C4 KV, C4 indexer and C128 KV pages), `qwen3-next` (hybrid:
     /// full attention every 4th layer, mamba slots TP-sliced on the rest) or
     /// `gpt-oss` (alternating full and 128-token sliding-window layers).
     #[arg(long, default_value = "llama3-8b")]
@@ -44,6 +45,11 @@ pub struct DemoArgs {
     /// shape, on the last prefill stage and every decode rank.
     #[arg(long, default_value_t = 0)]
     draft_layers: u64,
+    /// Decode ranks as HiSparse decodes (`--model deepseek-v4`): their C4
+    /// KV lives in host memory with its own page numbers, the rest in the
+    /// device page space (`dst_device_kv_indices`).
+    #[arg(long)]
+    hisparse: bool,
     /// Prefill context parallelism: each prefill TP rank has this many CP
     /// peers holding the same KV; CP rank 0 sends unless `--all-cp-ranks`.
     #[arg(long, default_value_t = 1)]
@@ -515,9 +521,10 @@ fn summarize(
                 (cp, false) => format!(" CP{cp}"),
             },
             args.decode_tp,
-            match args.decode_cp {
-                1 => String::new(),
-                cp => format!(" DCP{cp}"),
+            match (args.decode_cp, args.hisparse) {
+                (1, false) => String::new(),
+                (1, true) => " HiSparse".into(),
+                (cp, _) => format!(" DCP{cp}"),
             },
             match args.engine {
                 EngineKind::Tcp => "tcp",

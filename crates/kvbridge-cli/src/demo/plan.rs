@@ -45,6 +45,15 @@ pub(super) fn plan(args: &DemoArgs, bootstrap: SocketAddr) -> Result<Plan> {
     }
     if let Some(l) = args.layers {
         model.layers = l.max(1);
+        if let Some(c) = &mut model.compressed {
+            c.ratios.resize(model.layers as usize, 0);
+        }
+    }
+    if args.hisparse && model.compressed.is_none() {
+        bail!(
+            "--hisparse needs a compressed-MLA model (deepseek-v4), not {}",
+            model.name
+        );
     }
     model.draft_layers = args.draft_layers;
     for (name, v) in [
@@ -144,7 +153,8 @@ pub(super) fn plan(args: &DemoArgs, bootstrap: SocketAddr) -> Result<Plan> {
     // wrong buffers (docs/sglang.md, "Layer ids").
     // Hybrid models publish layer ids like sglang's hybrid pools: their KV
     // buffers are only the full-attention layers.
-    let publish_layer_ids = args.prefill_pp > 1 || model.full_attention_interval > 1;
+    let publish_layer_ids =
+        (args.prefill_pp > 1 || model.full_attention_interval > 1) && model.compressed.is_none();
     let ranks = (0..args.dp).flat_map(|dp| {
         (0..args.prefill_pp).flat_map(move |pp| {
             (0..args.prefill_cp)
@@ -187,6 +197,7 @@ pub(super) fn plan(args: &DemoArgs, bootstrap: SocketAddr) -> Result<Plan> {
                 placement: Placement {
                     device: args.device,
                     host_kv_buffers: args.host_kv_buffers,
+                    hisparse: false,
                 },
                 prefill,
                 decode: DecodeConfig::default(),
@@ -220,6 +231,7 @@ pub(super) fn plan(args: &DemoArgs, bootstrap: SocketAddr) -> Result<Plan> {
             placement: Placement {
                 device: args.device,
                 host_kv_buffers: 0,
+                hisparse: args.hisparse,
             },
             prefill: PrefillConfig::default(),
             decode: DecodeConfig {

@@ -110,7 +110,12 @@ pub fn run(file: &RankFile) -> Result<bool> {
                 None => KvPoll::Failed,
             };
             if state != KvPoll::Failed {
-                state = receiver.send_metadata(&p, a[0] as u64, &states, None);
+                state = match pools.hisparse_host_pages(&p) {
+                    Some(host) => {
+                        receiver.send_metadata_hisparse(&host, &p, a[0] as u64, &states, None)
+                    }
+                    None => receiver.send_metadata(&p, a[0] as u64, &states, None),
+                };
             }
             emit(&Event::Started { room: request.room });
             jitter ^= jitter << 13;

@@ -6,6 +6,7 @@
 mod dp_route;
 mod heartbeat;
 mod inbox;
+mod metadata;
 mod receiver;
 mod ring;
 mod slots;

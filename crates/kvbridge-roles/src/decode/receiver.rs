@@ -4,10 +4,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvbridge_wire::bootstrap::{PrefillRankInfo, PrefillServerInfo};
-use kvbridge_wire::{Abort, KvPoll, PackedArray, PackedLists, Transfer, TransferPages};
+use kvbridge_wire::{Abort, KvPoll};
 
 use super::Shared;
-use super::slots::{ExpectedRanks, RoomSlots};
+use super::slots::ExpectedRanks;
 use super::state::{AbortAcks, BootstrapInfo, PrefillSummary};
 use super::topology::{LocalTopology, RankMapping, resolve};
 use crate::error::KvTransferError;
@@ -19,10 +19,10 @@ pub struct KvReceiver {
     pub(super) shared: Arc<Shared>,
     pub(super) bootstrap_addr: String,
     pub(super) room: u64,
-    infos: Option<Vec<BootstrapInfo>>,
-    mapping: Option<RankMapping>,
+    pub(super) infos: Option<Vec<BootstrapInfo>>,
+    pub(super) mapping: Option<RankMapping>,
     pub(super) conclude_state: Option<KvPoll>,
-    init_time: Option<Instant>,
+    pub(super) init_time: Option<Instant>,
     /// When DP routing gives up waiting for the room's DP rank.
     pub(super) dp_deadline: Option<Instant>,
 }
@@ -356,72 +356,7 @@ impl KvReceiver {
         Ok(prefills.pool.entry(key).or_insert(infos).clone())
     }
 
-    /// Tells every prefill rank where the room's KV goes.
-    pub fn send_metadata(
-        &mut self,
-        kv_indices: &[i32],
-        aux_index: u64,
-        state_indices: &[Vec<i32>],
-        decode_prefix_len: Option<u64>,
-    ) -> KvPoll {
-        let _span = tracing::debug_span!("room", room = self.room, side = "decode").entered();
-        let Some(infos) = self.infos.clone() else {
-            return self.fail(format!(
-                "Could not fetch prefill parallel info from bootstrap_addr: {}",
-                self.bootstrap_addr
-            ));
-        };
-        self.shared.rooms.lock().slots.insert(
-            self.room,
-            RoomSlots::new(kv_indices, aux_index, state_indices),
-        );
-        if let Some(m) = &self.mapping {
-            let prefills = infos
-                .iter()
-                .filter(|i| !i.is_dummy)
-                .map(|i| (i.pp_rank, i.endpoint()))
-                .collect();
-            super::staging::register_room(
-                &self.shared,
-                self.room,
-                kv_indices,
-                (m.prefill_attn_tp_size, m.target_pp_ranks.len() as u64),
-                prefills,
-            );
-        }
-        let required = self.mapping.as_ref().map_or(1, |m| m.required_dst_info_num);
-        let session = self.shared.engine.session_id().to_owned();
-        for info in &infos {
-            let message = Transfer {
-                room: self.room,
-                endpoint: self.shared.config.local_ip.as_str().into(),
-                dst_port: self.shared.rank_port,
-                mooncake_session_id: session.as_str().into(),
-                pages: (!info.is_dummy).then(|| TransferPages {
-                    dst_kv_indices: PackedArray::from(kv_indices),
-                    dst_aux_index: aux_index,
-                    dst_state_indices: PackedLists::from_lists(state_indices),
-                    dst_device_kv_indices: None,
-                }),
-                required_dst_info_num: required,
-                decode_prefix_len: Some(decode_prefix_len.unwrap_or(0)),
-            };
-            if let Err(e) = self.shared.push.send(
-                &info.endpoint(),
-                message.encode().iter().map(|f| f.as_ref()),
-            ) {
-                self.invalidate_cache();
-                return self.fail(format!(
-                    "send_metadata to prefill {}:{} failed: {e}",
-                    info.rank_ip, info.rank_port
-                ));
-            }
-        }
-        self.init_time = Some(Instant::now());
-        self.poll()
-    }
-
-    fn invalidate_cache(&self) {
+    pub(super) fn invalidate_cache(&self) {
         let prefix = format!("{}_", self.bootstrap_addr);
         self.shared
             .prefills

@@ -18,7 +18,7 @@ mod states;
 
 use kvbridge_mem::MemError;
 
-pub use model::{ModelSpec, Placement, RankSpec};
+pub use model::{CompressedSpec, ModelSpec, Placement, RankSpec};
 pub use pattern::Verified;
 pub use pools::RankPools;
 pub use states::{StateBuffer, StateLayers, StateSpec};

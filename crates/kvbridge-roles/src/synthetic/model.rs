@@ -34,6 +34,38 @@ pub struct ModelSpec {
     /// Per-request state components (mamba slots, SWA or DSA pages, ...).
     #[serde(default)]
     pub states: Vec<StateSpec>,
+    /// A compressed-MLA pool (DeepSeek-V4) instead of one latent per layer.
+    #[serde(default)]
+    pub compressed: Option<CompressedSpec>,
+}
+
+/// DeepSeek-V4's compressed-MLA pool: per layer a compression ratio; the
+/// KV buffers are the C4 KV, C4 indexer and C128 KV groups, each addressed
+/// by the full page id with its own bytes per page.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CompressedSpec {
+    /// Compression ratio of every layer (0: no compressed KV, 4, 128).
+    pub ratios: Vec<u64>,
+    /// Bytes per page of a C4 KV buffer.
+    pub c4_bytes: u64,
+    /// Bytes per page of a C4 indexer buffer.
+    pub indexer_bytes: u64,
+    /// Bytes per page of a C128 KV buffer.
+    pub c128_bytes: u64,
+}
+
+impl CompressedSpec {
+    /// `(global layer, group, bytes per page)` of each KV buffer of layers
+    /// `[start, end)`: C4 KV (group 0), C4 indexer (1), C128 KV (2).
+    pub fn buffers(&self, start: u64, end: u64) -> Vec<(u64, u64, u64)> {
+        let layers =
+            |ratio: u64| (start..end).filter(move |&l| self.ratios.get(l as usize) == Some(&ratio));
+        layers(4)
+            .map(|l| (l, 0, self.c4_bytes))
+            .chain(layers(4).map(|l| (l, 1, self.indexer_bytes)))
+            .chain(layers(128).map(|l| (l, 2, self.c128_bytes)))
+            .collect()
+    }
 }
 
 fn one() -> u64 {
@@ -55,6 +87,7 @@ impl Default for ModelSpec {
             full_attention_interval: 1,
             draft_layers: 0,
             states: Vec::new(),
+            compressed: None,
         }
     }
 }
@@ -173,11 +206,42 @@ impl ModelSpec {
         }
     }
 
+    /// A DeepSeek-V4-like compressed-MLA model: 61 layers, the first two
+    /// without compressed KV, then alternating ratio 4 and 128; pages of 256
+    /// tokens: a C4 page holds 64 compressed rows (37440 bytes padded), its
+    /// indexer page 64 rows of 132 bytes, a C128 page 2 rows (1728 bytes).
+    pub fn deepseek_v4() -> Self {
+        let ratios = (0..61u64)
+            .map(|l| match l {
+                0 | 1 => 0,
+                l if l % 2 == 0 => 4,
+                _ => 128,
+            })
+            .collect();
+        Self {
+            name: "deepseek-v4".into(),
+            layers: 61,
+            kv_heads: 1,
+            head_bytes: 584,
+            mla: true,
+            page_size: 256,
+            aux_item_lens: vec![64, 1024],
+            compressed: Some(CompressedSpec {
+                ratios,
+                c4_bytes: 37440,
+                indexer_bytes: 64 * 132,
+                c128_bytes: 1728,
+            }),
+            ..Self::default()
+        }
+    }
+
     /// Every preset name.
-    pub const PRESETS: [&'static str; 5] = [
+    pub const PRESETS: [&'static str; 6] = [
         "llama3-8b",
         "deepseek-v3",
         "deepseek-v32",
+        "deepseek-v4",
         "qwen3-next",
         "gpt-oss",
     ];
@@ -188,6 +252,7 @@ impl ModelSpec {
             "llama3-8b" | "llama" => Some(Self::llama3_8b()),
             "deepseek-v3" | "deepseek" | "mla" => Some(Self::deepseek_v3()),
             "deepseek-v32" | "dsa" => Some(Self::deepseek_v32()),
+            "deepseek-v4" | "compressed-mla" => Some(Self::deepseek_v4()),
             "qwen3-next" | "mamba" => Some(Self::qwen3_next()),
             "gpt-oss" | "swa" => Some(Self::gpt_oss()),
             _ => None,
@@ -237,6 +302,18 @@ impl ModelSpec {
         }
         for s in &self.states {
             s.validate(tp)?;
+        }
+        if let Some(c) = &self.compressed {
+            if !self.mla || self.draft_layers > 0 {
+                return Err("a compressed-MLA pool is MLA and has no draft layers here".into());
+            }
+            if c.ratios.len() as u64 != self.layers {
+                return Err(format!(
+                    "{} compression ratios for {} layers",
+                    c.ratios.len(),
+                    self.layers
+                ));
+            }
         }
         Ok(())
     }
@@ -313,4 +390,7 @@ pub struct Placement {
     /// With a GPU: how many KV buffers (the first ones) stay in host memory
     /// anyway, so their blocks take the intra-node host path (`STATE_DATA`).
     pub host_kv_buffers: u64,
+    /// A HiSparse decode (compressed-MLA pools): its C4 KV buffers live in
+    /// host memory with their own page numbers.
+    pub hisparse: bool,
 }

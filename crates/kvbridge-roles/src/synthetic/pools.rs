@@ -18,6 +18,11 @@ struct KvBuf {
     kv: u64,
     draft: bool,
     item: u64,
+    /// Compressed-MLA group (0 C4 KV, 1 C4 indexer, 2 C128 KV): the page
+    /// is one pattern of `item` bytes.
+    group: Option<u64>,
+    /// Addressed by HiSparse host page numbers.
+    host_pages: bool,
     mem: PoolBuf,
 }
 
@@ -33,6 +38,7 @@ pub struct RankPools {
     kv: Vec<KvBuf>,
     aux: Vec<PoolBuf>,
     states: Vec<StatePool>,
+    hisparse: bool,
 }
 
 impl RankPools {
@@ -64,6 +70,11 @@ impl RankPools {
                 "decode context parallelism needs an MLA model".into(),
             ));
         }
+        if dcp > 1 && model.compressed.is_some() {
+            return Err(PoolError::Model(
+                "decode context parallelism with a compressed-MLA pool is not modelled".into(),
+            ));
+        }
         if dcp > 1 && !model.states.is_empty() {
             return Err(PoolError::Model(
                 "decode context parallelism with state components is not modelled".into(),
@@ -79,28 +90,43 @@ impl RankPools {
         let item = model.item_len(rank.tp_size);
         let halves = if model.mla { 1 } else { 2 };
         let mut plan = Vec::new();
-        for (layers, is_draft) in [(&target, false), (&draft, true)] {
-            for kv in 0..halves {
-                for &layer in layers {
-                    // A DCP rank's draft pages are virtual: every token of
-                    // `page_size * dcp_size`.
-                    let item = if is_draft { item * dcp } else { item };
-                    plan.push((layer, kv, is_draft, item));
+        if let Some(c) = &model.compressed {
+            for (layer, group, item) in c.buffers(start, end) {
+                plan.push((layer, 0, false, item, Some(group)));
+            }
+        } else {
+            for (layers, is_draft) in [(&target, false), (&draft, true)] {
+                for kv in 0..halves {
+                    for &layer in layers {
+                        // A DCP rank's draft pages are virtual: every token of
+                        // `page_size * dcp_size`.
+                        let item = if is_draft { item * dcp } else { item };
+                        plan.push((layer, kv, is_draft, item, None));
+                    }
                 }
             }
+        }
+        if placement.hisparse && model.compressed.is_none() {
+            return Err(PoolError::Model(
+                "HiSparse destinations need a compressed-MLA model".into(),
+            ));
         }
         let kv = plan
             .into_iter()
             .enumerate()
-            .map(|(b, (layer, kv, draft, item))| {
+            .map(|(b, (layer, kv, draft, item, group))| {
+                // HiSparse keeps the C4 KV in host memory, its own pages.
+                let host_pages = placement.hisparse && group == Some(0);
                 let device = placement
                     .device
-                    .filter(|_| b as u64 >= placement.host_kv_buffers);
+                    .filter(|_| b as u64 >= placement.host_kv_buffers && !host_pages);
                 Ok(KvBuf {
                     layer,
                     kv,
                     draft,
                     item,
+                    group,
+                    host_pages,
                     mem: PoolBuf::new(item * pages, device)?,
                 })
             })
@@ -134,7 +160,29 @@ impl RankPools {
             kv,
             aux,
             states,
+            hisparse: placement.hisparse,
         })
+    }
+
+    /// A HiSparse decode's pages of its C4 KV buffers for a request on
+    /// `pages` (its own numbering, mirrored so that they differ); `None`
+    /// when these pools are not HiSparse.
+    pub fn hisparse_host_pages(&self, pages: &[i32]) -> Option<Vec<i32>> {
+        self.hisparse
+            .then(|| pages.iter().map(|&p| self.host_page(p)).collect())
+    }
+
+    fn host_page(&self, p: i32) -> i32 {
+        i32::try_from(self.pages).unwrap_or(i32::MAX) - 1 - p
+    }
+
+    /// The page buffer `buf` holds a request's page `page` in.
+    fn page_of(&self, buf: &KvBuf, page: i32) -> i32 {
+        if buf.host_pages {
+            self.host_page(page)
+        } else {
+            page
+        }
     }
 
     /// Pages per KV buffer.
@@ -174,7 +222,8 @@ impl RankPools {
 
     fn registration(&self, publish_layer_ids: bool) -> KvArgs {
         let (start, end) = self.rank.layer_range(self.model.layers);
-        let layer_ids = if publish_layer_ids {
+        // Compressed pools publish no layer ids (sglang's DeepSeek-V4 pool).
+        let layer_ids = if publish_layer_ids && self.model.compressed.is_none() {
             self.kv.iter().map(|b| b.layer as i64).collect()
         } else {
             Vec::new()
@@ -203,6 +252,7 @@ impl RankPools {
                 aux_data_ptrs: self.aux.iter().map(PoolBuf::addr).collect(),
                 aux_item_lens: self.model.aux_item_lens.clone(),
                 states: self.states.iter().map(StatePool::component).collect(),
+                mla_compression_ratios: self.model.compressed.as_ref().map(|c| c.ratios.clone()),
                 ..PrefillLayout::default()
             },
             kv_data_lens: self.kv.iter().map(|b| b.mem.len() as u64).collect(),
@@ -255,12 +305,18 @@ impl RankPools {
         for (b, buf) in self.kv.iter().enumerate() {
             let mut stage = vec![0u8; buf.item as usize];
             for (k, &page) in req.pages.iter().enumerate() {
-                self.for_each_slice(k as u64, |off, token, head| {
-                    if let Some(dst) = stage.get_mut(off..off + hb) {
-                        slice_pattern(slice_seed(room, buf.layer, buf.kv, token, head), dst);
+                match buf.group {
+                    Some(g) => {
+                        let seed = slice_seed(room, buf.layer, 2 + g, k as u64, 0);
+                        slice_pattern(seed, &mut stage);
                     }
-                });
-                writes.push((b, page, stage.clone()));
+                    None => self.for_each_slice(k as u64, |off, token, head| {
+                        if let Some(dst) = stage.get_mut(off..off + hb) {
+                            slice_pattern(slice_seed(room, buf.layer, buf.kv, token, head), dst);
+                        }
+                    }),
+                }
+                writes.push((b, self.page_of(buf, page), stage.clone()));
             }
         }
         for (b, page, data) in writes {
@@ -305,8 +361,14 @@ impl RankPools {
         for buf in &self.kv {
             let mut stage = vec![0u8; buf.item as usize];
             for (k, &page) in pages.iter().enumerate() {
+                let page = self.page_of(buf, page);
                 let read = item_offset(i64::from(page), buf.item)
                     .is_some_and(|off| buf.mem.read(off, &mut stage));
+                if let Some(g) = buf.group {
+                    let seed = slice_seed(room, buf.layer, 2 + g, k as u64, 0);
+                    v.check(seed, read.then_some(stage.as_slice()), stage.len());
+                    continue;
+                }
                 self.for_each_slice(k as u64, |off, token, head| {
                     let got = if read { stage.get(off..off + hb) } else { None };
                     v.check(slice_seed(room, buf.layer, buf.kv, token, head), got, hb);
@@ -373,9 +435,15 @@ impl RankPools {
     /// Overwrites the request's pages with `byte` (e.g. after an abort, to
     /// detect any late write).
     pub fn poison(&mut self, pages: &[i32], byte: u8) {
+        let total = i32::try_from(self.pages).unwrap_or(i32::MAX);
         for buf in &mut self.kv {
             let fill = vec![byte; buf.item as usize];
             for &page in pages {
+                let page = if buf.host_pages {
+                    total - 1 - page
+                } else {
+                    page
+                };
                 if let Some(off) = item_offset(i64::from(page), buf.item) {
                     buf.mem.write(off, &fill);
                 }
@@ -388,6 +456,7 @@ impl RankPools {
         self.kv.iter().all(|buf| {
             let mut stage = vec![0u8; buf.item as usize];
             pages.iter().all(|&page| {
+                let page = self.page_of(buf, page);
                 item_offset(i64::from(page), buf.item)
                     .is_some_and(|off| buf.mem.read(off, &mut stage))
                     && stage.iter().all(|b| *b == byte)

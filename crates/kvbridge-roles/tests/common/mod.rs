@@ -273,7 +273,9 @@ pub fn wait_for(timeout: Duration, want: KvPoll, mut f: impl FnMut() -> KvPoll) 
     }
 }
 
-use kvbridge_roles::synthetic::{ModelSpec, RankPools, RankSpec, RequestSlots, Verified};
+use kvbridge_roles::synthetic::{
+    ModelSpec, Placement, RankPools, RankSpec, RequestSlots, Verified,
+};
 
 /// A small model for tests: `layers` layers, 8 KV heads (or MLA), tiny heads.
 pub fn tiny_model(mla: bool, layers: u64) -> ModelSpec {
@@ -306,6 +308,8 @@ pub struct Shape {
     /// Rooms go to DP groups by a rule other than the bootstrap room: the
     /// prefill registers each room's DP rank, the decode asks for it.
     pub dp_query: bool,
+    /// HiSparse decode ranks (compressed-MLA models): C4 KV in host pages.
+    pub hisparse: bool,
 }
 
 impl Shape {
@@ -320,6 +324,7 @@ impl Shape {
             all_cp_ranks: false,
             prefill_dp: 1,
             dp_query: false,
+            hisparse: false,
         }
     }
 }
@@ -423,6 +428,7 @@ impl Cluster {
             all_cp_ranks,
             prefill_dp,
             dp_query,
+            hisparse,
         } = shape;
         let bootstrap = bootstrap();
         // Positional PP pairing (no layer ids, as sglang's plain pools)
@@ -479,7 +485,12 @@ impl Cluster {
                 dcp_rank: tp % decode_cp,
                 ..Default::default()
             };
-            let pools = RankPools::new(model.clone(), rank, pages, 8).expect("pools");
+            let placement = Placement {
+                hisparse,
+                ..Placement::default()
+            };
+            let pools =
+                RankPools::with_placement(model.clone(), rank, pages, 8, placement).expect("pools");
             let mut config = decode_config(decode_tp);
             if let Some((_, s)) = &staging {
                 config.staging = s.clone();
@@ -584,7 +595,10 @@ impl Cluster {
                 KvPoll::WaitingForInput,
                 "room {room}: decode init"
             );
-            rx.send_metadata(&req.pages, req.slot, &states, None);
+            match pools.hisparse_host_pages(&req.pages) {
+                Some(host) => rx.send_metadata_hisparse(&host, &req.pages, req.slot, &states, None),
+                None => rx.send_metadata(&req.pages, req.slot, &states, None),
+            };
             receivers.push((rx, req));
         }
         for (tx, _) in &mut senders {
