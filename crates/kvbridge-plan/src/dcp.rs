@@ -10,8 +10,9 @@
 //!   pages of `page_size * dst_dcp_size` tokens; a draft whose decode width
 //!   differs is head-sliced per token.
 
-use crate::block::Block;
+use crate::block::{Block, Run};
 use crate::error::PlanError;
+use crate::head_slice::RunOut;
 use crate::index_runs::{IndexRuns, add, addr, mul, page, signed, u64_of};
 use crate::layout::{PeerRegistration, PrefillLayout};
 use crate::pairing::{Entry, flat_pp_positions, pair_by_layer_ids};
@@ -225,13 +226,18 @@ pub(crate) struct DcpChunk<'a> {
 
 impl DcpRelayout {
     /// Appends the relayout's blocks: target and whole-width draft entries in
-    /// one batch, then sliced draft entries in token batches.
+    /// one batch, then sliced draft entries in token batches. With
+    /// `strided`, the target tokens go there as strided [`Run`]s instead
+    /// (every `dcp_size`-th source row into consecutive decode rows: one
+    /// descriptor per page run rather than one per token, what sglang gets
+    /// by packing the rows into a buffer first).
     pub(crate) fn emit(
         &self,
         c: &DcpChunk<'_>,
         runs: &mut IndexRuns,
         out: &mut Vec<Block>,
         batch_ends: &mut Vec<usize>,
+        strided: Option<&mut RunOut>,
     ) -> Result<(), PlanError> {
         let n_tokens = c.num_kv_tokens.ok_or(PlanError::MissingNumKvTokens)?;
         let ps = c.page_size;
@@ -289,7 +295,11 @@ impl DcpRelayout {
         // Their decode-local token (base + t) / dcp grows by exactly one per step.
         runs.clear();
         let t0 = (self.dcp_rank % dcp + dcp - (c.prefix % dcp + base % dcp) % dcp) % dcp;
-        if t0 < n_tokens {
+        if let Some(out_runs) = strided {
+            if t0 < n_tokens {
+                self.emit_target_strided(c, t0, n_tokens, out_runs)?;
+            }
+        } else if t0 < n_tokens {
             let mut src = Cursor::at(t0, ps);
             let mut dst = Cursor::at((base + t0) / dcp, ps);
             let mut t = t0;
@@ -383,6 +393,62 @@ impl DcpRelayout {
         } else {
             batch_ends.push(out.len());
         }
+        Ok(())
+    }
+}
+
+impl DcpRelayout {
+    /// The target tokens `t0, t0 + dcp, ...` as strided runs: maximal
+    /// sequences whose source rows step by `dcp_size` and decode rows by one
+    /// (across page boundaries when the page numbers follow on), one run per
+    /// sequence and target entry.
+    fn emit_target_strided(
+        &self,
+        c: &DcpChunk<'_>,
+        t0: u64,
+        n_tokens: u64,
+        out: &mut RunOut,
+    ) -> Result<(), PlanError> {
+        let dcp = self.dcp_size;
+        let base = mul(c.page_offset, c.page_size)?;
+        let mut src = Cursor::at(t0, c.page_size);
+        let mut dst = Cursor::at((base + t0) / dcp, c.page_size);
+        // (first source row, first decode row, tokens)
+        let mut seqs: Vec<(u64, u64, u64)> = Vec::new();
+        let mut t = t0;
+        loop {
+            let (s, d) = (src.row(c.pages), dst.row(c.vpages));
+            match seqs.last_mut() {
+                Some((s0, d0, n)) if s == *s0 + *n * dcp && d == *d0 + *n => *n += 1,
+                _ => seqs.push((s, d, 1)),
+            }
+            t = match t.checked_add(dcp) {
+                Some(next) if next < n_tokens => next,
+                _ => break,
+            };
+            src.advance(dcp);
+            dst.step();
+        }
+        let target = self.target.as_ref().map_err(Clone::clone)?;
+        for e in target {
+            let w = e.item_len;
+            if w == 0 {
+                continue;
+            }
+            let src_stride = mul(dcp, w)?;
+            for &(s0, d0, n) in &seqs {
+                // The last copy's rows were checked to fit (emit's row checks).
+                out.runs.push(Run {
+                    src: addr(e.src, s0, w)?,
+                    dst: addr(e.dst, d0, w)?,
+                    len: w,
+                    count: n,
+                    src_stride,
+                    dst_stride: w,
+                });
+            }
+        }
+        out.ends.push(out.runs.len());
         Ok(())
     }
 }

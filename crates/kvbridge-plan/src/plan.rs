@@ -370,6 +370,7 @@ impl Planner {
                     &mut self.runs,
                     &mut plan.kv,
                     &mut plan.kv_batch_ends,
+                    self.strided.then_some(&mut plan.kv_runs),
                 )?,
             }
         }

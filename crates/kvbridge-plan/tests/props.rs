@@ -639,3 +639,58 @@ proptest! {
         prop_assert_eq!(next, total);
     }
 }
+
+proptest! {
+    /// DCP relayout with strided KV: the target tokens' runs expand to
+    /// exactly the blocks of the plain plan (as a set; the draft stays in
+    /// blocks), in no more descriptors than tokens, and for pages that
+    /// follow on, one run per entry.
+    #[test]
+    fn dcp_strided_runs_expand_to_the_block_plan(
+        ps in 1u64..9,
+        dcp in 2u64..5,
+        rank_seed in 0u64..8,
+        nd in 0u64..2,
+        (src, dst) in page_pair(10),
+        cut in 0u64..8,
+    ) {
+        let layers = 2usize;
+        let mut layout = mla(layers + nd as usize, ps, ps * 16);
+        layout.num_draft_entries = nd;
+        let n = src.len() as u64;
+        let tokens = (n * ps).saturating_sub(cut.min(ps.saturating_sub(1)));
+        // Virtual decode pages: ceil(tokens / (ps * dcp)) of them.
+        let vpages: Vec<i32> = dst.iter().copied().take(tokens.div_ceil(ps * dcp) as usize).collect();
+        let reg = PeerRegistration {
+            dst_dcp_size: dcp,
+            dst_dcp_rank: rank_seed % dcp,
+            dst_kv_item_lens: [vec![ps * 16; layers], vec![ps * dcp * 16; nd as usize]].concat(),
+            ..peer(layers + nd as usize, ps * 16)
+        };
+        let Ok(peer) = PreparedPeer::new(&layout, reg) else {
+            return Ok(());
+        };
+        let req = request(&vpages);
+        let ch = TransferChunk { num_kv_tokens: Some(tokens), ..chunk(&src) };
+        let mut plain = Planner::new();
+        let mut strided = Planner::new();
+        strided.set_strided_kv(true);
+        let a = plain.plan_chunk(&layout, &peer, &req, &ch).cloned();
+        let b = strided.plan_chunk(&layout, &peer, &req, &ch).cloned();
+        match (a, b) {
+            (Ok(a), Ok(b)) => {
+                prop_assert_eq!(a.canonical(), b.canonical());
+                prop_assert_eq!(a.block_count(), b.block_count());
+                let target_tokens = b.kv_runs().iter().map(|r| r.count).sum::<u64>();
+                prop_assert!(b.kv_runs().len() as u64 <= target_tokens);
+                let contiguous = src.windows(2).all(|w| w[1] == w[0] + 1)
+                    && vpages.windows(2).all(|w| w[1] == w[0] + 1);
+                if contiguous && target_tokens > 0 {
+                    prop_assert_eq!(b.kv_runs().len(), layers);
+                }
+            }
+            (Err(x), Err(y)) => prop_assert_eq!(x, y),
+            (x, y) => prop_assert!(false, "plain {:?} vs strided {:?}", x.err(), y.err()),
+        }
+    }
+}
