@@ -78,6 +78,8 @@ class Spec:
     decode_pp: int = 1
     #: Prefill attention-DP groups (TP 1 each; sglang-run prefills only).
     prefill_dp: int = 1
+    #: Prefill attention-CP ranks (TP 1 each, each holding the whole KV).
+    prefill_cp: int = 1
     #: How rooms reach the prefill DP groups (sglang's --load-balance-method).
     load_balance_method: str = "follow_bootstrap_room"
     model: harness.ModelSpec = field(default_factory=harness.ModelSpec)
@@ -300,14 +302,16 @@ def _run(spec: Spec, procs: Dict[str, Proc], scratch: str) -> Outcome:
         start("bootstrap", "bootstrap", SGLANG, [py, WORKER, "bootstrap", "--bootstrap-port", str(bport)]
               + _backend_args(spec, spec.bootstrap_backend))
     up = wait_port(bport, 30)
-    parts = (("prefill", spec.prefill_tp, spec.prefill_pp, spec.prefill_dp, spec.prefill),
-             ("decode", spec.decode_tp, spec.decode_pp, 1, spec.decode))
-    for kind, tp_size, pp_size, dp_size, impl in parts:
-        for dp_rank, pp_rank, tp_rank in itertools.product(range(dp_size), range(pp_size), range(tp_size)):
+    parts = (("prefill", spec.prefill_tp, spec.prefill_pp, spec.prefill_dp, spec.prefill_cp, spec.prefill),
+             ("decode", spec.decode_tp, spec.decode_pp, 1, 1, spec.decode))
+    for kind, tp_size, pp_size, dp_size, cp_size, impl in parts:
+        ranks = itertools.product(range(dp_size), range(cp_size), range(pp_size), range(tp_size))
+        for dp_rank, cp_rank, pp_rank, tp_rank in ranks:
             rank = harness.RankSpec(tp_size, tp_rank, pp_size, pp_rank)
             name = (f"{kind}-tp{tp_rank}" + (f"-pp{pp_rank}" if pp_size > 1 else "")
-                    + (f"-dp{dp_rank}" if dp_size > 1 else ""))
+                    + (f"-dp{dp_rank}" if dp_size > 1 else "") + (f"-cp{cp_rank}" if cp_size > 1 else ""))
             dp_args = ["--dp", str(dp_size), str(dp_rank)] if dp_size > 1 else []
+            dp_args += ["--cp", str(cp_size), str(cp_rank)] if cp_size > 1 else []
             dp_args += ["--load-balance-method", spec.load_balance_method]
             if impl == KVBRIDGE:
                 cfg = _rank_file(spec, rank, boot, scratch, name)

@@ -460,6 +460,16 @@ def override_dp(size: int, rank: int, load_balance_method: str) -> None:
         load_balance_method=load_balance_method)
 
 
+def override_cp(size: int, rank: int) -> None:
+    """Makes this process attention-CP rank ``rank`` of ``size`` (one
+    attention-TP rank per CP group), as a context-parallel launch would."""
+    from sglang.srt.runtime_context import get_parallel
+
+    get_parallel().override_permanently(
+        tp_size=size, tp_rank=rank, moe_tp_size=size, moe_tp_rank=rank,
+        attn_cp_size=size, attn_cp_rank=rank)
+
+
 class FileGroup:
     """The part of sglang's ``GroupCoordinator`` the connector uses. With
     more than one rank, objects are broadcast through pickle files in

@@ -126,6 +126,8 @@ def build_manager(mode: str, args):
     sa = harness.publish_server_args(mode, bootstrap_port=args.bootstrap_port, rank=rank, http_port=args.http_port)
     if args.dp[0] > 1:
         harness.override_dp(args.dp[0], args.dp[1], args.load_balance_method)
+    if args.cp[0] > 1:
+        harness.override_cp(args.cp[0], args.cp[1])
     engine = harness.init_engine(gpu_id=rank.tp_rank)
     manager_class = kv_class("manager")
     log(mode, f"engine session {engine.get_session_id()} ({type(engine.engine).__module__}), "
@@ -141,7 +143,8 @@ def run_prefill(args) -> int:
     from sglang.srt.disaggregation.base.conn import KVPoll
 
     sender_class = kv_class("sender")
-    role = f"prefill-tp{args.tp[1]}-pp{args.pp[1]}" + (f"-dp{args.dp[1]}" if args.dp[0] > 1 else "")
+    role = (f"prefill-tp{args.tp[1]}-pp{args.pp[1]}" + (f"-dp{args.dp[1]}" if args.dp[0] > 1 else "")
+            + (f"-cp{args.cp[1]}" if args.cp[0] > 1 else ""))
     # A DP group serves only the rooms dispatched to it.
     requests = [r for r in args.workload.plan() if dp_of(args, r) == args.dp[1]]
     plans = harness.allocate(requests, args.model, args.pages, args.aux_slots, reverse=False,
@@ -724,6 +727,8 @@ def parse_args(argv=None):
     ap.add_argument("--pp", type=int, nargs=2, default=[1, 0], metavar=("SIZE", "RANK"))
     ap.add_argument("--dp", type=int, nargs=2, default=[1, 0], metavar=("SIZE", "RANK"),
                     help="prefill: attention-DP size and this process's DP rank (one attention-TP rank each)")
+    ap.add_argument("--cp", type=int, nargs=2, default=[1, 0], metavar=("SIZE", "RANK"),
+                    help="prefill: attention-CP size and this process's CP rank (each holds the whole KV)")
     ap.add_argument("--load-balance-method", default="follow_bootstrap_room",
                     help="how rooms reach prefill DP ranks (sglang's --load-balance-method)")
     ap.add_argument("--pages", type=int, default=64, help="pages per KV buffer")

@@ -290,9 +290,9 @@ fn prefill_context_parallel_rank_0_sends_and_the_others_stand_by() {
 
 #[test]
 fn prefill_context_parallel_ranks_each_send_a_share() {
-    // All-ranks transfer: each CP rank sends its contiguous share of the
-    // pages (the decode learns this from the bootstrap server and asks
-    // every CP rank); the replicated state comes from CP rank 0 only.
+    // All-ranks transfer on both sides: each CP rank sends its contiguous
+    // share of the pages and the decode asks every CP rank; the replicated
+    // state comes from CP rank 0 only.
     for (model, tp, cp, decode_tp) in [
         (tiny_model(false, 3), 1, 3, 2),
         (tiny_model(true, 3), 2, 2, 1),
@@ -301,6 +301,7 @@ fn prefill_context_parallel_ranks_each_send_a_share() {
         let shape = Shape {
             prefill_cp: cp,
             all_cp_ranks: true,
+            decode_all_cp_ranks: true,
             ..Shape::new(tp, 1, decode_tp)
         };
         check(Cluster::shaped(model, shape, 64));
@@ -382,4 +383,28 @@ fn hisparse_decodes_take_c4_kv_in_host_pages() {
         };
         check(Cluster::shaped(compressed(), shape, 64));
     }
+}
+
+#[test]
+fn a_decode_pulling_cp_rank_0_alone_from_sharing_ranks_fails_loudly() {
+    // The prefill's CP ranks share each room but the decode was not told:
+    // rank 0's share alone would pass for the room. The decode sees the
+    // prefill's mode in its bootstrap entry and fails the room, naming the
+    // setting, instead of taking part of the KV.
+    let shape = Shape {
+        prefill_cp: 2,
+        all_cp_ranks: true,
+        ..Shape::new(1, 1, 1)
+    };
+    let cluster = Cluster::shaped(tiny_model(false, 2), shape, 16);
+    let addr = cluster.bootstrap.local_addr().to_string();
+    let (decode, _) = &cluster.decode[0];
+    let mut rx = decode.receiver(&addr, 5);
+    assert_eq!(rx.init(0), KvPoll::Failed);
+    let why = rx.failure_exception().reason;
+    assert!(
+        why.contains("SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER"),
+        "{why}"
+    );
+    cluster.shutdown();
 }

@@ -231,8 +231,8 @@ pub struct RouteRegistration {
     pub engine_session: Option<String>,
     /// kvbridge extension: under context parallelism, whether every CP
     /// rank transfers a share (`SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER`
-    /// on the prefill), so decodes pull from all of them without having
-    /// to be configured alike. Absent from sglang's bodies.
+    /// on the prefill), so a decode configured otherwise can say so instead
+    /// of taking a partial room. Absent from sglang's bodies.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub all_cp_ranks_transfer: Option<bool>,
 }
@@ -254,6 +254,7 @@ impl RouteRegistration {
             rank_ip: self.rank_ip.clone(),
             rank_port: self.rank_port,
             engine_session: self.engine_session.clone(),
+            all_cp_ranks_transfer: self.all_cp_ranks_transfer,
         }
     }
 
@@ -366,10 +367,6 @@ pub struct PrefillServerInfo {
     /// Whether KV pages are sharded across ranks.
     #[serde(default)]
     pub enable_kv_cache_sharding: bool,
-    /// kvbridge extension: every prefill CP rank transfers a share (absent
-    /// from sglang's servers: the decode's own setting decides).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub all_cp_ranks_transfer: Option<bool>,
     /// The prefill server's HTTP API port.
     #[serde(default)]
     pub prefill_http_port: Option<u64>,
@@ -427,6 +424,11 @@ pub struct PrefillRankInfo {
     /// published one (see [`RouteRegistration::engine_session`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub engine_session: Option<String>,
+    /// kvbridge extension: the rank's CP transfer mode, when it published
+    /// one (see [`RouteRegistration::all_cp_ranks_transfer`]). Kept out of
+    /// the server-wide answer, which sglang's decode parses strictly.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub all_cp_ranks_transfer: Option<bool>,
 }
 
 /// `POST /register_dp_rank`: which prefill DP rank serves a room.
@@ -507,7 +509,6 @@ mod tests {
             kv_layout: None,
             decode_allocation_policy: "early".into(),
             enable_kv_cache_sharding: false,
-            all_cp_ranks_transfer: None,
             prefill_http_port: None,
             target_tp_rank: None,
             target_tp_ranks: None,

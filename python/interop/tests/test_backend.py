@@ -181,6 +181,34 @@ def test_backend_dp(pairing, method):
             assert p.result["done"] == groups[int(p.name[-1])], detail
 
 
+CP_MATRIX = [pytest.param(p, a, id=f"{p}-cp2-{'all-ranks' if a else 'rank0'}") for p in PAIRINGS
+             for a in (False, True) if FULL or p == "kvbridge-both" or a]
+
+
+@pytest.mark.parametrize("pairing,all_ranks", CP_MATRIX)
+def test_backend_cp(pairing, all_ranks):
+    """Prefill attention context parallelism, 2 CP ranks each holding the
+    whole KV: CP rank 0 sends and rank 1 is a dummy the decode never asks
+    (``is_dummy_cp_rank``), or with ``SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER``
+    (set for every process, as both sides must agree) each sends its share of
+    the pages; every byte checked on the decode."""
+    prefill, decode, bootstrap = PAIRINGS[pairing]
+    env = {"SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER": "1"} if all_ranks else {}
+    spec = cluster.Spec(engine_module="kvbridge", prefill_backend=prefill, decode_backend=decode,
+                        bootstrap_backend=bootstrap, timeout=45, prefill_cp=2, env=env,
+                        workload=harness.Workload(requests=6))
+    out = cluster.run(spec)
+    detail = out.report() + "\n" + out.outputs()
+    assert out.ok, detail
+    rooms = sorted(r.room for r in spec.workload.plan())
+    for p in out.procs.values():
+        if p.kind in ("decode", "prefill"):
+            assert p.result["done"] == rooms, detail
+        if p.kind == "decode":
+            assert p.result["bad"] == [] and p.result["untouched_ok"], detail
+            assert p.result["verified_bytes"] == expected_bytes(spec, rooms), detail
+
+
 def test_malformed_setting_is_refused(monkeypatch):
     """A malformed sglang setting fails start-up (sglang itself would fall
     back to the default with a warning)."""

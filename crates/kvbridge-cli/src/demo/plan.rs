@@ -240,6 +240,7 @@ pub(super) fn plan(args: &DemoArgs, bootstrap: SocketAddr) -> Result<Plan> {
                 waiting_timeout: Duration::from_secs(120),
                 nvlink_intra: args.nvlink_intra,
                 staging: staging.clone(),
+                all_cp_ranks: args.all_cp_ranks,
                 ..DecodeConfig::default()
             },
             bootstrap_addr: Some(bootstrap.to_string()),

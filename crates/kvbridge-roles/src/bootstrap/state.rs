@@ -59,7 +59,6 @@ pub struct BootstrapState {
     follow_bootstrap_room: Option<bool>,
     enable_dsa_cache_layer_split: Option<bool>,
     enable_kv_cache_sharding: Option<bool>,
-    all_cp_ranks_transfer: Option<bool>,
     prefill_http_port: Option<u64>,
     decode_allocation_policy: Option<String>,
     /// dp group → cp rank → tp rank → pp rank → endpoint.
@@ -227,9 +226,6 @@ impl BootstrapState {
             .get_or_insert(reg.enable_dsa_cache_layer_split.unwrap_or(false));
         self.enable_kv_cache_sharding
             .get_or_insert(reg.enable_kv_cache_sharding.unwrap_or(false));
-        if self.all_cp_ranks_transfer.is_none() {
-            self.all_cp_ranks_transfer = reg.all_cp_ranks_transfer;
-        }
         let (dp_group, _) = reg.dp_group();
         self.ports
             .entry(dp_group)
@@ -332,7 +328,6 @@ impl BootstrapState {
                 .clone()
                 .unwrap_or_else(|| "early".to_owned()),
             enable_kv_cache_sharding: self.enable_kv_cache_sharding.unwrap_or(false),
-            all_cp_ranks_transfer: self.all_cp_ranks_transfer,
             prefill_http_port: self.prefill_http_port,
             target_tp_rank: None,
             target_tp_ranks: None,

@@ -308,6 +308,16 @@ impl KvReceiver {
                         ));
                     }
                 };
+                // A kvbridge prefill says whether its CP ranks share the
+                // transfer: pulling from CP rank 0 alone would then take a
+                // room with part of its KV.
+                if rank.all_cp_ranks_transfer == Some(true) && m.target_cp_ranks.len() == 1 {
+                    return Err(format!(
+                        "the prefill's {cp_size} CP ranks each send a share of every room \
+                         (SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER on the prefill), but this \
+                         decode pulls from CP rank 0 only: set the variable on the decode too"
+                    ));
+                }
                 let is_dummy = self.shared.kv_args.layout.is_mla_backend
                     && !(m.target_tp_rank.is_none() || m.target_tp_rank == Some(tp));
                 let unique_rank = tp

@@ -156,9 +156,8 @@ pub fn resolve(
     };
     if info.attn_cp_size == 1 {
         mapping.target_cp_ranks = vec![0];
-    } else if info
-        .all_cp_ranks_transfer
-        .unwrap_or(local.all_cp_ranks || local.is_hybrid_mla)
+    } else if local.all_cp_ranks
+        || local.is_hybrid_mla
         || info.enable_dsa_cache_layer_split
         || info.enable_kv_cache_sharding
     {
@@ -268,33 +267,23 @@ mod tests {
     }
 
     #[test]
-    fn prefill_cp_targets_follow_the_prefill_announcement_then_our_setting() {
-        let cp = |announced: Option<bool>| {
-            let mut i = info(1, 1);
-            i.attn_cp_size = 4;
-            i.all_cp_ranks_transfer = announced;
-            i
-        };
+    fn prefill_cp_targets_follow_our_setting() {
+        let mut i = info(1, 1);
+        i.attn_cp_size = 4;
         let all = LocalTopology {
             all_cp_ranks: true,
             ..local(1, 0, false)
         };
-        // A kvbridge prefill says what its CP ranks do: that wins.
-        let m = resolve(&cp(Some(false)), &all, "auto").unwrap();
-        assert_eq!(
-            (m.target_cp_ranks, m.required_prefill_response_num),
-            (vec![0], 1)
-        );
-        let m = resolve(&cp(Some(true)), &local(1, 0, false), "auto").unwrap();
+        let m = resolve(&i, &all, "auto").unwrap();
         assert_eq!(
             (m.target_cp_ranks, m.required_prefill_response_num),
             (vec![0, 1, 2, 3], 4)
         );
-        // sglang's prefill does not: our setting (or a hybrid-MLA pool) decides.
-        let m = resolve(&cp(None), &all, "auto").unwrap();
-        assert_eq!(m.target_cp_ranks.len(), 4);
-        let m = resolve(&cp(None), &local(1, 0, false), "auto").unwrap();
-        assert_eq!(m.target_cp_ranks, vec![0]);
+        let m = resolve(&i, &local(1, 0, false), "auto").unwrap();
+        assert_eq!(
+            (m.target_cp_ranks, m.required_prefill_response_num),
+            (vec![0], 1)
+        );
     }
 
     #[test]

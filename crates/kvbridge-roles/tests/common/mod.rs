@@ -303,6 +303,8 @@ pub struct Shape {
     pub decode_cp: u64,
     /// Every prefill CP rank sends a share.
     pub all_cp_ranks: bool,
+    /// Decode ranks pull from every prefill CP rank (must match the above).
+    pub decode_all_cp_ranks: bool,
     /// Prefill DP groups (each TP × CP × PP ranks, one bootstrap server).
     pub prefill_dp: u64,
     /// Rooms go to DP groups by a rule other than the bootstrap room: the
@@ -322,6 +324,7 @@ impl Shape {
             decode_tp,
             decode_cp: 1,
             all_cp_ranks: false,
+            decode_all_cp_ranks: false,
             prefill_dp: 1,
             dp_query: false,
             hisparse: false,
@@ -426,6 +429,7 @@ impl Cluster {
             decode_tp,
             decode_cp,
             all_cp_ranks,
+            decode_all_cp_ranks,
             prefill_dp,
             dp_query,
             hisparse,
@@ -492,6 +496,7 @@ impl Cluster {
             let pools =
                 RankPools::with_placement(model.clone(), rank, pages, 8, placement).expect("pools");
             let mut config = decode_config(decode_tp);
+            config.all_cp_ranks = decode_all_cp_ranks;
             if let Some((_, s)) = &staging {
                 config.staging = s.clone();
             }
