@@ -87,6 +87,7 @@ fuzz_target!(|data: &[u8]| {
         is_mla: flags & 1 != 0,
         is_hybrid_mla: flags & 2 != 0,
         all_cp_ranks: flags & 4 != 0,
+        dcp_size: if flags & 32 != 0 { 2 } else { 1 },
     };
     let dtype = match usize::from(head[41]) % (DTYPES.len() + 1) {
         0 => info.kv_cache_dtype.as_deref().unwrap_or("auto"),

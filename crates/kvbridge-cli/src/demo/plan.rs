@@ -241,6 +241,8 @@ pub(super) fn plan(args: &DemoArgs, bootstrap: SocketAddr) -> Result<Plan> {
                 nvlink_intra: args.nvlink_intra,
                 staging: staging.clone(),
                 all_cp_ranks: args.all_cp_ranks,
+                // Short runs: give silent prefill ranks 10 s, not sglang's 30 s.
+                abort_ack_timeout: Duration::from_secs(10),
                 ..DecodeConfig::default()
             },
             bootstrap_addr: Some(bootstrap.to_string()),

@@ -45,6 +45,10 @@ pub fn run(file: &RankFile) -> Result<bool> {
     config.pp_size = file.rank.pp_size;
     config.pp_rank = file.rank.pp_rank;
     let engine = file.engine()?;
+    // Past the role's ABORT_ACK timeout it fences silent prefill ranks (the
+    // pages become safe); a room still not drained a little later is one
+    // whose ranks cannot be fenced: its pages are quarantined.
+    let quarantine_after = config.abort_ack_timeout + Duration::from_secs(5);
     // SAFETY: `pools` lives until after `manager.teardown()` below.
     let manager = unsafe { DecodeManager::start(config, file.kv_args(&pools), engine) }
         .context("starting the decode manager")?;
@@ -163,7 +167,7 @@ pub fn run(file: &RankFile) -> Result<bool> {
                     if a.receiver.abort_acknowledged() {
                         pools.poison(&a.pages, POISON);
                         Some(KvPoll::Failed)
-                    } else if at.elapsed() > Duration::from_secs(10) {
+                    } else if at.elapsed() > quarantine_after {
                         reuse_pages = false;
                         quarantined += a.pages.len() as u64;
                         tracing::error!(

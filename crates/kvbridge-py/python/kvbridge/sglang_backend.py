@@ -76,9 +76,14 @@ class BackendConfigError(ValueError):
 
 #: Environment variables the kvbridge backend refuses when set, with why.
 REFUSED_ENV = {
-    "SGLANG_MOONCAKE_CUSTOM_MEM_POOL": "Mooncake's custom memory pools (NVLINK/BAREX) are Mooncake-specific",
     "SGLANG_RUST_SERVER": "the Rust HTTP server's bootstrap registry is not supported with this backend",
 }
+
+#: SGLANG_MOONCAKE_CUSTOM_MEM_POOL values that allocate the KV pools with a
+#: Mooncake allocator (fabric-exportable memory kvbridge's engines do not
+#: reach); INTRA_NODE_NVLINK allocates nothing and only splits Mooncake's
+#: submissions, which kvbridge batches its own way.
+REFUSED_MEM_POOLS = ("NVLINK", "BAREX")
 
 
 def _env(name: str):
@@ -101,6 +106,10 @@ def _refusals(mode: DisaggregationMode, kv_args: KVArgs) -> List[str]:
         value = _env(name)
         if value not in (None, False, "") and getattr(envs, name).is_set():
             out.append(f"{name}={os.environ.get(name)!r}: {why}")
+    pool = _env("SGLANG_MOONCAKE_CUSTOM_MEM_POOL")
+    if pool is not None and ("NVLINK" if str(pool).lower() == "true" else pool) in REFUSED_MEM_POOLS:
+        out.append(f"SGLANG_MOONCAKE_CUSTOM_MEM_POOL={os.environ.get('SGLANG_MOONCAKE_CUSTOM_MEM_POOL')!r}: "
+                   "Mooncake's custom memory pools (NVLINK/BAREX allocators) are Mooncake-specific")
     parallel, disagg = get_parallel(), get_disagg()
     policy = disagg.disaggregation_decode_allocation_policy
     if policy != "early":
