@@ -44,6 +44,35 @@ fn secs(s: f64) -> Duration {
     Duration::try_from_secs_f64(s).unwrap_or(Duration::ZERO)
 }
 
+/// The variables both roles read the same way.
+struct SharedVars {
+    max_sockets: Option<usize>,
+    all_cp_ranks: Option<bool>,
+    force_query_dp_rank: Option<bool>,
+}
+
+impl SharedVars {
+    fn read(get: Vars<'_>) -> Self {
+        Self {
+            max_sockets: env::<usize>(get, "SGLANG_DISAGGREGATION_ZMQ_MAX_SOCKETS"),
+            all_cp_ranks: env_bool(get, "SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER"),
+            force_query_dp_rank: env_bool(get, "SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK"),
+        }
+    }
+
+    fn apply(&self, max_sockets: &mut usize, all_cp_ranks: &mut bool, force_query: &mut bool) {
+        if let Some(v) = self.max_sockets {
+            *max_sockets = v.max(1);
+        }
+        if let Some(v) = self.all_cp_ranks {
+            *all_cp_ranks = v;
+        }
+        if let Some(v) = self.force_query_dp_rank {
+            *force_query = v;
+        }
+    }
+}
+
 /// A rank's place in the parallel layout, as the bootstrap server records it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default)]
@@ -345,15 +374,12 @@ impl PrefillConfig {
         if let Some(v) = env_bool(get, "SGLANG_MOONCAKE_SEND_AUX_TCP") {
             self.send_aux_tcp = v;
         }
-        if let Some(v) = env::<usize>(get, "SGLANG_DISAGGREGATION_ZMQ_MAX_SOCKETS") {
-            self.zmq_max_sockets = v.max(1);
-        }
-        if let Some(v) = env_bool(get, "SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER") {
-            self.all_cp_ranks = v;
-        }
-        if let Some(v) = env_bool(get, "SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK") {
-            self.force_query_dp_rank = v;
-        }
+        let shared = SharedVars::read(get);
+        shared.apply(
+            &mut self.zmq_max_sockets,
+            &mut self.all_cp_ranks,
+            &mut self.force_query_dp_rank,
+        );
         if let Some(v) = env_bool(get, "SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE") {
             self.deferred_release = v;
         }
@@ -520,15 +546,12 @@ impl DecodeConfig {
         if let Some(v) = env::<f64>(get, "SGLANG_DISAGGREGATION_ZMQ_SEND_TIMEOUT") {
             self.zmq_send_timeout = secs(v);
         }
-        if let Some(v) = env::<usize>(get, "SGLANG_DISAGGREGATION_ZMQ_MAX_SOCKETS") {
-            self.zmq_max_sockets = v.max(1);
-        }
-        if let Some(v) = env_bool(get, "SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER") {
-            self.all_cp_ranks = v;
-        }
-        if let Some(v) = env_bool(get, "SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK") {
-            self.force_query_dp_rank = v;
-        }
+        let shared = SharedVars::read(get);
+        shared.apply(
+            &mut self.zmq_max_sockets,
+            &mut self.all_cp_ranks,
+            &mut self.force_query_dp_rank,
+        );
         self.nvlink_intra |= crate::local::nvlink_intra_vars(get);
         self.staging = self.staging.with_vars(get);
         self

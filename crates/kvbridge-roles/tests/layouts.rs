@@ -257,11 +257,7 @@ fn swa_across_different_tp_fails_the_room_with_the_reason() {
         pages: vec![5, 6, 7, 8],
         slot: 3,
     };
-    let states: Vec<Vec<i32>> = pools
-        .state_indices(&req)
-        .iter()
-        .map(|v| v.iter().map(|&i| i as i32).collect())
-        .collect();
+    let states = pools.dst_state_indices(&req);
     let mut rx = manager.receiver(&addr, 77);
     rx.init(0);
     rx.send_metadata(&req.pages, req.slot, &states, None);

@@ -89,15 +89,7 @@ pub fn run(file: &RankFile) -> Result<bool> {
             };
             pending.pop_front();
             let slots = request.slots(&p, a[0]);
-            let states: Vec<Vec<i32>> = pools
-                .state_indices(&slots)
-                .iter()
-                .map(|v| {
-                    v.iter()
-                        .map(|&i| i32::try_from(i).unwrap_or(i32::MAX))
-                        .collect()
-                })
-                .collect();
+            let states = pools.dst_state_indices(&slots);
             let mut receiver = manager.receiver(&addr, request.room);
             // The prefill DP rank holding the room: computed, or asked of the
             // bootstrap server until its prefill registered it (bounded by

@@ -58,6 +58,31 @@ fn inner<T>(lists: &[Vec<T>], i: usize) -> &[T] {
     lists.get(i).map_or(&[], Vec::as_slice)
 }
 
+impl<'a> StateCtx<'a> {
+    /// Component `i` of `layout` against `reg`, with `(prefill, decode)` indices.
+    fn new(
+        layout: &'a PrefillLayout,
+        reg: &'a PeerRegistration,
+        i: usize,
+        comp: &'a StateComponent,
+        (src_idx, dst_idx): (&'a [i64], &'a [i64]),
+    ) -> Self {
+        StateCtx {
+            layout,
+            component: i,
+            comp,
+            src_idx,
+            dst_idx,
+            dst_ptrs: inner(&reg.dst_state_data_ptrs, i),
+            dst_lens: inner(&reg.dst_state_item_lens, i),
+            dst_dims: inner(&reg.dst_state_dim_per_tensor, i),
+            dst_ids: inner(&reg.dst_state_layer_ids, i),
+            dst_tp: reg.dst_attn_tp_size,
+            dst_rank: reg.dst_tp_rank,
+        }
+    }
+}
+
 /// Plans every state component of a last chunk, appending blocks to `out`
 /// and one `(component, range)` per component that produced blocks.
 pub(crate) fn plan_states(
@@ -73,19 +98,8 @@ pub(crate) fn plan_states(
         let Some(Some(src_idx)) = state_indices.get(i) else {
             continue;
         };
-        let ctx = StateCtx {
-            layout,
-            component: i,
-            comp,
-            src_idx,
-            dst_idx: inner(&request.dst_state_indices, i),
-            dst_ptrs: inner(&reg.dst_state_data_ptrs, i),
-            dst_lens: inner(&reg.dst_state_item_lens, i),
-            dst_dims: inner(&reg.dst_state_dim_per_tensor, i),
-            dst_ids: inner(&reg.dst_state_layer_ids, i),
-            dst_tp: reg.dst_attn_tp_size,
-            dst_rank: reg.dst_tp_rank,
-        };
+        let dst_idx = inner(&request.dst_state_indices, i);
+        let ctx = StateCtx::new(layout, reg, i, comp, (src_idx, dst_idx));
         let start = out.len();
         match comp.state_type {
             StateType::Mamba => mamba::plan(&ctx, scratch, out)?,
@@ -113,19 +127,7 @@ pub(crate) fn check_states(
     let mut scratch = StateScratch::default();
     let mut out = Vec::new();
     for (i, comp) in layout.states.iter().enumerate() {
-        let ctx = StateCtx {
-            layout,
-            component: i,
-            comp,
-            src_idx: &[0],
-            dst_idx: &[0],
-            dst_ptrs: inner(&reg.dst_state_data_ptrs, i),
-            dst_lens: inner(&reg.dst_state_item_lens, i),
-            dst_dims: inner(&reg.dst_state_dim_per_tensor, i),
-            dst_ids: inner(&reg.dst_state_layer_ids, i),
-            dst_tp: reg.dst_attn_tp_size,
-            dst_rank: reg.dst_tp_rank,
-        };
+        let ctx = StateCtx::new(layout, reg, i, comp, (&[0], &[0]));
         out.clear();
         match comp.state_type {
             StateType::Mamba => mamba::plan(&ctx, &mut scratch, &mut out)?,

@@ -87,14 +87,8 @@ pub fn register_with_bootstrap(
         }
         let reason = match request.send(&body[..]) {
             Ok(resp) if resp.status() == 200 => return Ok(()),
-            Ok(mut resp) => {
-                let status = resp.status().as_u16();
-                let text = resp
-                    .body_mut()
-                    .with_config()
-                    .limit(4096)
-                    .read_to_string()
-                    .unwrap_or_default();
+            Ok(resp) => {
+                let (status, text) = refusal(resp);
                 let reason = format!("status {status}: {text}");
                 if matches!(status, 400 | 401 | 413 | 422) {
                     return Err(fail(reason));
@@ -135,16 +129,22 @@ pub fn register_dp_rank(config: &PrefillConfig, room: u64, dp_rank: u64) -> Resu
     }
     match request.send(&body[..]) {
         Ok(resp) if resp.status() == 200 => Ok(()),
-        Ok(mut resp) => {
-            let status = resp.status().as_u16();
-            let text = resp
-                .body_mut()
-                .with_config()
-                .limit(4096)
-                .read_to_string()
-                .unwrap_or_default();
+        Ok(resp) => {
+            let (status, text) = refusal(resp);
             Err(format!("{url} answered {status}: {text}"))
         }
         Err(e) => Err(format!("{url}: {e}")),
     }
+}
+
+/// The status and (first 4 KiB of the) text of a refused request.
+fn refusal(mut resp: ureq::http::Response<ureq::Body>) -> (u16, String) {
+    let status = resp.status().as_u16();
+    let text = resp
+        .body_mut()
+        .with_config()
+        .limit(4096)
+        .read_to_string()
+        .unwrap_or_default();
+    (status, text)
 }

@@ -267,6 +267,18 @@ impl RankPools {
         self.states.iter().map(|s| s.indices(req)).collect()
     }
 
+    /// [`RankPools::state_indices`] as a decode sends them (`int32`).
+    pub fn dst_state_indices(&self, req: &RequestSlots) -> Vec<Vec<i32>> {
+        self.state_indices(req)
+            .iter()
+            .map(|v| {
+                v.iter()
+                    .map(|&i| i32::try_from(i).unwrap_or(i32::MAX))
+                    .collect()
+            })
+            .collect()
+    }
+
     /// A request that fills `pages` whole pages and uses slot `aux_slot`.
     fn whole_pages(&self, pages: &[i32], aux_slot: u64) -> RequestSlots {
         RequestSlots {

@@ -574,11 +574,7 @@ impl Cluster {
                 pages: dst[..n].to_vec(),
                 slot: 3,
             };
-            let states: Vec<Vec<i32>> = pools
-                .state_indices(&req)
-                .iter()
-                .map(|v| v.iter().map(|&i| i as i32).collect())
-                .collect();
+            let states = pools.dst_state_indices(&req);
             let mut rx = manager.receiver(&addr, room);
             let deadline = std::time::Instant::now() + Duration::from_secs(10);
             let routed = loop {
