@@ -451,3 +451,31 @@ fn demo_refuses_layouts_that_cannot_work_with_the_reason() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("--decode-cp needs an MLA model"));
 }
+
+#[test]
+fn demo_refuses_sizes_that_cannot_make_a_run_naming_the_flag() {
+    for (args, want) in [
+        (&["--requests", "0"][..], "--requests must be at least 1"),
+        (
+            &["--chunk-tokens", "0"],
+            "--chunk-tokens must be at least 1",
+        ),
+        (&["--concurrency", "0"], "--concurrency must be at least 1"),
+        (&["--layers", "0"], "--layers must be at least 1"),
+        (&["--page-size", "0"], "--page-size must be at least 1"),
+        (
+            &["--abort-fraction", "1.5"],
+            "--abort-fraction must be between 0 and 1",
+        ),
+        (
+            &["--abort-fraction", "nan"],
+            "--abort-fraction must be between 0 and 1",
+        ),
+        (&["--requests", "1000000000"], "more than a demo run takes"),
+    ] {
+        let out = Command::new(BIN).arg("demo").args(args).output().unwrap();
+        assert!(!out.status.success(), "{args:?}");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(want), "{args:?}: {err}");
+    }
+}

@@ -36,15 +36,50 @@ fn check_gpu(args: &DemoArgs) -> Result<()> {
     Ok(())
 }
 
+/// The most requests a demo run takes (each prefill rank fills its pages
+/// for all of them up front).
+const MAX_REQUESTS: u64 = 100_000;
+
+/// Refuses sizes that cannot make a run, naming the flag (none is clamped).
+fn validate_sizes(args: &DemoArgs) -> Result<()> {
+    let at_least_one = [
+        ("requests", args.requests),
+        ("prompt-tokens", args.prompt_tokens),
+        ("chunk-tokens", args.chunk_tokens),
+        ("concurrency", args.concurrency as u64),
+        ("page-size", args.page_size.unwrap_or(1)),
+        ("layers", args.layers.unwrap_or(1)),
+    ];
+    for (name, v) in at_least_one {
+        if v == 0 {
+            bail!("--{name} must be at least 1");
+        }
+    }
+    if args.requests > MAX_REQUESTS {
+        bail!(
+            "--requests {} is more than a demo run takes ({MAX_REQUESTS})",
+            args.requests
+        );
+    }
+    if !(0.0..=1.0).contains(&args.abort_fraction) {
+        bail!(
+            "--abort-fraction must be between 0 and 1, not {}",
+            args.abort_fraction
+        );
+    }
+    Ok(())
+}
+
 pub(super) fn plan(args: &DemoArgs, bootstrap: SocketAddr) -> Result<Plan> {
     check_gpu(args)?;
     let mut model = ModelSpec::preset(&args.model)
         .with_context(|| format!("unknown model {:?}", args.model))?;
+    validate_sizes(args)?;
     if let Some(p) = args.page_size {
-        model.page_size = p.max(1);
+        model.page_size = p;
     }
     if let Some(l) = args.layers {
-        model.layers = l.max(1);
+        model.layers = l;
         if let Some(c) = &mut model.compressed {
             c.ratios.resize(model.layers as usize, 0);
         }
@@ -97,11 +132,11 @@ pub(super) fn plan(args: &DemoArgs, bootstrap: SocketAddr) -> Result<Plan> {
     }
     let workload = Workload {
         requests: args.requests,
-        prompt_tokens: args.prompt_tokens.max(1),
-        chunk_tokens: args.chunk_tokens.max(1),
-        concurrency: args.concurrency.max(1),
+        prompt_tokens: args.prompt_tokens,
+        chunk_tokens: args.chunk_tokens,
+        concurrency: args.concurrency,
         seed: args.seed,
-        abort_fraction: args.abort_fraction.clamp(0.0, 1.0),
+        abort_fraction: args.abort_fraction,
         only: None,
         room_timeout_s: 60.0,
         forward_s: 0.0,

@@ -10,7 +10,7 @@ use kvbridge_roles::{DecodeManager, KvPoll, KvReceiver};
 
 use super::RankFile;
 use super::events::{Event, emit};
-use super::workload::{PageAllocator, Request};
+use super::workload::{PageAllocator, Request, alloc_request};
 
 /// Byte written over an aborted room's pages once its ACK arrived; a later
 /// write by the prefill would show up as a mismatch.
@@ -84,11 +84,11 @@ pub fn run(file: &RankFile) -> Result<bool> {
             };
             // A DCP rank's pages are virtual (`page_size * dcp_size` tokens).
             let n = pools.pages_for(request.tokens);
-            let (Some(p), Some(a)) = (pages.alloc(n), aux_slots.alloc(1)) else {
+            let Some((p, a)) = alloc_request(&mut pages, &mut aux_slots, n) else {
                 break;
             };
             pending.pop_front();
-            let slots = request.slots(&p, a[0]);
+            let slots = request.slots(&p, a);
             let states = pools.dst_state_indices(&slots);
             let mut receiver = manager.receiver(&addr, request.room);
             // The prefill DP rank holding the room: computed, or asked of the
@@ -108,9 +108,9 @@ pub fn run(file: &RankFile) -> Result<bool> {
             if state != KvPoll::Failed {
                 state = match pools.hisparse_host_pages(&p) {
                     Some(host) => {
-                        receiver.send_metadata_hisparse(&host, &p, a[0] as u64, &states, None)
+                        receiver.send_metadata_hisparse(&host, &p, a as u64, &states, None)
                     }
-                    None => receiver.send_metadata(&p, a[0] as u64, &states, None),
+                    None => receiver.send_metadata(&p, a as u64, &states, None),
                 };
             }
             emit(&Event::Started { room: request.room });
@@ -123,7 +123,7 @@ pub fn run(file: &RankFile) -> Result<bool> {
             active.push(Active {
                 request,
                 pages: p,
-                aux: a[0],
+                aux: a,
                 receiver,
                 started: Instant::now(),
                 abort_at,

@@ -10,7 +10,7 @@ use kvbridge_roles::{KvPoll, KvSender, PrefillManager};
 
 use super::RankFile;
 use super::events::{Event, emit};
-use super::workload::{PageAllocator, Request, Workload};
+use super::workload::{PageAllocator, Request, Workload, alloc_request};
 
 struct Active {
     request: Request,
@@ -51,11 +51,11 @@ pub fn run(file: &RankFile) -> Result<bool> {
     let mut filled: HashMap<u64, (Vec<i32>, i32)> = HashMap::new();
     for r in &requests {
         let n = Workload::pages(r.tokens, model.page_size);
-        let (Some(p), Some(a)) = (pages.alloc(n), aux_slots.alloc(1)) else {
+        let Some((p, a)) = alloc_request(&mut pages, &mut aux_slots, n) else {
             break;
         };
-        pools.fill_request(r.room, &r.slots(&p, a[0]));
-        filled.insert(r.index, (p, a[0]));
+        pools.fill_request(r.room, &r.slots(&p, a));
+        filled.insert(r.index, (p, a));
     }
     // SAFETY: `pools` lives until after `manager.teardown()` below.
     let manager = unsafe { PrefillManager::start(config, file.kv_args(&pools), engine) }
@@ -92,17 +92,13 @@ pub fn run(file: &RankFile) -> Result<bool> {
             let n = Workload::pages(request.tokens, model.page_size);
             let (p, aux) = match filled.remove(&request.index) {
                 Some(x) => x,
-                None => match (pages.alloc(n), aux_slots.alloc(1)) {
-                    (Some(p), Some(a)) => {
-                        pools.fill_request(request.room, &request.slots(&p, a[0]));
-                        (p, a[0])
+                // None: wait for a finishing room to return its pages.
+                None => match alloc_request(&mut pages, &mut aux_slots, n) {
+                    Some((p, a)) => {
+                        pools.fill_request(request.room, &request.slots(&p, a));
+                        (p, a)
                     }
-                    (p, a) => {
-                        // Wait for a finishing room to return its pages.
-                        p.inspect(|p| pages.free(p));
-                        a.inspect(|a| aux_slots.free(a));
-                        break;
-                    }
+                    None => break,
                 },
             };
             pending.pop_front();

@@ -164,6 +164,28 @@ impl PageAllocator {
     }
 }
 
+/// `n` pages and one aux slot for a request, or neither: when one of the
+/// two runs out, what the other handed out goes back (a half allocation
+/// kept would leak until the rank stalls).
+pub fn alloc_request(
+    pages: &mut PageAllocator,
+    aux: &mut PageAllocator,
+    n: u64,
+) -> Option<(Vec<i32>, i32)> {
+    match (pages.alloc(n), aux.alloc(1)) {
+        (Some(p), Some(a)) => Some((p, a[0])),
+        (p, a) => {
+            if let Some(p) = p {
+                pages.free(&p);
+            }
+            if let Some(a) = a {
+                aux.free(&a);
+            }
+            None
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -203,6 +225,20 @@ mod tests {
         }
         .requests();
         assert_eq!(only.iter().map(|r| r.index).collect::<Vec<_>>(), vec![3, 5]);
+    }
+
+    #[test]
+    fn a_request_takes_pages_and_a_slot_or_neither() {
+        let (mut pages, mut aux) = (PageAllocator::new(5), PageAllocator::new(1));
+        let (p, a) = alloc_request(&mut pages, &mut aux, 3).unwrap();
+        assert_eq!((p.len(), a), (3, 0));
+        // No aux slot left: the 2 pages it could have had stay free.
+        assert!(alloc_request(&mut pages, &mut aux, 2).is_none());
+        assert_eq!(pages.alloc(2).map(|p| p.len()), Some(2));
+        // No pages left: the freed aux slot stays free.
+        aux.free(&[a]);
+        assert!(alloc_request(&mut pages, &mut aux, 1).is_none());
+        assert_eq!(aux.alloc(1), Some(vec![0]));
     }
 
     #[test]
