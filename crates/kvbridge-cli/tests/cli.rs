@@ -479,3 +479,38 @@ fn demo_refuses_sizes_that_cannot_make_a_run_naming_the_flag() {
         assert!(err.contains(want), "{args:?}: {err}");
     }
 }
+
+#[test]
+fn human_results_go_to_stdout() {
+    // `kvbridge demo > out.txt` and `bench tcp > out.txt` keep the result.
+    let out = Command::new(BIN)
+        .args([
+            "demo",
+            "--requests",
+            "4",
+            "--layers",
+            "2",
+            "--prompt-tokens",
+            "32",
+        ])
+        .stderr(Stdio::null())
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("0 mismatched"), "{text}");
+    let out = Command::new(BIN)
+        .args([
+            "bench", "tcp", "--sizes", "65536", "--bytes", "1048576", "--runs", "1",
+        ])
+        .stderr(Stdio::null())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("GB/s") && text.contains("64 KiB"), "{text}");
+}

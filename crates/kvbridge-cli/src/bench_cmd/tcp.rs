@@ -337,23 +337,30 @@ fn initiate(args: &TcpArgs) -> Result<()> {
     Ok(())
 }
 
-/// The table on stderr; with `json`, one object per row on stdout.
+/// The table on stdout; with `json`, one object per row on stdout instead
+/// (and the table on stderr, so stdout stays JSON lines).
 pub(super) fn print_rows(json: bool, rows: &[Row]) -> Result<()> {
-    eprintln!(
-        "{:>10} {:>12} {:>9} {:>8} {:>12}  runs (GB/s)",
+    let mut table = String::new();
+    table.push_str(&format!(
+        "{:>10} {:>12} {:>9} {:>8} {:>12}  runs (GB/s)\n",
         "block", "bytes", "best s", "GB/s", "blocks/s"
-    );
+    ));
     for r in rows {
         let runs: Vec<String> = r.runs_gbps.iter().map(|g| format!("{g:.2}")).collect();
-        eprintln!(
-            "{:>10} {:>12} {:>9.4} {:>8.3} {:>12.0}  {}",
+        table.push_str(&format!(
+            "{:>10} {:>12} {:>9.4} {:>8.3} {:>12.0}  {}\n",
             human(r.block_size),
             r.bytes,
             r.seconds,
             r.gbps,
             r.blocks_per_s,
             runs.join(" ")
-        );
+        ));
+    }
+    if json {
+        eprint!("{table}");
+    } else {
+        print!("{table}");
     }
     if json {
         let mut out = std::io::stdout().lock();

@@ -162,7 +162,8 @@ pub fn run(args: DemoArgs) -> ExitCode {
                     Err(e) => eprintln!("kvbridge demo: {e}"),
                 }
             } else {
-                eprint!("{}", summary.render());
+                // The result on stdout (`kvbridge demo > out.txt`), logs on stderr.
+                print!("{}", summary.render());
             }
             let faults = args.kill_decode_after.is_some() || args.abort_fraction > 0.0;
             if summary.mismatched_bytes > 0
