@@ -64,14 +64,7 @@ impl TransferEngine for Flaky {
 }
 
 const T: Duration = Duration::from_secs(20);
-const RANK: RankSpec = RankSpec {
-    tp_size: 1,
-    tp_rank: 0,
-    pp_size: 1,
-    pp_rank: 0,
-    dcp_size: 1,
-    dcp_rank: 0,
-};
+const RANK: RankSpec = RankSpec::SINGLE;
 
 fn room(
     prefill: &kvbridge_roles::PrefillManager,

@@ -351,20 +351,23 @@ pub struct RankSpec {
 }
 
 impl Default for RankSpec {
-    /// TP 1, PP 1, no DCP.
+    /// [`RankSpec::SINGLE`].
     fn default() -> Self {
-        Self {
-            tp_size: 1,
-            tp_rank: 0,
-            pp_size: 1,
-            pp_rank: 0,
-            dcp_size: 1,
-            dcp_rank: 0,
-        }
+        Self::SINGLE
     }
 }
 
 impl RankSpec {
+    /// The one rank of TP 1, PP 1, no DCP.
+    pub const SINGLE: Self = Self {
+        tp_size: 1,
+        tp_rank: 0,
+        pp_size: 1,
+        pp_rank: 0,
+        dcp_size: 1,
+        dcp_rank: 0,
+    };
+
     /// This stage's layers `[start, end)` of `layers`.
     pub fn layer_range(&self, layers: u64) -> (u64, u64) {
         let pp = self.pp_size.max(1);

@@ -26,6 +26,24 @@ struct KvBuf {
     mem: PoolBuf,
 }
 
+impl KvBuf {
+    /// The page of this buffer that holds a request's page `page`, in a
+    /// pool of `pool_pages` pages.
+    fn page_of(&self, pool_pages: u64, page: i32) -> i32 {
+        if self.host_pages {
+            host_page(pool_pages, page)
+        } else {
+            page
+        }
+    }
+}
+
+/// A HiSparse host page number: the pool's pages mirrored, so that they
+/// differ from the device page numbers.
+fn host_page(pool_pages: u64, page: i32) -> i32 {
+    i32::try_from(pool_pages).unwrap_or(i32::MAX) - 1 - page
+}
+
 /// One rank's KV, aux and state pools (host memory, or on a GPU).
 #[derive(Debug)]
 pub struct RankPools {
@@ -169,20 +187,7 @@ impl RankPools {
     /// when these pools are not HiSparse.
     pub fn hisparse_host_pages(&self, pages: &[i32]) -> Option<Vec<i32>> {
         self.hisparse
-            .then(|| pages.iter().map(|&p| self.host_page(p)).collect())
-    }
-
-    fn host_page(&self, p: i32) -> i32 {
-        i32::try_from(self.pages).unwrap_or(i32::MAX) - 1 - p
-    }
-
-    /// The page buffer `buf` holds a request's page `page` in.
-    fn page_of(&self, buf: &KvBuf, page: i32) -> i32 {
-        if buf.host_pages {
-            self.host_page(page)
-        } else {
-            page
-        }
+            .then(|| pages.iter().map(|&p| host_page(self.pages, p)).collect())
     }
 
     /// Pages per KV buffer.
@@ -328,7 +333,7 @@ impl RankPools {
                         }
                     }),
                 }
-                writes.push((b, self.page_of(buf, page), stage.clone()));
+                writes.push((b, buf.page_of(self.pages, page), stage.clone()));
             }
         }
         for (b, page, data) in writes {
@@ -373,7 +378,7 @@ impl RankPools {
         for buf in &self.kv {
             let mut stage = vec![0u8; buf.item as usize];
             for (k, &page) in pages.iter().enumerate() {
-                let page = self.page_of(buf, page);
+                let page = buf.page_of(self.pages, page);
                 let read = item_offset(i64::from(page), buf.item)
                     .is_some_and(|off| buf.mem.read(off, &mut stage));
                 if let Some(g) = buf.group {
@@ -447,15 +452,11 @@ impl RankPools {
     /// Overwrites the request's pages with `byte` (e.g. after an abort, to
     /// detect any late write).
     pub fn poison(&mut self, pages: &[i32], byte: u8) {
-        let total = i32::try_from(self.pages).unwrap_or(i32::MAX);
+        let pool_pages = self.pages;
         for buf in &mut self.kv {
             let fill = vec![byte; buf.item as usize];
             for &page in pages {
-                let page = if buf.host_pages {
-                    total - 1 - page
-                } else {
-                    page
-                };
+                let page = buf.page_of(pool_pages, page);
                 if let Some(off) = item_offset(i64::from(page), buf.item) {
                     buf.mem.write(off, &fill);
                 }
@@ -468,7 +469,7 @@ impl RankPools {
         self.kv.iter().all(|buf| {
             let mut stage = vec![0u8; buf.item as usize];
             pages.iter().all(|&page| {
-                let page = self.page_of(buf, page);
+                let page = buf.page_of(self.pages, page);
                 item_offset(i64::from(page), buf.item)
                     .is_some_and(|off| buf.mem.read(off, &mut stage))
                     && stage.iter().all(|b| *b == byte)

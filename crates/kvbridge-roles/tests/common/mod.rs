@@ -658,11 +658,4 @@ pub fn rogue_socket(port: u16) -> (zmq::Context, zmq::Socket) {
 }
 
 /// The one rank of a TP 1, PP 1 server.
-pub const SINGLE_RANK: RankSpec = RankSpec {
-    tp_size: 1,
-    tp_rank: 0,
-    pp_size: 1,
-    pp_rank: 0,
-    dcp_size: 1,
-    dcp_rank: 0,
-};
+pub const SINGLE_RANK: RankSpec = RankSpec::SINGLE;
