@@ -7,6 +7,7 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use axum::Router;
+use axum::http::header::CONTENT_TYPE;
 use axum::routing::get;
 use prometheus_client::encoding::text::encode;
 use prometheus_client::metrics::counter::Counter;
@@ -26,7 +27,8 @@ pub struct Metrics {
     pub rooms: Family<Labels, Counter>,
     /// Chunks handed to the engine.
     pub chunks: Counter,
-    /// Bytes handed to the engine and confirmed written.
+    /// Bytes confirmed delivered: written by this prefill's engine, or
+    /// received into this decode's slots by rooms that succeeded.
     pub bytes: Counter,
     /// Blocks handed to the engine.
     pub blocks: Counter,
@@ -36,7 +38,8 @@ pub struct Metrics {
     pub session_recoveries: Counter,
     /// Peer messages dropped as malformed or out of region, by `kind`.
     pub dropped_messages: Family<Labels, Counter>,
-    /// Room latency from its first chunk to its conclusion, seconds.
+    /// Room latency, seconds: from its first chunk (prefill) or its
+    /// transfer request (decode) to its success.
     pub transfer_latency: Histogram,
     /// One chunk's engine time, seconds.
     pub chunk_latency: Histogram,
@@ -72,7 +75,7 @@ impl Metrics {
         registry.register("kvbridge_chunks", "Chunks transferred", chunks.clone());
         registry.register(
             "kvbridge_transfer_bytes",
-            "Bytes written to peers",
+            "Bytes confirmed delivered: written to decode peers (prefill), received into this rank's slots (decode)",
             bytes.clone(),
         );
         registry.register(
@@ -87,7 +90,7 @@ impl Metrics {
         );
         registry.register(
             "sglang:failed_session_recoveries",
-            "Number of mooncake_session_ids un-blacklisted via probe.",
+            "Number of mooncake_session_ids un-blacklisted via probe",
             session_recoveries.clone(),
         );
         registry.register(
@@ -97,7 +100,7 @@ impl Metrics {
         );
         registry.register(
             "kvbridge_transfer_latency_seconds",
-            "Room latency from first chunk to conclusion",
+            "Room latency: first chunk to conclusion (prefill), transfer request to success (decode)",
             transfer_latency.clone(),
         );
         registry.register(
@@ -165,7 +168,7 @@ impl Metrics {
             .get()
     }
 
-    /// The Prometheus text exposition of every metric.
+    /// The OpenMetrics text exposition of every metric (ends in `# EOF`).
     pub fn render(&self) -> String {
         let mut out = String::new();
         if encode(&mut out, &self.registry).is_err() {
@@ -174,6 +177,11 @@ impl Metrics {
         out
     }
 }
+
+/// The content type of [`Metrics::render`]'s text, which Prometheus
+/// negotiates and parses as OpenMetrics.
+pub const OPENMETRICS_CONTENT_TYPE: &str =
+    "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
 /// Connection limits of the metrics endpoint (a scraper or two).
 const METRICS_LIMITS: ConnLimits = ConnLimits {
@@ -201,7 +209,7 @@ impl MetricsServer {
             "/metrics",
             get(move || {
                 let metrics = metrics.clone();
-                async move { metrics.render() }
+                async move { ([(CONTENT_TYPE, OPENMETRICS_CONTENT_TYPE)], metrics.render()) }
             }),
         );
         let counters = Arc::new(ConnCounters::default());

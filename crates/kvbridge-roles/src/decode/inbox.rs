@@ -147,8 +147,21 @@ fn on_status(shared: &Shared, s: &Status<'_>) {
                         return;
                     }
                     rooms.table.update(s.room, KvPoll::Success);
+                    let delivered = rooms.slots.get(&s.room).map(|slots| {
+                        (
+                            slots.capacity_bytes(&shared.kv_args.layout),
+                            slots.asked_at.elapsed(),
+                        )
+                    });
                     drop(rooms);
                     shared.metrics.room_concluded(true);
+                    if let Some((bytes, latency)) = delivered {
+                        shared.metrics.bytes.inc_by(bytes);
+                        shared
+                            .metrics
+                            .transfer_latency
+                            .observe(latency.as_secs_f64());
+                    }
                 }
                 Some(_) => {}
                 None => tracing::warn!(room = s.room, "no expected prefill response count"),

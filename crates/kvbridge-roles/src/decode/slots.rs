@@ -4,6 +4,7 @@
 //! another room's (or nobody's) and are refused.
 
 use std::collections::{HashMap, HashSet};
+use std::time::Instant;
 
 use kvbridge_plan::{PrefillLayout, SlotFamily};
 
@@ -20,11 +21,13 @@ pub(crate) struct ExpectedRanks {
 }
 
 /// The room's destinations: KV pages, state slots per component, aux slot.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub(crate) struct RoomSlots {
     pages: HashSet<u64>,
     states: Vec<HashSet<u64>>,
     aux: u64,
+    /// When the transfer request went out (the room's latency counts from here).
+    pub asked_at: Instant,
 }
 
 impl RoomSlots {
@@ -38,7 +41,26 @@ impl RoomSlots {
                 .map(|l| l.iter().filter_map(index).collect())
                 .collect(),
             aux: aux_index,
+            asked_at: Instant::now(),
         }
+    }
+
+    /// Bytes a complete delivery writes into this room's slots of `layout`:
+    /// every KV buffer's pages, the aux slot and the state slots. A page in
+    /// two page spaces (HiSparse) counts once per space it was asked into.
+    pub fn capacity_bytes(&self, layout: &PrefillLayout) -> u64 {
+        let per_page: u64 = layout.kv_item_lens.iter().sum();
+        let aux: u64 = layout.aux_item_lens.iter().sum();
+        let states: u64 = layout
+            .states
+            .iter()
+            .zip(&self.states)
+            .map(|(c, slots)| (slots.len() as u64).saturating_mul(c.item_lens.iter().sum()))
+            .fold(0, u64::saturating_add);
+        (self.pages.len() as u64)
+            .saturating_mul(per_page)
+            .saturating_add(aux)
+            .saturating_add(states)
     }
 
     fn indices(&self, family: SlotFamily) -> Option<SlotSet<'_>> {
