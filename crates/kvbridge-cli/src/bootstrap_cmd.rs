@@ -1,7 +1,7 @@
 //! `kvbridge bootstrap`: serves the bootstrap HTTP API until SIGTERM/SIGINT
 //! (docs/cli.md).
 
-use std::net::{IpAddr, SocketAddr};
+use std::net::{SocketAddr, ToSocketAddrs};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -14,9 +14,10 @@ use kvbridge_roles::bootstrap::{
 /// Where the bootstrap server listens.
 #[derive(Debug, Args)]
 pub struct BootstrapArgs {
-    /// IP address to listen on.
+    /// Address to listen on: an IP, or a host name (`localhost`) that
+    /// resolves to one (the first address it resolves to is used).
     #[arg(long, default_value = "127.0.0.1")]
-    host: IpAddr,
+    host: String,
     /// Port to listen on; 0 picks a free one.
     #[arg(long, default_value_t = 8998)]
     port: u16,
@@ -27,6 +28,17 @@ pub struct BootstrapArgs {
     /// Most connections served at once (idle ones are closed beyond).
     #[arg(long, default_value_t = DEFAULT_MAX_CONNECTIONS)]
     max_connections: usize,
+}
+
+/// The address `host` (an IP or a name) and `port` name; IPv4 first.
+fn resolve(host: &str, port: u16) -> std::io::Result<SocketAddr> {
+    let addrs: Vec<SocketAddr> = (host, port).to_socket_addrs()?.collect();
+    addrs
+        .iter()
+        .find(|a| a.is_ipv4())
+        .or_else(|| addrs.first())
+        .copied()
+        .ok_or_else(|| std::io::Error::other("resolves to no address"))
 }
 
 /// Runs the server until a termination signal, then exits 0.
@@ -49,7 +61,22 @@ pub fn run(args: BootstrapArgs) -> ExitCode {
         },
     };
     let open = config.secret.is_none();
-    let server = match BootstrapServer::start_with(SocketAddr::new(args.host, args.port), config) {
+    // Before `listening on`: a supervisor may signal as soon as it reads it.
+    let signals = match crate::signals::StopSignals::install() {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("kvbridge bootstrap: cannot handle signals: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let addr = match resolve(&args.host, args.port) {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("kvbridge bootstrap: --host {}: {e}", args.host);
+            return ExitCode::FAILURE;
+        }
+    };
+    let server = match BootstrapServer::start_with(addr, config) {
         Ok(s) => s,
         Err(e) => {
             eprintln!(
@@ -64,13 +91,8 @@ pub fn run(args: BootstrapArgs) -> ExitCode {
         // After the `listening on` line, which tools read as the first one.
         kvbridge_engine::secret::warn_open_mode("bootstrap (unsigned registrations accepted)");
     }
-    match crate::signals::wait_for_termination() {
-        Ok(signal) => tracing::info!(signal, "stopping bootstrap server"),
-        Err(e) => {
-            eprintln!("kvbridge bootstrap: cannot wait for signals: {e}");
-            return ExitCode::FAILURE;
-        }
-    }
+    let signal = signals.wait();
+    tracing::info!(signal, "stopping bootstrap server");
     server.shutdown();
     ExitCode::SUCCESS
 }

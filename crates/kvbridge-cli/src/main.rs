@@ -46,13 +46,36 @@ enum Command {
     // Further subcommands are added here, one line each.
 }
 
+/// Environment variable with kvbridge's log filter (`tracing` syntax);
+/// `RUST_LOG` is read when it is unset.
+const LOG_ENV: &str = "KVBRIDGE_LOG";
+
+/// Logs to stderr, filtered by `KVBRIDGE_LOG`, else `RUST_LOG`, else
+/// `warn`; colour only when stderr is a terminal and `NO_COLOR` is unset.
 fn init_logging() {
-    let filter = tracing_subscriber::EnvFilter::try_from_env("KVBRIDGE_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    use tracing_subscriber::EnvFilter;
+    let mut complaint = None;
+    let mut filter = None;
+    for var in [LOG_ENV, "RUST_LOG"] {
+        let Some(value) = std::env::var_os(var) else {
+            continue;
+        };
+        match EnvFilter::try_new(value.to_string_lossy()) {
+            Ok(f) => filter = Some(f),
+            Err(e) => complaint = Some(format!("{var} is not a log filter ({e}); using warn")),
+        }
+        break;
+    }
+    let stderr = std::io::stderr();
+    let ansi = std::io::IsTerminal::is_terminal(&stderr) && std::env::var_os("NO_COLOR").is_none();
     let _ = tracing_subscriber::fmt()
-        .with_env_filter(filter)
+        .with_env_filter(filter.unwrap_or_else(|| EnvFilter::new("warn")))
         .with_writer(std::io::stderr)
+        .with_ansi(ansi)
         .try_init();
+    if let Some(complaint) = complaint {
+        tracing::warn!("{complaint}");
+    }
 }
 
 fn main() -> ExitCode {

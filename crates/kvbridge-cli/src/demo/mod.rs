@@ -176,6 +176,13 @@ pub fn run(args: DemoArgs) -> ExitCode {
             }
         }
         Err(e) => {
+            if let Some(stopped) = e.downcast_ref::<crate::signals::Stopped>() {
+                eprintln!(
+                    "kvbridge demo: {stopped}; its rank processes were stopped and its \
+                     temporary files removed"
+                );
+                return ExitCode::from(stopped.exit_code());
+            }
             eprintln!("kvbridge demo: {e:#}");
             ExitCode::FAILURE
         }
@@ -193,6 +200,9 @@ struct Outcome {
 }
 
 fn run_inner(args: &DemoArgs) -> Result<Summary> {
+    // From here a signal stops the run cleanly: the ranks are killed and
+    // reaped, the temporary directory removed.
+    crate::signals::watch_termination().context("installing signal handlers")?;
     let secret = if args.open {
         eprintln!(
             "kvbridge demo: OPEN MODE (--open): no cluster secret; every channel is unauthenticated"
@@ -285,6 +295,10 @@ fn orchestrate(
             children.kill_all();
             bail!("the demo did not finish within {} s", args.timeout_s);
         }
+        if let Err(stopped) = crate::signals::check_termination() {
+            children.kill_all();
+            return Err(stopped.into());
+        }
         let Some((id, event)) = children.next_event(Duration::from_millis(200)) else {
             continue;
         };
@@ -319,8 +333,12 @@ fn orchestrate(
             }
             None => {
                 if !finished.contains(&id) && !children.was_killed(id) {
+                    let status = children.exit_status(id);
                     children.kill_all();
-                    bail!("{} exited before finishing its workload", children.name(id));
+                    bail!(
+                        "{} exited before finishing its workload ({status})",
+                        children.name(id)
+                    );
                 }
             }
             Some(Event::Started { room }) => {

@@ -6,8 +6,10 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use kvbridge_engine::{EngineConfig, TcpConfig};
+use kvbridge_roles::decode::topology::{self, LocalTopology};
 use kvbridge_roles::synthetic::{ModelSpec, Placement, RankSpec};
 use kvbridge_roles::{DecodeConfig, PrefillConfig, StagingConfig};
+use kvbridge_wire::bootstrap::PrefillServerInfo;
 
 use super::DemoArgs;
 use crate::rank::workload::Workload;
@@ -66,6 +68,47 @@ fn validate_sizes(args: &DemoArgs) -> Result<()> {
             "--abort-fraction must be between 0 and 1, not {}",
             args.abort_fraction
         );
+    }
+    Ok(())
+}
+
+/// Refuses a prefill/decode pairing that every decode rank's topology
+/// lookup would reject (TP sizes neither of which divides the other, DCP
+/// against a CP prefill, ...), with the rule the decode ranks apply.
+fn check_pairing(args: &DemoArgs, model: &ModelSpec) -> Result<()> {
+    let info: PrefillServerInfo = serde_json::from_value(serde_json::json!({
+        "attn_tp_size": args.prefill_tp,
+        "attn_cp_size": args.prefill_cp,
+        "dp_size": args.dp,
+        "pp_size": args.prefill_pp,
+        "page_size": model.page_size,
+        "kv_cache_dtype": "auto",
+        "follow_bootstrap_room": true,
+    }))
+    .context("building the prefill topology")?;
+    for rank in 0..args.decode_tp {
+        let local = LocalTopology {
+            attn_tp_size: args.decode_tp,
+            engine_rank: rank,
+            pp_size: 1,
+            pp_rank: 0,
+            page_size: model.page_size,
+            is_mla: model.mla,
+            is_hybrid_mla: false,
+            all_cp_ranks: args.all_cp_ranks,
+            dcp_size: args.decode_cp,
+        };
+        topology::resolve(&info, &local, "auto").map_err(|e| {
+            anyhow::anyhow!(
+                "--prefill-tp {} --prefill-pp {} --prefill-cp {} cannot feed --decode-tp {} \
+                 --decode-cp {}: {e}",
+                args.prefill_tp,
+                args.prefill_pp,
+                args.prefill_cp,
+                args.decode_tp,
+                args.decode_cp
+            )
+        })?;
     }
     Ok(())
 }
@@ -130,6 +173,7 @@ pub(super) fn plan(args: &DemoArgs, bootstrap: SocketAddr) -> Result<Plan> {
             .validate(tp)
             .map_err(|e| anyhow::anyhow!("--model {} at TP {tp}: {e}", model.name))?;
     }
+    check_pairing(args, &model)?;
     let workload = Workload {
         requests: args.requests,
         prompt_tokens: args.prompt_tokens,
@@ -245,6 +289,7 @@ pub(super) fn plan(args: &DemoArgs, bootstrap: SocketAddr) -> Result<Plan> {
                 // Until the decode ranks are done: a restarted decode's
                 // retries must find the prefill still answering.
                 linger: true,
+                supervised: true,
             });
         }
     }
@@ -284,6 +329,7 @@ pub(super) fn plan(args: &DemoArgs, bootstrap: SocketAddr) -> Result<Plan> {
             workload: Some(workload.clone()),
             publish_layer_ids,
             linger: false,
+            supervised: true,
         })
         .collect();
     Ok(Plan {

@@ -68,7 +68,7 @@ impl Children {
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit());
-        if std::env::var_os("KVBRIDGE_LOG").is_none() {
+        if std::env::var_os("KVBRIDGE_LOG").is_none() && std::env::var_os("RUST_LOG").is_none() {
             command.env("KVBRIDGE_LOG", "error");
         }
         // The secret travels in the environment (readable only by this
@@ -131,6 +131,7 @@ impl Children {
     pub fn wait_ready(&mut self, ids: &[ChildId], deadline: Instant) -> Result<Vec<String>> {
         let mut sessions: Vec<Option<String>> = vec![None; ids.len()];
         while sessions.iter().any(Option::is_none) {
+            crate::signals::check_termination()?;
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 bail!("ranks did not become ready in time");
@@ -157,11 +158,41 @@ impl Children {
                 (Some(_), Some(Event::Error { message })) => {
                     bail!("{} failed to start: {message}", self.name(id))
                 }
-                (Some(_), None) => bail!("{} exited during start-up", self.name(id)),
+                (Some(_), None) => bail!(
+                    "{} exited during start-up ({}; its log lines, if any, are above)",
+                    self.name(id),
+                    self.exit_status(id)
+                ),
                 (_, other) => self.backlog.push_back((id, other)),
             }
         }
         Ok(sessions.into_iter().flatten().collect())
+    }
+
+    /// How child `id` ended (`exit status 1`, `signal 9`), waiting up to
+    /// 2 s for it; `still running` past that.
+    pub fn exit_status(&mut self, id: ChildId) -> String {
+        let Some(e) = self.entries.get_mut(id) else {
+            return "unknown child".into();
+        };
+        let deadline = Instant::now() + Duration::from_secs(2);
+        loop {
+            match e.child.try_wait() {
+                Ok(Some(status)) => {
+                    use std::os::unix::process::ExitStatusExt;
+                    return match (status.code(), status.signal()) {
+                        (Some(code), _) => format!("exit status {code}"),
+                        (None, Some(sig)) => format!("killed by signal {sig}"),
+                        (None, None) => status.to_string(),
+                    };
+                }
+                Ok(None) if Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                Ok(None) => return "still running".into(),
+                Err(err) => return format!("status unknown: {err}"),
+            }
+        }
     }
 
     /// The rank index of child `id`.

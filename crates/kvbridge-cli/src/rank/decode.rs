@@ -32,6 +32,12 @@ pub fn run(file: &RankFile) -> Result<bool> {
     let Some(addr) = file.bootstrap_addr.clone() else {
         bail!("a decode rank needs `bootstrap_addr` (the prefill's bootstrap server)");
     };
+    // Fail here, before "ready", rather than leave every room to time out.
+    kvbridge_roles::bootstrap::client::wait_until_reachable(
+        &addr,
+        kvbridge_roles::bootstrap::client::REACHABLE_DEADLINE,
+    )
+    .map_err(anyhow::Error::msg)?;
     let mut pools = RankPools::with_placement(
         model.clone(),
         file.rank,
@@ -53,14 +59,19 @@ pub fn run(file: &RankFile) -> Result<bool> {
     let manager = unsafe { DecodeManager::start(config, file.kv_args(&pools), engine) }
         .context("starting the decode manager")?;
     let rank = file.rank.tp_rank;
+    // Installed before "ready": a supervisor may signal as soon as it reads it.
+    let signals = match file.workload {
+        None => Some(crate::signals::StopSignals::install()?),
+        Some(_) => None,
+    };
     emit(&Event::Ready {
         role: "decode".into(),
         rank,
         session: manager.session_id().to_owned(),
         control_port: manager.rank_port(),
     });
-    let Some(workload) = &file.workload else {
-        let signal = crate::signals::wait_for_termination()?;
+    let (Some(workload), None) = (&file.workload, signals.as_ref()) else {
+        let signal = signals.map_or("no signal", crate::signals::StopSignals::wait);
         tracing::info!(signal, "decode rank stopping");
         manager.teardown();
         drop(pools);

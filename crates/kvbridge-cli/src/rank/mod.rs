@@ -104,6 +104,11 @@ pub struct RankFile {
     /// requests, aborts) until stdin closes, so a peer's retry gets an answer.
     #[serde(default)]
     pub linger: bool,
+    /// Started by a supervisor (the demo) that holds this rank's stdin:
+    /// when stdin closes the supervisor is gone (or done), and the rank
+    /// exits at once rather than outlive it.
+    #[serde(default)]
+    pub supervised: bool,
 }
 
 fn default_aux_slots() -> u64 {
@@ -151,7 +156,8 @@ pub struct RankArgs {
     #[arg(long)]
     config: Option<PathBuf>,
     /// The bootstrap server (`host:port`): where a prefill registers and a
-    /// decode looks prefill ranks up.
+    /// decode looks prefill ranks up. Either role exits with the reason when
+    /// it is malformed, or unreachable for 30 s at start-up.
     #[arg(long)]
     bootstrap_addr: Option<String>,
     /// Model preset (`llama3-8b`, `deepseek-v3`).
@@ -221,6 +227,7 @@ impl RankArgs {
                 workload: None,
                 publish_layer_ids: false,
                 linger: false,
+                supervised: false,
             },
         };
         if let Some(addr) = self.bootstrap_addr {
@@ -297,10 +304,28 @@ pub enum Role {
     Decode,
 }
 
+/// Watches stdin on a thread of its own and exits the process when it
+/// closes: a supervised rank's supervisor is gone or has finished with it.
+fn exit_when_stdin_closes() -> Result<()> {
+    std::thread::Builder::new()
+        .name("supervisor".into())
+        .spawn(|| {
+            // Read errors also end the wait: stdin is gone either way.
+            let _ = std::io::copy(&mut std::io::stdin().lock(), &mut std::io::sink());
+            tracing::info!("stdin closed: the supervisor is gone; exiting");
+            std::process::exit(0);
+        })
+        .context("starting the stdin watcher")?;
+    Ok(())
+}
+
 /// Loads the configuration and runs the rank.
 pub fn run(role: Role, args: RankArgs) -> ExitCode {
     let result = (|| -> Result<bool> {
         let file = args.resolve()?;
+        if file.supervised {
+            exit_when_stdin_closes()?;
+        }
         match role {
             Role::Prefill => prefill::run(&file),
             Role::Decode => decode::run(&file),

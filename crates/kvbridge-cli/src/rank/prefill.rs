@@ -65,14 +65,19 @@ pub fn run(file: &RankFile) -> Result<bool> {
         file.prefill.rank.attn_cp_rank,
     );
     let rank = (file.rank.pp_rank * cp.0 + cp.1) * file.rank.tp_size + file.rank.tp_rank;
+    // Installed before "ready": a supervisor may signal as soon as it reads it.
+    let signals = match file.workload {
+        None => Some(crate::signals::StopSignals::install()?),
+        Some(_) => None,
+    };
     emit(&Event::Ready {
         role: "prefill".into(),
         rank,
         session: manager.session_id().to_owned(),
         control_port: manager.rank_port(),
     });
-    let Some(workload) = &file.workload else {
-        let signal = crate::signals::wait_for_termination()?;
+    let (Some(workload), None) = (&file.workload, signals.as_ref()) else {
+        let signal = signals.map_or("no signal", crate::signals::StopSignals::wait);
         tracing::info!(signal, "prefill rank stopping");
         manager.teardown();
         drop(pools);

@@ -70,6 +70,7 @@ pub fn register_with_bootstrap(
         addr: config.bootstrap_addr.clone(),
         reason,
     };
+    check_addr(&config.bootstrap_addr).map_err(fail)?;
     let body = serde_json::to_vec(&registration(config, page_size, rank_port, engine_session))
         .map_err(|e| fail(format!("cannot encode the registration: {e}")))?;
     let auth = config.secret.as_ref().map(WriteAuth::new);
@@ -137,6 +138,68 @@ pub fn register_dp_rank(config: &PrefillConfig, room: u64, dp_rank: u64) -> Resu
     }
 }
 
+/// How long [`wait_until_reachable`] tries by default: as long as a
+/// prefill retries its registration.
+pub const REACHABLE_DEADLINE: Duration = REGISTRATION_DEADLINE;
+
+/// Checks that `addr` is a `host:port` (an IPv6 host in brackets) with a
+/// port from 1 to 65535; the reason names what is wrong.
+pub fn check_addr(addr: &str) -> Result<(), String> {
+    let bad = |why: &str| {
+        Err(format!(
+            "bootstrap address {addr:?} {why} (expected host:port)"
+        ))
+    };
+    let Some((host, port)) = addr.rsplit_once(':') else {
+        return bad("has no port");
+    };
+    let host_ok = if let Some(inner) = host.strip_prefix('[') {
+        inner
+            .strip_suffix(']')
+            .is_some_and(|h| h.parse::<std::net::Ipv6Addr>().is_ok())
+    } else {
+        !host.is_empty() && !host.contains(['/', '@', '?', '#', ' ', '[', ']', ':'])
+    };
+    if !host_ok {
+        return bad("has no valid host");
+    }
+    match port.parse::<u16>() {
+        Ok(p) if p > 0 && !port.starts_with('+') => Ok(()),
+        _ => bad("has no valid port"),
+    }
+}
+
+/// Waits until the bootstrap server at `addr` answers `GET /health` with
+/// 200, retrying for at most `within`; the error says why it gave up
+/// (malformed address, refused, timed out, a non-200 answer).
+pub fn wait_until_reachable(addr: &str, within: Duration) -> Result<(), String> {
+    check_addr(addr)?;
+    let url = format!("http://{addr}/health");
+    let deadline = Instant::now() + within;
+    let mut delay = Duration::from_millis(100);
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let agent = crate::http::agent(ATTEMPT_TIMEOUT.min(left.max(Duration::from_millis(100))));
+        let reason = match agent.get(&url).call() {
+            Ok(resp) if resp.status() == 200 => return Ok(()),
+            Ok(resp) => {
+                let (status, text) = refusal(resp);
+                format!("answered {status}: {text}")
+            }
+            Err(e) => e.to_string(),
+        };
+        if Instant::now() + delay >= deadline {
+            return Err(format!(
+                "bootstrap server {addr} not reachable within {} s: {reason}",
+                within.as_secs_f64()
+            ));
+        }
+        tracing::debug!(url, reason, "bootstrap server not reachable yet; retrying");
+        std::thread::sleep(delay);
+        delay = (delay * 2).min(Duration::from_secs(2));
+    }
+}
+
 /// The status and (first 4 KiB of the) text of a refused request.
 fn refusal(mut resp: ureq::http::Response<ureq::Body>) -> (u16, String) {
     let status = resp.status().as_u16();
@@ -147,4 +210,57 @@ fn refusal(mut resp: ureq::http::Response<ureq::Body>) -> (u16, String) {
         .read_to_string()
         .unwrap_or_default();
     (status, text)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bootstrap_addresses_are_host_and_port() {
+        for ok in [
+            "127.0.0.1:8998",
+            "localhost:1",
+            "[::1]:65535",
+            "prefill-0.svc:80",
+        ] {
+            assert_eq!(check_addr(ok), Ok(()), "{ok}");
+        }
+        for bad in [
+            "",
+            "8998",
+            "host:",
+            ":80",
+            "host:0",
+            "host:65536",
+            "host:+80",
+            "host:x",
+            "http://h:80",
+            "h/x:80",
+            "::1:80",
+            "[::1:80",
+            "[zz]:80",
+        ] {
+            assert!(check_addr(bad).is_err(), "{bad:?} accepted");
+        }
+    }
+
+    #[test]
+    fn an_unreachable_bootstrap_fails_within_the_stated_time() {
+        // A port nothing listens on: bind, note it, close.
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map(|a| a.port())
+            .unwrap_or(9);
+        let start = Instant::now();
+        let err = wait_until_reachable(&format!("127.0.0.1:{port}"), Duration::from_secs(1))
+            .expect_err("nothing listens there");
+        assert!(
+            start.elapsed() < Duration::from_secs(3),
+            "{:?}",
+            start.elapsed()
+        );
+        assert!(err.contains("not reachable within 1 s"), "{err}");
+        assert!(wait_until_reachable("nonsense", Duration::from_secs(1)).is_err());
+    }
 }

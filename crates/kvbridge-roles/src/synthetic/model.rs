@@ -300,6 +300,19 @@ impl ModelSpec {
         if self.layers == 0 || self.page_size == 0 || self.head_bytes == 0 {
             return Err("layers, page size and head bytes must be at least 1".into());
         }
+        if !self.mla {
+            let heads = self.kv_heads;
+            let even = if heads >= tp {
+                heads.is_multiple_of(tp.max(1))
+            } else {
+                heads > 0 && tp.is_multiple_of(heads)
+            };
+            if !even {
+                return Err(format!(
+                    "{heads} KV heads cannot be split over TP {tp} (one must be a multiple of the other)"
+                ));
+            }
+        }
         for s in &self.states {
             s.validate(tp)?;
         }
