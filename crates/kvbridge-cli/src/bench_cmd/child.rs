@@ -1,34 +1,76 @@
-//! The protocol between a bench's initiator and the target process it
-//! spawns (`current_exe() bench <kind> --serve --bytes N ...`), the same for
-//! `bench tcp`, `bench ucx` and `bench ipc`.
+//! The protocol between a bench's initiator and its target, the same for
+//! `bench tcp`, `bench ucx` and `bench ipc`, over the stdin/stdout of a
+//! target process the initiator spawned (`current_exe() bench <kind>
+//! --serve --bytes N ...`) or over a TCP connection to a target started on
+//! another machine with `--listen ADDR`.
 //!
-//! Lines on the target's stdin and stdout:
+//! Lines, each way:
 //!
-//! - target → initiator, once: `READY <session> <addr>` (its engine's
-//!   session id and the address of its registered buffer);
+//! - target → initiator, once: `READY <session> <addr> <len>` (its engine's
+//!   session id, the address and the length of its registered buffer);
 //! - initiator → target: one command per line (`VERIFY ...`, `ZERO`, as
 //!   each bench defines them), answered with one line, `OK` or a reason
 //!   (`BAD <where>`);
-//! - initiator → target: `QUIT` (or end of input) ends the target.
+//! - initiator → target: `QUIT` (or end of input) ends the session.
 
 use std::io::{BufRead, BufReader, Write};
-use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 
-/// The initiator's handle on a spawned target; `QUIT`s and reaps it on drop.
-#[derive(Debug)]
+/// How long connecting to a `--listen` target may take.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The initiator's handle on its target; `QUIT`s it (and reaps a spawned
+/// one) on drop.
 pub(super) struct Target {
-    child: Child,
-    stdin: ChildStdin,
-    stdout: BufReader<ChildStdout>,
+    child: Option<Child>,
+    writer: Box<dyn Write + Send>,
+    reader: Box<dyn BufRead + Send>,
     /// The target engine's session id.
     pub session: String,
     /// Address of the target's registered buffer.
     pub addr: u64,
+    /// Length of the target's registered buffer.
+    pub len: u64,
+}
+
+impl std::fmt::Debug for Target {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Target")
+            .field("session", &self.session)
+            .field("addr", &self.addr)
+            .field("len", &self.len)
+            .finish_non_exhaustive()
+    }
 }
 
 impl Target {
+    /// Reads the `READY` line from `reader`.
+    fn handshake(
+        child: Option<Child>,
+        writer: Box<dyn Write + Send>,
+        mut reader: Box<dyn BufRead + Send>,
+    ) -> Result<Self> {
+        let mut line = String::new();
+        reader.read_line(&mut line)?;
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        let (session, addr, len) = match fields.as_slice() {
+            ["READY", session, addr, len] => ((*session).to_owned(), addr.parse()?, len.parse()?),
+            _ => bail!("target did not start: {line:?}"),
+        };
+        Ok(Self {
+            child,
+            writer,
+            reader,
+            session,
+            addr,
+            len,
+        })
+    }
+
     /// Spawns `kvbridge bench <bench> --serve --bytes <bytes> <extra...>`,
     /// handing it `secret` (if any) through its environment together with
     /// `--auth`, and waits for its `READY` line.
@@ -54,31 +96,39 @@ impl Target {
             .spawn()
             .context("spawning the target process")?;
         let stdin = child.stdin.take().context("target stdin")?;
-        let mut stdout = BufReader::new(child.stdout.take().context("target stdout")?);
-        let mut line = String::new();
-        stdout.read_line(&mut line)?;
-        let fields: Vec<&str> = line.split_whitespace().collect();
-        let (session, addr) = match fields.as_slice() {
-            ["READY", session, addr] => ((*session).to_owned(), addr.parse::<u64>()?),
-            _ => bail!("target did not start: {line:?}"),
-        };
-        Ok(Self {
-            child,
-            stdin,
-            stdout,
-            session,
-            addr,
-        })
+        let stdout = BufReader::new(child.stdout.take().context("target stdout")?);
+        Self::handshake(Some(child), Box::new(stdin), Box::new(stdout))
+    }
+
+    /// Connects to a target serving with `--listen` at `addr` and checks
+    /// that its buffer holds `bytes`.
+    pub fn connect(addr: &str, bytes: u64) -> Result<Self> {
+        let to = resolve(addr)?;
+        let stream = TcpStream::connect_timeout(&to, CONNECT_TIMEOUT)
+            .with_context(|| format!("connecting to the bench target at {addr}"))?;
+        stream.set_nodelay(true)?;
+        let reader = BufReader::new(stream.try_clone()?);
+        let target = Self::handshake(None, Box::new(stream), Box::new(reader))
+            .with_context(|| format!("bench target at {addr}"))?;
+        if target.len < bytes {
+            bail!(
+                "the target at {addr} registered {} bytes; --bytes {bytes} needs as many \
+                 (start it with --bytes {bytes} or more)",
+                target.len
+            );
+        }
+        Ok(target)
     }
 
     /// Sends one command; `Ok` when the target answers `OK`.
     pub fn ask(&mut self, command: &str) -> Result<()> {
-        writeln!(self.stdin, "{command}")?;
-        self.stdin.flush()?;
+        writeln!(self.writer, "{command}")?;
+        self.writer.flush()?;
         let mut line = String::new();
-        self.stdout.read_line(&mut line)?;
+        self.reader.read_line(&mut line)?;
         match line.trim() {
             "OK" => Ok(()),
+            "" => bail!("{command:?}: the target went away"),
             other => bail!("{command:?}: {other}"),
         }
     }
@@ -86,34 +136,93 @@ impl Target {
 
 impl Drop for Target {
     fn drop(&mut self) {
-        let _ = writeln!(self.stdin, "QUIT");
-        let _ = self.stdin.flush();
-        let _ = self.child.wait();
+        let _ = writeln!(self.writer, "QUIT");
+        let _ = self.writer.flush();
+        if let Some(child) = &mut self.child {
+            let _ = child.wait();
+        }
     }
 }
 
-/// The target's side: prints `READY <session> <addr>`, then answers every
-/// command line on stdin with what `answer` returns for its words (`OK` or
-/// a reason), until `QUIT` or the end of input. An error from `answer`
-/// (an unknown or malformed command) ends the target with that error.
-pub(super) fn serve(
-    session: &str,
-    addr: u64,
-    answer: impl FnMut(&[&str]) -> Result<String>,
-) -> Result<()> {
-    let (input, output) = (std::io::stdin().lock(), std::io::stdout().lock());
-    serve_on(input, output, session, addr, answer)
+/// The first address `addr` (`host:port`) resolves to, IPv4 first.
+pub(super) fn resolve(addr: &str) -> Result<SocketAddr> {
+    let all: Vec<SocketAddr> = addr
+        .to_socket_addrs()
+        .with_context(|| format!("{addr:?} is not a reachable host:port"))?
+        .collect();
+    all.iter()
+        .find(|a| a.is_ipv4())
+        .or_else(|| all.first())
+        .copied()
+        .with_context(|| format!("{addr:?} resolves to no address"))
 }
 
-/// [`serve`] on any input and output.
+/// Where a target takes its commands from.
+pub(super) enum Control {
+    /// The initiator that spawned it, on stdin and stdout.
+    Stdio,
+    /// Initiators that connect to this listener, one session at a time.
+    Listen(TcpListener),
+}
+
+impl Control {
+    /// Stdin/stdout, or a listener on `listen` (`host:port`).
+    pub fn new(listen: Option<&str>) -> Result<Self> {
+        let Some(addr) = listen else {
+            return Ok(Self::Stdio);
+        };
+        let listener =
+            TcpListener::bind(resolve(addr)?).with_context(|| format!("listening on {addr}"))?;
+        Ok(Self::Listen(listener))
+    }
+}
+
+/// The target's side: announces `READY <session> <addr> <len>`, then
+/// answers every command line with what `answer` returns for its words
+/// (`OK` or a reason), until `QUIT` or the end of input. On stdin/stdout
+/// that is one session; a listener serves one initiator after another
+/// until the process is stopped. An error from `answer` (an unknown or
+/// malformed command) ends that session with the error.
+pub(super) fn serve(
+    control: Control,
+    session: &str,
+    addr: u64,
+    len: u64,
+    mut answer: impl FnMut(&[&str]) -> Result<String>,
+) -> Result<()> {
+    let listener = match control {
+        Control::Stdio => {
+            let (input, output) = (std::io::stdin().lock(), std::io::stdout().lock());
+            return serve_on(input, output, session, addr, len, answer);
+        }
+        Control::Listen(l) => l,
+    };
+    eprintln!(
+        "bench target listening on {} (engine {session}, {len} bytes registered); \
+         stop it with Ctrl-C",
+        listener.local_addr()?
+    );
+    loop {
+        let (stream, peer) = listener.accept().context("accepting an initiator")?;
+        eprintln!("initiator {peer} connected");
+        let input = BufReader::new(stream.try_clone()?);
+        match serve_on(input, &stream, session, addr, len, &mut answer) {
+            Ok(()) => eprintln!("initiator {peer} done"),
+            Err(e) => eprintln!("initiator {peer}: {e:#}"),
+        }
+    }
+}
+
+/// One session of [`serve`] on any input and output.
 fn serve_on(
     input: impl BufRead,
     mut out: impl Write,
     session: &str,
     addr: u64,
+    len: u64,
     mut answer: impl FnMut(&[&str]) -> Result<String>,
 ) -> Result<()> {
-    writeln!(out, "READY {session} {addr}")?;
+    writeln!(out, "READY {session} {addr} {len}")?;
     out.flush()?;
     for line in input.lines() {
         let line = line?;
@@ -153,19 +262,43 @@ mod tests {
     fn target_answers_each_command_until_quit() {
         let input = "ZERO\nVERIFY 0\nVERIFY 12\nQUIT\nNEVER READ\n";
         let mut out = Vec::new();
-        serve_on(input.as_bytes(), &mut out, "127.0.0.1:5", 4096, answer).unwrap();
+        serve_on(input.as_bytes(), &mut out, "127.0.0.1:5", 4096, 64, answer).unwrap();
         assert_eq!(
             String::from_utf8(out).unwrap(),
-            "READY 127.0.0.1:5 4096\nOK\nOK\nBAD 12\n"
+            "READY 127.0.0.1:5 4096 64\nOK\nOK\nBAD 12\n"
         );
     }
 
     #[test]
     fn end_of_input_ends_the_target_and_unknown_commands_fail_it() {
         let mut out = Vec::new();
-        serve_on(&b"ZERO\n"[..], &mut out, "s", 1, answer).unwrap();
-        assert_eq!(out, b"READY s 1\nOK\n");
-        let e = serve_on(&b"FLY\n"[..], Vec::new(), "s", 1, answer).unwrap_err();
+        serve_on(&b"ZERO\n"[..], &mut out, "s", 1, 2, answer).unwrap();
+        assert_eq!(out, b"READY s 1 2\nOK\n");
+        let e = serve_on(&b"FLY\n"[..], Vec::new(), "s", 1, 2, answer).unwrap_err();
         assert!(format!("{e:#}").contains("unknown command"), "{e:#}");
+    }
+
+    #[test]
+    fn a_listening_target_serves_initiators_over_tcp() {
+        let control = Control::new(Some("127.0.0.1:0")).unwrap();
+        let Control::Listen(listener) = &control else {
+            panic!("not listening")
+        };
+        let addr = listener.local_addr().unwrap().to_string();
+        std::thread::spawn(move || serve(control, "127.0.0.1:9", 4096, 1 << 20, answer));
+        for _ in 0..2 {
+            let mut t = Target::connect(&addr, 1 << 20).unwrap();
+            assert_eq!(
+                (t.session.as_str(), t.addr, t.len),
+                ("127.0.0.1:9", 4096, 1 << 20)
+            );
+            t.ask("ZERO").unwrap();
+            assert!(t.ask("VERIFY 12").is_err());
+        }
+        let short = Target::connect(&addr, 2 << 20).unwrap_err();
+        assert!(
+            format!("{short:#}").contains("registered 1048576 bytes"),
+            "{short:#}"
+        );
     }
 }

@@ -1,6 +1,7 @@
 //! `kvbridge bench ipc`: the CUDA IPC engine between two processes on one GPU.
 //!
-//! The initiator spawns the target (`current_exe() bench ipc --serve`),
+//! The initiator spawns the target (`current_exe() bench ipc --serve`; or
+//! connects to one started apart with `--listen`, on the same machine),
 //! which allocates and registers one device buffer, prints `READY <session>
 //! <addr>` and answers `VERIFY <seed> <size> <mult> <add>` with `OK` or
 //! `BAD <block>`. Per block size the initiator moves `--bytes` through the
@@ -21,8 +22,10 @@ use kvbridge_engine::ipc::{Copies, CopyBench, CopyMode, CopyTuning};
 use kvbridge_engine::{Batch, BatchHandle, Block, EngineConfig, IpcEngine, Run, TransferEngine};
 use kvbridge_mem::cuda::{self, DeviceBuffer, Event, Stream};
 
+use super::PeerArgs;
 use super::child::{self, Target};
 use super::ipc_layout::{dest, head_slice_runs, pattern, slot, threads};
+use super::size::parse_size;
 
 /// Options of `kvbridge bench ipc`.
 #[derive(Debug, Clone, Args)]
@@ -33,14 +36,14 @@ pub struct IpcArgs {
     /// Timed runs per block size (the best is reported).
     #[arg(long, default_value_t = 3)]
     runs: u32,
-    /// Bytes moved per run (and size of the buffers).
-    #[arg(long, default_value_t = 1 << 30)]
+    /// Bytes moved per run (and size of the buffers): 1073741824, 64M, 1G.
+    #[arg(long, default_value = "1G", value_parser = parse_size)]
     bytes: u64,
-    /// Block sizes in bytes, comma-separated.
-    #[arg(long, value_delimiter = ',', default_values_t = [256u64, 4096, 65536, 1 << 20, 16 << 20])]
+    /// Block sizes, comma-separated: 256,4096 or 256,4K,64K,1M,16M.
+    #[arg(long, value_delimiter = ',', default_value = "256,4K,64K,1M,16M", value_parser = parse_size)]
     sizes: Vec<u64>,
     /// Bytes per submitted batch (default: all of `--bytes` in one batch).
-    #[arg(long)]
+    #[arg(long, value_parser = parse_size)]
     batch_bytes: Option<u64>,
     /// Batches in flight at once.
     #[arg(long, default_value_t = 1)]
@@ -69,6 +72,10 @@ pub struct IpcArgs {
     /// GPU to use.
     #[arg(long, default_value_t = 0)]
     device: i32,
+    /// Two processes started apart (CUDA IPC stays within one machine:
+    /// give a loopback or local address).
+    #[command(flatten)]
+    peer: PeerArgs,
     /// Run as the target process (spawned by the initiator).
     #[arg(long, hide = true)]
     serve: bool,
@@ -79,7 +86,7 @@ pub fn run(args: IpcArgs) -> Result<()> {
     if let Some(why) = cuda::unavailable_reason() {
         bail!("no CUDA ({why}): bench ipc needs a GPU");
     }
-    if args.serve {
+    if args.peer.is_target(args.serve) {
         return serve(&args);
     }
     if args.kernel_sweep {
@@ -88,11 +95,11 @@ pub fn run(args: IpcArgs) -> Result<()> {
     initiate(&args)
 }
 
-fn engine_config() -> EngineConfig {
-    EngineConfig {
-        listen_host: "127.0.0.1".into(),
+fn engine_config(peer: &PeerArgs) -> Result<EngineConfig> {
+    Ok(EngineConfig {
+        listen_host: peer.engine_host()?,
         ..EngineConfig::default()
-    }
+    })
 }
 
 impl IpcArgs {
@@ -107,31 +114,38 @@ impl IpcArgs {
 }
 
 fn serve(args: &IpcArgs) -> Result<()> {
-    let engine = IpcEngine::new(engine_config(), CopyTuning::default())?;
+    let engine = IpcEngine::new(engine_config(&args.peer)?, CopyTuning::default())?;
     let len = usize::try_from(args.bytes)?;
     let buf = DeviceBuffer::new(args.device, len)?;
     // SAFETY: `buf` lives until the end of this function and is deregistered
     // before it is dropped; it is only read (VERIFY) between transfers.
     unsafe { engine.batch_register(&[buf.region()]) }?;
     let mut host = vec![0u8; len];
-    child::serve(engine.session_id(), buf.addr(), |words| match words {
-        ["ZERO"] => {
-            buf.fill(0)?;
-            Ok("OK".to_owned())
-        }
-        ["VERIFY", numbers @ ..] => {
-            let numbers = numbers
-                .iter()
-                .map(|x| x.parse())
-                .collect::<Result<Vec<u64>, _>>()?;
-            let [seed, size, mult, add, copies] = numbers[..] else {
-                bail!("VERIFY takes 5 numbers");
-            };
-            let bad = first_bad_block(&buf, &mut host, seed, size, (mult, add), copies)?;
-            Ok(child::verdict(bad))
-        }
-        _ => bail!("unknown command"),
-    })?;
+    let control = args.peer.control()?;
+    child::serve(
+        control,
+        engine.session_id(),
+        buf.addr(),
+        args.bytes,
+        |words| match words {
+            ["ZERO"] => {
+                buf.fill(0)?;
+                Ok("OK".to_owned())
+            }
+            ["VERIFY", numbers @ ..] => {
+                let numbers = numbers
+                    .iter()
+                    .map(|x| x.parse())
+                    .collect::<Result<Vec<u64>, _>>()?;
+                let [seed, size, mult, add, copies] = numbers[..] else {
+                    bail!("VERIFY takes 5 numbers");
+                };
+                let bad = first_bad_block(&buf, &mut host, seed, size, (mult, add), copies)?;
+                Ok(child::verdict(bad))
+            }
+            _ => bail!("unknown command"),
+        },
+    )?;
     engine.batch_deregister(&[buf.addr()])?;
     Ok(())
 }
@@ -275,9 +289,9 @@ fn initiate(args: &IpcArgs) -> Result<()> {
     if args.runs == 0 || args.inflight == 0 || args.passes == 0 {
         bail!("--runs, --inflight and --passes must be positive");
     }
-    let mut target = spawn_target(args)?;
+    let mut target = args.peer.target(args.bytes, || spawn_target(args))?;
     let tuning = args.tuning();
-    let engine = IpcEngine::new(engine_config(), tuning)?;
+    let engine = IpcEngine::new(engine_config(&args.peer)?, tuning)?;
     let len = usize::try_from(args.bytes)?;
     let src = DeviceBuffer::new(args.device, len)?;
     let scratch = DeviceBuffer::new(args.device, len)?;

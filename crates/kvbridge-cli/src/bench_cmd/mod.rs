@@ -2,13 +2,16 @@
 
 use std::process::ExitCode;
 
-use clap::Subcommand;
+use clap::{Args, Subcommand};
 
 mod child;
 #[cfg(feature = "cuda")]
 mod ipc;
 #[cfg(feature = "cuda")]
 mod ipc_layout;
+mod measure;
+mod plot;
+mod size;
 mod tcp;
 #[cfg(feature = "ucx")]
 mod ucx;
@@ -16,8 +19,10 @@ mod ucx;
 /// Benchmarks of the transfer engines.
 #[derive(Debug, Subcommand)]
 pub enum BenchCommand {
-    /// TCP engine between two processes on loopback: a target that registers
-    /// a host buffer and an initiator that writes into it, per block size.
+    /// TCP engine between two processes: a target that registers a host
+    /// buffer and an initiator that writes into it, per block size. On
+    /// loopback by default; `--listen` / `--connect` put the two on two
+    /// machines.
     Tcp(tcp::TcpArgs),
     /// CUDA IPC engine between two processes on one GPU, against a plain
     /// device-to-device memcpy, the batched kernel alone and one
@@ -44,6 +49,77 @@ pub fn run(cmd: BenchCommand) -> ExitCode {
         Err(e) => {
             eprintln!("kvbridge bench: {e:#}");
             ExitCode::FAILURE
+        }
+    }
+}
+
+/// Where the two ends of a bench run.
+#[derive(Debug, Clone, Default, Args)]
+pub struct PeerArgs {
+    /// Be the target on this machine: register the buffer and serve
+    /// initiators connecting to ADDR (`host:port`, a specific IP or name)
+    /// one after another, until stopped. The engine listens on the same host.
+    #[arg(long, value_name = "ADDR", conflicts_with = "connect")]
+    pub listen: Option<String>,
+    /// Be the initiator against a target started elsewhere with `--listen
+    /// ADDR`, instead of spawning one on loopback. Both ends need the same
+    /// engine options (and `--auth` with the same secret).
+    #[arg(long, value_name = "ADDR")]
+    pub connect: Option<String>,
+}
+
+impl PeerArgs {
+    /// The host this end's engine listens on (and advertises): the
+    /// `--listen` host, the local address that routes to the `--connect`
+    /// target, or loopback.
+    pub fn engine_host(&self) -> anyhow::Result<String> {
+        use anyhow::{Context, bail};
+        if let Some(addr) = &self.listen {
+            let ip = child::resolve(addr)?.ip();
+            if ip.is_unspecified() {
+                bail!(
+                    "--listen {addr}: give this machine's address that initiators reach, \
+                     not a wildcard (the engine advertises it)"
+                );
+            }
+            return Ok(ip.to_string());
+        }
+        if let Some(addr) = &self.connect {
+            let to = child::resolve(addr)?;
+            let any: std::net::SocketAddr = if to.is_ipv4() {
+                "0.0.0.0:0".parse()?
+            } else {
+                "[::]:0".parse()?
+            };
+            // No packet is sent: connecting a UDP socket only picks the route.
+            let probe = std::net::UdpSocket::bind(any)?;
+            probe
+                .connect(to)
+                .with_context(|| format!("no route to {addr}"))?;
+            return Ok(probe.local_addr()?.ip().to_string());
+        }
+        Ok("127.0.0.1".into())
+    }
+
+    /// Whether this process is a target (spawned with `--serve`, or `--listen`).
+    pub fn is_target(&self, serve: bool) -> bool {
+        serve || self.listen.is_some()
+    }
+
+    /// Where the target takes commands from.
+    fn control(&self) -> anyhow::Result<child::Control> {
+        child::Control::new(self.listen.as_deref())
+    }
+
+    /// The initiator's target: the `--connect` one, else `spawn()`ed.
+    fn target(
+        &self,
+        bytes: u64,
+        spawn: impl FnOnce() -> anyhow::Result<child::Target>,
+    ) -> anyhow::Result<child::Target> {
+        match &self.connect {
+            Some(addr) => child::Target::connect(addr, bytes),
+            None => spawn(),
         }
     }
 }

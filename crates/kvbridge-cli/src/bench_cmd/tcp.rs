@@ -1,23 +1,25 @@
-//! `kvbridge bench tcp`: two processes on 127.0.0.1.
+//! `kvbridge bench tcp`: an initiator and a target, two processes on
+//! 127.0.0.1 (the initiator spawns `current_exe() bench tcp --serve`) or
+//! on two machines (`--listen ADDR` there, `--connect ADDR` here).
 //!
-//! The initiator (this process) spawns the target (`current_exe() bench tcp
-//! --serve`), which registers one host buffer, prints `READY <session>
-//! <addr>` and then answers `VERIFY <seed> <bytes>` lines on stdin with `OK`
-//! or `BAD <offset>` (the protocol of `child.rs`). Per block size the initiator fills its source with a
-//! pattern, moves about `--bytes` bytes `--runs` times (batches of
-//! `--batch-blocks` blocks, `--inflight` batches in flight), has the target
-//! verify the first run, and reports the best run.
-
-use std::io::Write;
-use std::time::Instant;
+//! The target registers one host buffer and answers `VERIFY <seed>
+//! <bytes>` with `OK` or `BAD <offset>` (the protocol of `child.rs`). Per
+//! block size the initiator fills its source with a pattern, moves about
+//! `--bytes` bytes `--runs` times (batches of `--batch-blocks` blocks,
+//! `--inflight` batches in flight), has the target verify the first run,
+//! and reports the median run with its spread, the best run, and the
+//! batches' latency percentiles.
 
 use anyhow::{Context, Result, bail};
 use clap::Args;
-use kvbridge_engine::{Batch, Block, EngineConfig, Run, TcpConfig, TcpEngine, TransferEngine};
+use kvbridge_engine::{Block, EngineConfig, TcpConfig, TcpEngine, TransferEngine};
 use kvbridge_mem::HostBuffer;
 use kvbridge_plan::rng::{GOLDEN, splitmix};
 
-use super::child::{self, Target};
+use super::PeerArgs;
+use super::child::{self, Control, Target};
+use super::measure::{Timing, print_rows, progress};
+use super::size::parse_size;
 
 /// Options of `kvbridge bench tcp`.
 #[derive(Debug, Clone, Args)]
@@ -25,14 +27,14 @@ pub struct TcpArgs {
     /// Print one JSON object per block size on stdout.
     #[arg(long)]
     json: bool,
-    /// Timed runs per block size (the best is reported).
+    /// Timed runs per block size (the median, spread and best are reported).
     #[arg(long, default_value_t = 3)]
     runs: u32,
-    /// Bytes moved per run (and size of both buffers).
-    #[arg(long, default_value_t = 1 << 30)]
+    /// Bytes moved per run (and size of both buffers): 1073741824, 64M, 1G.
+    #[arg(long, default_value = "1G", value_parser = parse_size)]
     bytes: u64,
-    /// Block sizes in bytes, comma-separated.
-    #[arg(long, value_delimiter = ',', default_values_t = [4096u64, 65536, 1 << 20, 16 << 20])]
+    /// Block sizes, comma-separated: 4096,65536 or 4K,64K,1M,16M.
+    #[arg(long, value_delimiter = ',', default_value = "4K,64K,1M,16M", value_parser = parse_size)]
     sizes: Vec<u64>,
     /// Blocks per submitted batch.
     #[arg(long, default_value_t = 1024)]
@@ -68,16 +70,22 @@ pub struct TcpArgs {
     /// sending (one descriptor per copy) instead of carrying them natively.
     #[arg(long)]
     expand_runs: bool,
+    /// Also draw GB/s and batch latency against block size into this SVG file.
+    #[arg(long, value_name = "FILE")]
+    plot: Option<std::path::PathBuf>,
+    /// Two machines.
+    #[command(flatten)]
+    peer: PeerArgs,
     /// Run as the target process (spawned by the initiator).
     #[arg(long, hide = true)]
     serve: bool,
 }
 
 impl TcpArgs {
-    fn engine_config(&self) -> EngineConfig {
+    fn engine_config(&self) -> Result<EngineConfig> {
         let d = EngineConfig::default();
-        EngineConfig {
-            listen_host: "127.0.0.1".into(),
+        Ok(EngineConfig {
+            listen_host: self.peer.engine_host()?,
             tcp: TcpConfig {
                 connections_per_peer: self.connections.unwrap_or(d.tcp.connections_per_peer),
                 coalesce_threshold: self.coalesce_threshold.unwrap_or(d.tcp.coalesce_threshold),
@@ -88,7 +96,7 @@ impl TcpArgs {
             },
             secret: super::bench_secret(self.auth),
             ..d
-        }
+        })
     }
 }
 
@@ -124,7 +132,7 @@ fn word(seed: u64, w: u64) -> [u8; 8] {
 
 /// Entry point: initiator, or target with `--serve`.
 pub fn run(args: TcpArgs) -> Result<()> {
-    if args.serve {
+    if args.peer.is_target(args.serve) {
         return serve(&args);
     }
     initiate(&args)
@@ -140,8 +148,8 @@ pub(super) fn buffer(bytes: u64) -> Result<HostBuffer> {
 }
 
 fn serve(args: &TcpArgs) -> Result<()> {
-    let engine = TcpEngine::new(args.engine_config()).context("starting the tcp engine")?;
-    serve_buffer(&engine, args.bytes)?;
+    let engine = TcpEngine::new(args.engine_config()?).context("starting the tcp engine")?;
+    serve_buffer(&engine, args.bytes, args.peer.control()?)?;
     let s = engine.stats();
     tracing::info!(bytes_received = s.bytes_received, "bench target done");
     Ok(())
@@ -149,177 +157,68 @@ fn serve(args: &TcpArgs) -> Result<()> {
 
 /// The target of `bench tcp` and `bench ucx`: registers a host buffer of
 /// `bytes` with `engine` and answers `VERIFY <seed> <bytes>` (the first
-/// `bytes` hold the pattern of `seed`) with `OK` or `BAD <offset>`.
-pub(super) fn serve_buffer(engine: &impl TransferEngine, bytes: u64) -> Result<()> {
+/// `bytes` hold the pattern of `seed`) with `OK` or `BAD <offset>`, to the
+/// initiators `control` brings.
+pub(super) fn serve_buffer(
+    engine: &impl TransferEngine,
+    bytes: u64,
+    control: Control,
+) -> Result<()> {
     let buf = buffer(bytes)?;
     // SAFETY: `buf` lives until the end of this function and is deregistered
     // before it is dropped; it is only read (VERIFY) between transfers, when
     // the initiator has waited for every batch.
     unsafe { engine.batch_register(&[buf.region()]) }.context("registering the buffer")?;
-    child::serve(engine.session_id(), buf.addr(), |words| match words {
-        ["VERIFY", seed, bytes] => {
-            let seed: u64 = seed.parse()?;
-            let n = usize::try_from(bytes.parse::<u64>()?)?.min(buf.len());
-            Ok(child::verdict(first_mismatch(&buf.as_slice()[..n], seed)))
-        }
-        _ => bail!("unknown command"),
-    })?;
+    child::serve(
+        control,
+        engine.session_id(),
+        buf.addr(),
+        bytes,
+        |words| match words {
+            ["VERIFY", seed, bytes] => {
+                let seed: u64 = seed.parse()?;
+                let n = usize::try_from(bytes.parse::<u64>()?)?.min(buf.len());
+                Ok(child::verdict(first_mismatch(&buf.as_slice()[..n], seed)))
+            }
+            _ => bail!("unknown command"),
+        },
+    )?;
     engine.batch_deregister(&[buf.addr()])?;
     Ok(())
 }
 
 /// Spawns the target of `args` (`bench tcp --serve`).
 fn spawn_target(args: &TcpArgs) -> Result<Target> {
-    let threshold = args.engine_config().tcp.coalesce_threshold.to_string();
+    let threshold = args.engine_config()?.tcp.coalesce_threshold.to_string();
     let extra = ["--coalesce-threshold".to_owned(), threshold];
     Target::spawn("tcp", args.bytes, &extra, super::bench_secret(args.auth))
 }
 
-/// Has the target check that its first `bytes` hold the pattern of `seed`.
-fn verify(target: &mut Target, seed: u64, bytes: u64) -> Result<()> {
-    target
-        .ask(&format!("VERIFY {seed} {bytes}"))
-        .context("target found wrong bytes")
-}
-
-/// One block size's best run.
-#[derive(Debug, serde::Serialize)]
-pub(super) struct Row {
-    pub block_size: u64,
-    pub bytes: u64,
-    pub seconds: f64,
-    pub gbps: f64,
-    pub blocks_per_s: f64,
-    pub runs_gbps: Vec<f64>,
-    pub verified: bool,
-}
-
-/// How `bench tcp` and `bench ucx` time one block size.
-#[derive(Debug, Clone, Copy)]
-pub(super) struct Timing {
-    /// Timed runs (the best is reported).
-    runs: u32,
-    /// Blocks per submitted batch.
-    batch_blocks: usize,
-    /// Batches in flight at once.
-    inflight: usize,
-    /// Whether the target verifies the first run.
-    verify: bool,
-    /// Copies per strided run, when blocks are submitted as runs.
-    runs_of: Option<u64>,
-}
-
-impl Timing {
-    /// From the options; all counts must be positive.
-    pub fn new(runs: u32, batch_blocks: usize, inflight: usize, verify: bool) -> Result<Self> {
-        if runs == 0 || batch_blocks == 0 || inflight == 0 {
-            bail!("--runs, --batch-blocks and --inflight must be positive");
-        }
-        Ok(Self {
-            runs,
-            batch_blocks,
-            inflight,
-            verify,
-            runs_of: None,
-        })
-    }
-
-    /// Submit the blocks as strided runs of `copies` copies each.
-    pub fn with_runs_of(self, copies: Option<u64>) -> Result<Self> {
-        if copies == Some(0) {
-            bail!("--runs-of must be positive");
-        }
-        Ok(Self {
-            runs_of: copies,
-            ..self
-        })
-    }
-
-    /// Moves `blocks` (each `size` bytes, together the target's first
-    /// `blocks.len() * size` bytes) `runs` times and has the target verify
-    /// the first run; the best run's row.
-    pub fn measure(
-        &self,
-        engine: &impl TransferEngine,
-        target: &mut Target,
-        blocks: &[Block],
-        size: u64,
-    ) -> Result<Row> {
-        let n = blocks.len() as u64;
-        let mut times = Vec::new();
-        for run in 0..self.runs {
-            let t = Instant::now();
-            let mut pending = std::collections::VecDeque::new();
-            for chunk in blocks.chunks(self.batch_blocks) {
-                if pending.len() >= self.inflight {
-                    let h: kvbridge_engine::BatchHandle = pending.pop_front().context("window")?;
-                    h.wait().context("transfer failed")?;
-                }
-                let to = kvbridge_engine::Target::any(&target.session);
-                pending.push_back(match self.runs_of {
-                    None => engine.submit(to, Batch::Blocks(chunk)),
-                    Some(k) => engine.submit(to, Batch::Runs(&as_runs(chunk, k))),
-                });
-            }
-            for h in pending {
-                h.wait().context("transfer failed")?;
-            }
-            let secs = t.elapsed().as_secs_f64();
-            times.push(secs);
-            if run == 0 && self.verify {
-                verify(target, size, n * size)?;
-            }
-        }
-        let best = times.iter().copied().fold(f64::INFINITY, f64::min);
-        let bytes = n * size;
-        Ok(Row {
-            block_size: size,
-            bytes,
-            seconds: best,
-            gbps: bytes as f64 / best / 1e9,
-            blocks_per_s: n as f64 / best,
-            runs_gbps: times.iter().map(|s| bytes as f64 / s / 1e9).collect(),
-            verified: self.verify,
-        })
-    }
-}
-
-/// Consecutive, equally long and equally spaced `blocks` as runs of at
-/// most `copies` copies.
-fn as_runs(blocks: &[Block], copies: u64) -> Vec<Run> {
-    blocks
-        .chunks(copies as usize)
-        .map(|c| {
-            let (first, len) = (c[0], c[0].len);
-            let stride = |f: fn(&Block) -> u64| c.get(1).map_or(len, |b| f(b) - f(&first));
-            Run {
-                src: first.src,
-                dst: first.dst,
-                len,
-                count: c.len() as u64,
-                src_stride: stride(|b| b.src),
-                dst_stride: stride(|b| b.dst),
-            }
-        })
-        .collect()
-}
-
 fn initiate(args: &TcpArgs) -> Result<()> {
-    let timing = Timing::new(args.runs, args.batch_blocks, args.inflight, !args.no_verify)?
-        .with_runs_of(args.runs_of)?;
-    let mut target = spawn_target(args)?;
-    let engine = TcpEngine::new(args.engine_config()).context("starting the tcp engine")?;
+    let timing = Timing::new(
+        "tcp",
+        args.runs,
+        args.batch_blocks,
+        args.inflight,
+        !args.no_verify,
+    )?
+    .with_runs_of(args.runs_of)?;
+    for &size in &args.sizes {
+        if size == 0 || size > args.bytes {
+            bail!("block size {size} must be in 1..=--bytes ({})", args.bytes);
+        }
+    }
+    let mut target = args.peer.target(args.bytes, || spawn_target(args))?;
+    let engine = TcpEngine::new(args.engine_config()?).context("starting the tcp engine")?;
     let mut src = buffer(args.bytes)?;
     let base = src.addr();
     // SAFETY: `src` outlives the engine's use of it: it is deregistered below
     // before being dropped, and only written between runs.
     unsafe { engine.batch_register(&[src.region()]) }.context("registering the source")?;
     let dst_base = target.addr;
+    let bar = progress(args.sizes.len() as u64 * u64::from(timing.runs()));
     let mut rows = Vec::new();
     for &size in &args.sizes {
-        if size == 0 || size > args.bytes {
-            bail!("block size {size} must be in 1..=--bytes");
-        }
         let n = args.bytes / size;
         let blocks: Vec<Block> = (0..n)
             .map(|i| Block {
@@ -329,54 +228,13 @@ fn initiate(args: &TcpArgs) -> Result<()> {
             })
             .collect();
         fill(src.as_mut_slice(), size);
-        rows.push(timing.measure(&engine, &mut target, &blocks, size)?);
+        rows.push(timing.measure(&engine, &mut target, &blocks, size, &bar)?);
     }
+    bar.finish_and_clear();
     engine.batch_deregister(&[base])?;
     drop(target);
     print_rows(args.json, &rows)?;
-    Ok(())
-}
-
-/// The table on stdout; with `json`, one object per row on stdout instead
-/// (and the table on stderr, so stdout stays JSON lines).
-pub(super) fn print_rows(json: bool, rows: &[Row]) -> Result<()> {
-    let mut table = String::new();
-    table.push_str(&format!(
-        "{:>10} {:>12} {:>9} {:>8} {:>12}  runs (GB/s)\n",
-        "block", "bytes", "best s", "GB/s", "blocks/s"
-    ));
-    for r in rows {
-        let runs: Vec<String> = r.runs_gbps.iter().map(|g| format!("{g:.2}")).collect();
-        table.push_str(&format!(
-            "{:>10} {:>12} {:>9.4} {:>8.3} {:>12.0}  {}\n",
-            human(r.block_size),
-            r.bytes,
-            r.seconds,
-            r.gbps,
-            r.blocks_per_s,
-            runs.join(" ")
-        ));
-    }
-    if json {
-        eprint!("{table}");
-    } else {
-        print!("{table}");
-    }
-    if json {
-        let mut out = std::io::stdout().lock();
-        for r in rows {
-            writeln!(out, "{}", serde_json::to_string(r)?)?;
-        }
-    }
-    Ok(())
-}
-
-fn human(n: u64) -> String {
-    match n {
-        n if n >= 1 << 20 && n % (1 << 20) == 0 => format!("{} MiB", n >> 20),
-        n if n >= 1 << 10 && n % (1 << 10) == 0 => format!("{} KiB", n >> 10),
-        n => format!("{n} B"),
-    }
+    super::plot::write(args.plot.as_deref(), &rows)
 }
 
 #[cfg(test)]
@@ -391,7 +249,5 @@ mod tests {
         assert_eq!(first_mismatch(&a, 65536), Some(0));
         a[1001] ^= 1;
         assert_eq!(first_mismatch(&a, 4096), Some(1001));
-        assert_eq!(human(4096), "4 KiB");
-        assert_eq!(human(16 << 20), "16 MiB");
     }
 }

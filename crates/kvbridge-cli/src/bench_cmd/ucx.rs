@@ -13,8 +13,11 @@ use anyhow::{Context, Result, bail};
 use clap::Args;
 use kvbridge_engine::{Block, EngineConfig, TransferEngine, UcxEngine};
 
+use super::PeerArgs;
 use super::child::Target;
-use super::tcp::{Timing, buffer, fill_from, print_rows, serve_buffer};
+use super::measure::{Timing, print_rows, progress};
+use super::size::parse_size;
+use super::tcp::{buffer, fill_from, serve_buffer};
 
 /// Options of `kvbridge bench ucx`.
 #[derive(Debug, Clone, Args)]
@@ -22,14 +25,14 @@ pub struct UcxArgs {
     /// Print one JSON object per block size on stdout.
     #[arg(long)]
     json: bool,
-    /// Timed runs per block size (the best is reported).
+    /// Timed runs per block size (the median, spread and best are reported).
     #[arg(long, default_value_t = 3)]
     runs: u32,
-    /// Bytes moved per run (and size of both buffers).
-    #[arg(long, default_value_t = 1 << 30)]
+    /// Bytes moved per run (and size of both buffers): 1073741824, 64M, 1G.
+    #[arg(long, default_value = "1G", value_parser = parse_size)]
     bytes: u64,
-    /// Block sizes in bytes, comma-separated.
-    #[arg(long, value_delimiter = ',', default_values_t = [4096u64, 65536, 1 << 20, 16 << 20])]
+    /// Block sizes, comma-separated: 4096,65536 or 4K,64K,1M,16M.
+    #[arg(long, value_delimiter = ',', default_value = "4K,64K,1M,16M", value_parser = parse_size)]
     sizes: Vec<u64>,
     /// Blocks per submitted batch.
     #[arg(long, default_value_t = 1024)]
@@ -52,6 +55,12 @@ pub struct UcxArgs {
     /// Skip the byte verification.
     #[arg(long)]
     no_verify: bool,
+    /// Also draw GB/s and batch latency against block size into this SVG file.
+    #[arg(long, value_name = "FILE")]
+    plot: Option<std::path::PathBuf>,
+    /// Two machines.
+    #[command(flatten)]
+    peer: PeerArgs,
     /// Run as the target process (spawned by the initiator).
     #[arg(long, hide = true)]
     serve: bool,
@@ -60,7 +69,7 @@ pub struct UcxArgs {
 impl UcxArgs {
     fn engine(&self) -> Result<UcxEngine> {
         let cfg = EngineConfig {
-            listen_host: "127.0.0.1".into(),
+            listen_host: self.peer.engine_host()?,
             secret: super::bench_secret(self.auth),
             io_timeout_ms: 60_000,
             ..EngineConfig::default()
@@ -72,14 +81,14 @@ impl UcxArgs {
 
 /// Entry point: initiator, or target with `--serve`.
 pub fn run(args: UcxArgs) -> Result<()> {
-    if args.serve {
+    if args.peer.is_target(args.serve) {
         return serve(&args);
     }
     initiate(&args)
 }
 
 fn serve(args: &UcxArgs) -> Result<()> {
-    serve_buffer(&args.engine()?, args.bytes)
+    serve_buffer(&args.engine()?, args.bytes, args.peer.control()?)
 }
 
 /// Spawns the target of `args` (`bench ucx --serve`).
@@ -119,8 +128,22 @@ fn slot(i: u64, m: u64, n: u64) -> u64 {
 }
 
 fn initiate(args: &UcxArgs) -> Result<()> {
-    let timing = Timing::new(args.runs, args.batch_blocks, args.inflight, !args.no_verify)?;
-    let mut target = spawn_target(args)?;
+    let timing = Timing::new(
+        "ucx",
+        args.runs,
+        args.batch_blocks,
+        args.inflight,
+        !args.no_verify,
+    )?;
+    for &size in &args.sizes {
+        if size == 0 || size > args.bytes {
+            bail!("block size {size} must be in 1..=--bytes ({})", args.bytes);
+        }
+        if args.scatter && size % 8 != 0 {
+            bail!("--scatter needs block sizes that are multiples of 8");
+        }
+    }
+    let mut target = args.peer.target(args.bytes, || spawn_target(args))?;
     let engine = args.engine()?;
     let mut src = buffer(args.bytes)?;
     let base = src.addr();
@@ -133,14 +156,9 @@ fn initiate(args: &UcxArgs) -> Result<()> {
         args.tls.as_deref().unwrap_or("(environment)"),
         if args.scatter { ", scattered" } else { "" }
     );
+    let bar = progress(args.sizes.len() as u64 * u64::from(timing.runs()));
     let mut rows = Vec::new();
     for &size in &args.sizes {
-        if size == 0 || size > args.bytes {
-            bail!("block size {size} must be in 1..=--bytes");
-        }
-        if args.scatter && size % 8 != 0 {
-            bail!("--scatter needs block sizes that are multiples of 8");
-        }
         let n = args.bytes / size;
         let m = if args.scatter {
             scatter_multiplier(n)
@@ -163,13 +181,15 @@ fn initiate(args: &UcxArgs) -> Result<()> {
             fill_from(chunk, size, slot(i as u64, m, n) * size / 8);
         }
         let puts_before = engine.stats().puts;
-        rows.push(timing.measure(&engine, &mut target, &blocks, size)?);
+        rows.push(timing.measure(&engine, &mut target, &blocks, size, &bar)?);
         let puts = (engine.stats().puts - puts_before) / u64::from(args.runs);
         tracing::info!(size, puts, "puts per run");
     }
+    bar.finish_and_clear();
     engine.batch_deregister(&[base])?;
     drop(target);
-    print_rows(args.json, &rows)
+    print_rows(args.json, &rows)?;
+    super::plot::write(args.plot.as_deref(), &rows)
 }
 
 #[cfg(test)]
