@@ -8,6 +8,11 @@
 //! * `--bench N`: time the planning call only (scenario parsing and peer
 //!   registration excluded) N times with one reused planner, and print
 //!   `{"blocks": <count>, "median_us": <µs>, "min_us": <µs>, "repeat": N}`.
+//! * `--svg FILE`: also draw which prefill pages and heads land in which
+//!   decode pages, per buffer pair (`picture`, `svg`).
+
+mod picture;
+mod svg;
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -23,6 +28,11 @@ pub struct PlanArgs {
     /// Time the planning call N times instead of printing the plan.
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..))]
     bench: Option<u32>,
+    /// Also draw the plan into this SVG file: which prefill pages and heads
+    /// land in which decode pages and heads, per buffer pair (large plans
+    /// are summarized).
+    #[arg(long, value_name = "FILE", conflicts_with = "bench")]
+    svg: Option<PathBuf>,
     /// The scenario JSON file.
     scenario: PathBuf,
 }
@@ -64,6 +74,24 @@ fn execute(args: &PlanArgs, out: &mut dyn Write, err: &mut dyn Write) -> u8 {
             let result = plan_scenario(&scenario);
             if let Err(e) = &result {
                 tracing::info!("scenario rejected: {e}");
+            }
+            if let Some(path) = &args.svg {
+                match &result {
+                    Ok(blocks) => {
+                        let inputs = scenario.inputs();
+                        let picture = picture::Picture::new(&inputs, blocks);
+                        if let Err(e) = svg::draw(path, &inputs, &picture) {
+                            let _ = writeln!(err, "kvbridge plan: {e:#}");
+                            return 1;
+                        }
+                    }
+                    Err(e) => {
+                        let _ = writeln!(
+                            err,
+                            "kvbridge plan: no picture: the scenario is rejected: {e}"
+                        );
+                    }
+                }
             }
             result_to_json(&result)
         }
@@ -127,10 +155,15 @@ mod tests {
     }
 
     fn exec(bench: Option<u32>, path: PathBuf) -> (u8, String, String) {
+        exec_svg(bench, None, path)
+    }
+
+    fn exec_svg(bench: Option<u32>, svg: Option<PathBuf>, path: PathBuf) -> (u8, String, String) {
         let (mut out, mut err) = (Vec::new(), Vec::new());
         let code = execute(
             &PlanArgs {
                 bench,
+                svg,
                 scenario: path,
             },
             &mut out,
@@ -199,5 +232,82 @@ mod tests {
         assert_eq!(v["blocks"], 14);
         assert_eq!(v["repeat"], 3);
         assert!(v["median_us"].as_f64().unwrap() >= v["min_us"].as_f64().unwrap());
+    }
+
+    #[test]
+    fn svg_draws_small_plans_whole_and_summarizes_large_ones() {
+        let dir = std::env::temp_dir().join(format!("kvbridge-plan-svg-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let svg = dir.join("small.svg");
+        let (code, out, _) = exec_svg(
+            None,
+            Some(svg.clone()),
+            fixture("plan-examples/mha_equal_tp.json"),
+        );
+        assert_eq!(code, 0);
+        assert!(
+            out.starts_with("{\"blocks\""),
+            "the JSON result is still printed"
+        );
+        let text = std::fs::read_to_string(&svg).unwrap();
+        assert!(text.starts_with("<svg"));
+        for needle in [
+            "prefill KV buffer 0",
+            "decode KV buffer 0",
+            ">\n5\n<",
+            ">\n43\n<",
+        ] {
+            assert!(text.contains(needle), "{needle:?} missing");
+        }
+        assert!(!text.contains("not drawn") || text.contains("more KV buffer pairs"));
+
+        // 64 pages over 40 buffers: the picture says what it leaves out.
+        let mut big: serde_json::Value = serde_json::from_str(
+            &std::fs::read_to_string(fixture("plan-examples/mha_equal_tp.json")).unwrap(),
+        )
+        .unwrap();
+        let buffers = 40u64;
+        big["kv_data_ptrs"] = (0..buffers).map(|i| (i + 1) << 32).collect();
+        big["kv_item_lens"] = vec![1024u64; buffers as usize].into();
+        big["dst_kv_ptrs"] = (0..buffers).map(|i| (i + 100) << 32).collect();
+        big["dst_kv_item_len"] = 1024.into();
+        big["kv_layer_ids"] = serde_json::Value::Null;
+        big["prefill_kv_indices"] = (0..64).collect();
+        big["dst_kv_indices"] = (0..64).map(|i| 200 - i).collect();
+        big["index_slice_start"] = 0.into();
+        big["index_slice_end"] = 64.into();
+        big["is_last_chunk"] = false.into();
+        if let Some(o) = big.as_object_mut() {
+            o.retain(|k, v| !v.is_null() && !k.starts_with("aux") && !k.starts_with("dst_aux"));
+            o.remove("prefill_aux_index");
+        }
+        let scenario = dir.join("big.json");
+        std::fs::write(&scenario, big.to_string()).unwrap();
+        let svg = dir.join("big.svg");
+        let (code, out, err) = exec_svg(None, Some(svg.clone()), scenario);
+        assert_eq!(code, 0, "{err}");
+        assert!(out.starts_with("{\"blocks\""), "{out}");
+        let text = std::fs::read_to_string(&svg).unwrap();
+        assert!(
+            text.contains("48 more items not drawn"),
+            "64 pages, 16 drawn"
+        );
+        assert!(
+            text.contains("36 more KV buffer pairs (36 with the first"),
+            "40 buffers, 4 drawn"
+        );
+
+        // A rejected scenario: the error result, exit 0, and no picture.
+        let svg = dir.join("rejected.svg");
+        let (code, out, err) = exec_svg(
+            None,
+            Some(svg.clone()),
+            fixture("plan-examples/error_missing_layer.json"),
+        );
+        assert_eq!(code, 0);
+        assert!(out.contains("\"error\""));
+        assert!(err.contains("no picture"), "{err}");
+        assert!(!svg.exists());
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }
