@@ -126,6 +126,16 @@ fn ci() -> Result<()> {
             "warnings",
         ],
     )?;
+    // The API docs build without broken links or name collisions.
+    eprintln!("xtask: running cargo doc --workspace --no-deps (warnings are errors)");
+    let status = Command::new("cargo")
+        .args(["doc", "--workspace", "--no-deps"])
+        .env("RUSTDOCFLAGS", "-D warnings")
+        .status()
+        .context("cannot start cargo")?;
+    if !status.success() {
+        bail!("cargo doc --workspace failed with {status}");
+    }
     // libucx0 is installed above, so the UCX tests must run, not skip.
     eprintln!("xtask: running cargo test --workspace (KVBRIDGE_REQUIRE_UCX=1)");
     let status = Command::new("cargo")

@@ -16,9 +16,22 @@ mod rank;
 mod signals;
 mod wire_cmd;
 
+/// What `kvbridge --help` prints under the commands.
+const AFTER_HELP: &str = "\
+Results go to stdout, logs and progress to stderr. Logs are filtered by
+KVBRIDGE_LOG (else RUST_LOG; default warn), e.g. KVBRIDGE_LOG=info.
+Throughput is in GB/s: 10^9 bytes per second.
+Start with `kvbridge demo`; every command has --help. The repository's docs/
+folder has the details (cli.md, roles.md, observability.md, deploying.md).";
+
 /// Moves the KV cache of LLM requests from prefill GPUs to decode GPUs.
 #[derive(Debug, Parser)]
-#[command(name = "kvbridge", version, about)]
+#[command(
+    name = "kvbridge",
+    version,
+    about = "Moves the KV cache of LLM requests from prefill GPUs to decode GPUs",
+    after_help = AFTER_HELP
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,

@@ -334,3 +334,18 @@ fn wire_encode_pipes_into_wire_decode() {
         .unwrap();
     assert_eq!(bare.wait_with_output().unwrap().status.code(), Some(2));
 }
+
+#[test]
+fn the_readme_shows_the_help_the_binary_prints() {
+    let readme =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../README.md")).unwrap();
+    let start = readme.find("```text\n").unwrap() + "```text\n".len();
+    let end = start + readme[start..].find("```").unwrap();
+    let out = output(&["--help"], &[]);
+    assert!(out.status.success());
+    assert_eq!(
+        &readme[start..end],
+        String::from_utf8_lossy(&out.stdout),
+        "README.md's help block is stale: paste `kvbridge --help` into it"
+    );
+}

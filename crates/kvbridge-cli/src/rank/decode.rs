@@ -38,6 +38,7 @@ pub fn run(file: &RankFile) -> Result<bool> {
         kvbridge_roles::bootstrap::client::REACHABLE_DEADLINE,
     )
     .map_err(anyhow::Error::msg)?;
+    super::announce_pools("decode", file, &model);
     let mut pools = RankPools::with_placement(
         model.clone(),
         file.rank,

@@ -295,6 +295,27 @@ impl RankArgs {
     }
 }
 
+/// Pools from this size on are announced before they are allocated (and
+/// filled or verified), which takes seconds per GiB.
+const ANNOUNCE_POOL_BYTES: u64 = 512 << 20;
+
+/// Says on stderr how much KV memory `role` is about to allocate when it is
+/// a lot, so that a slow start is not a silent one.
+fn announce_pools(role: &str, file: &RankFile, model: &ModelSpec) {
+    let tokens = file.pages.saturating_mul(model.page_size);
+    let tp = file.rank.tp_size.max(1);
+    let bytes = model.token_bytes().saturating_mul(tokens) / tp.min(model.kv_heads.max(1));
+    if bytes >= ANNOUNCE_POOL_BYTES {
+        eprintln!(
+            "kvbridge {role} rank {}: allocating about {:.1} GiB of KV pools ({} pages per \
+             buffer); this takes a few seconds per GiB",
+            file.rank.tp_rank,
+            bytes as f64 / (1u64 << 30) as f64,
+            file.pages
+        );
+    }
+}
+
 /// Which role a rank process runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Role {

@@ -25,6 +25,7 @@ struct Active {
 /// Runs the rank; `Ok(true)` when every room concluded (successfully or not).
 pub fn run(file: &RankFile) -> Result<bool> {
     let model = file.model()?;
+    super::announce_pools("prefill", file, &model);
     let mut pools = RankPools::with_placement(
         model.clone(),
         file.rank,

@@ -4,7 +4,7 @@
 //! zmq sockets are not thread-safe, so each PUSH socket sits behind its own
 //! lock and the PULL socket belongs to one receiving thread. Receives poll
 //! with a timeout so the thread notices teardown. With a cluster secret
-//! every socket speaks CURVE ([`curve`]); inbound messages are capped in
+//! every socket speaks CURVE (the `curve` module); inbound messages are capped in
 //! size; a send from a thread that must never block
 //! ([`PushPool::try_send`]) drops the message, counted, when the peer's
 //! queue is full.
@@ -189,7 +189,7 @@ impl PullSocket {
 }
 
 /// PUSH sockets to peers, one per endpoint, created on first use. libzmq
-/// caps a context at 1023 sockets; past [`SOCKETS_PER_CONTEXT`] the pool
+/// caps a context at 1023 sockets; past `SOCKETS_PER_CONTEXT` the pool
 /// opens further contexts (client sockets need no ZAP handler), up to
 /// `max_sockets` sockets in all.
 pub struct PushPool {
