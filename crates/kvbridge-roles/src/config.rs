@@ -304,6 +304,9 @@ pub struct PrefillConfig {
     pub max_abort_endpoints: usize,
     /// Serve Prometheus metrics here when set.
     pub metrics_addr: Option<SocketAddr>,
+    /// The zmq control port peers send this rank's messages to (0: any
+    /// free port, as sglang; set it where a firewall must open it).
+    pub control_port: u16,
     /// Intra-node transport (`MC_INTRANODE_NVLINK`, `MC_INTRA_NVLINK`,
     /// `MOONCAKE_PROTOCOL=nvlink_intra`): only device regions go to the
     /// engine; host-sourced blocks and aux travel over zmq. Also on when
@@ -344,6 +347,7 @@ impl Default for PrefillConfig {
             max_rooms_per_session: 1 << 14,
             max_abort_endpoints: 64,
             metrics_addr: None,
+            control_port: 0,
             nvlink_intra: false,
             secret: None,
             staging: StagingConfig::default(),
@@ -473,6 +477,9 @@ pub struct DecodeConfig {
     pub force_query_dp_rank: bool,
     /// Serve Prometheus metrics here when set.
     pub metrics_addr: Option<SocketAddr>,
+    /// The zmq control port peers send this rank's messages to (0: any
+    /// free port, as sglang; set it where a firewall must open it).
+    pub control_port: u16,
     /// Intra-node transport: only device regions are registered with the
     /// engine; host regions receive `STATE_DATA` / `AUX_DATA` over zmq.
     /// Also on when the engine moves device memory only.
@@ -506,6 +513,7 @@ impl Default for DecodeConfig {
             all_cp_ranks: false,
             force_query_dp_rank: false,
             metrics_addr: None,
+            control_port: 0,
             nvlink_intra: false,
             secret: None,
             staging: StagingConfig::default(),

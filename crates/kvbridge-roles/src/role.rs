@@ -122,13 +122,15 @@ impl Lifecycle {
         &self.context
     }
 
-    /// Binds the role's inbox (a PULL socket on `host`, any free port).
+    /// Binds the role's inbox (a PULL socket on `host`, on `port` or, 0,
+    /// any free port).
     pub(crate) fn bind_inbox(
         &self,
         host: &str,
+        port: u16,
         max_message_bytes: usize,
     ) -> Result<PullSocket, ControlError> {
-        PullSocket::bind(&self.context, host, 0, max_message_bytes)
+        PullSocket::bind(&self.context, host, port, max_message_bytes)
     }
 
     /// The role's metrics, served at `addr` when set.

@@ -11,9 +11,12 @@
 //! and answers Failed at once for one it had already begun sending or had
 //! given up. `--abort-fraction F` aborts that fraction of requests mid-transfer.
 
+pub mod faults;
+mod netns;
 mod plan;
 mod procs;
 mod rogue;
+mod site;
 pub mod summary;
 
 use std::collections::{HashMap, HashSet};
@@ -23,12 +26,13 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
-use kvbridge_roles::bootstrap::{BootstrapConfig, BootstrapServer, DEFAULT_ENTRY_CLEANUP_INTERVAL};
 
 use crate::rank::EngineKind;
 use crate::rank::events::Event;
+use faults::{Fault, FaultKind};
 use plan::{Plan, plan};
 use procs::{ChildId, Children};
+use site::Site;
 use summary::{Failure, Summary, percentile};
 
 /// `kvbridge demo` flags; every one has a default.
@@ -149,6 +153,29 @@ pub struct DemoArgs {
     /// Give up on the whole run after this many seconds.
     #[arg(long, default_value_t = 600)]
     timeout_s: u64,
+    /// Run as a cluster on this machine (Linux, root): the bootstrap
+    /// server and every rank on a host of its own, each a network
+    /// namespace with its own address on a bridge.
+    #[arg(long)]
+    netns: bool,
+    /// A scripted fault: `partition` (the link between prefill rank 0's
+    /// and decode rank 0's hosts; --netns), `stop-decode` (SIGSTOP decode
+    /// rank 0) or `bootstrap-down` (kill the bootstrap host; --netns).
+    #[arg(long, value_enum)]
+    fault: Option<FaultKind>,
+    /// With `--fault`: start it once decode rank 0 has concluded this many rooms.
+    #[arg(long, default_value_t = 8)]
+    fault_after: u64,
+    /// A decode rank aborts a room not complete after this many seconds.
+    #[arg(long, default_value_t = 60.0)]
+    room_timeout_s: f64,
+    /// Engine I/O timeout, ms (default: the engine's 30 s): how long a
+    /// transfer to a peer that stopped answering may take before it fails.
+    #[arg(long)]
+    engine_io_timeout_ms: Option<u64>,
+    /// With `--fault`: undo it after this many seconds.
+    #[arg(long, default_value_t = 6.0)]
+    fault_secs: f64,
 }
 
 /// Runs the demo; exits non-zero on any mismatched byte, and on failures
@@ -165,7 +192,9 @@ pub fn run(args: DemoArgs) -> ExitCode {
                 // The result on stdout (`kvbridge demo > out.txt`), logs on stderr.
                 print!("{}", summary.render());
             }
-            let faults = args.kill_decode_after.is_some() || args.abort_fraction > 0.0;
+            let faults = args.kill_decode_after.is_some()
+                || args.abort_fraction > 0.0
+                || args.fault.is_some();
             if summary.mismatched_bytes > 0
                 || (!faults && summary.failed > 0)
                 || summary.succeeded == 0
@@ -214,33 +243,37 @@ fn run_inner(args: &DemoArgs) -> Result<Summary> {
             None => kvbridge_engine::ClusterSecret::generate(),
         })
     };
-    let bootstrap = BootstrapServer::start_with(
-        "127.0.0.1:0".parse()?,
-        BootstrapConfig {
-            secret: secret.clone(),
-            cleanup_interval: DEFAULT_ENTRY_CLEANUP_INTERVAL,
-            ..BootstrapConfig::default()
-        },
-    )
-    .context("starting the bootstrap server")?;
-    let plan = plan(args, bootstrap.local_addr())?;
+    if let Some(kind) = args.fault {
+        Fault::check(kind, args.netns)?;
+    }
+    if args.netns && args.rogue {
+        bail!("--rogue attacks loopback ranks; it does not run with --netns");
+    }
     let dir = std::env::temp_dir().join(format!("kvbridge-demo-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
-    let result = orchestrate(args, &plan, &dir, secret, bootstrap.local_addr());
+    let mut site = Site::start(args, secret.clone())?;
+    let result = plan(args, site.bootstrap_addr()).and_then(|plan| {
+        std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+        let mut children = Children::new(dir.clone(), secret);
+        let mut plan = plan;
+        site.place(&mut plan, &mut children)?;
+        orchestrate(args, &plan, children, &mut site)
+    });
     let _ = std::fs::remove_dir_all(&dir);
-    bootstrap.shutdown();
+    site.shutdown();
     result
 }
 
 fn orchestrate(
     args: &DemoArgs,
     plan: &Plan,
-    dir: &std::path::Path,
-    secret: Option<kvbridge_engine::ClusterSecret>,
-    bootstrap: std::net::SocketAddr,
+    mut children: Children,
+    site: &mut Site,
 ) -> Result<Summary> {
     let deadline = Instant::now() + Duration::from_secs(args.timeout_s);
-    let mut children = Children::new(dir.to_path_buf(), secret);
+    let bootstrap = site.bootstrap_addr();
+    let mut fault = args
+        .fault
+        .map(|kind| Fault::new(kind, args.fault_after, args.fault_secs));
     let prefill_ids: Vec<ChildId> = plan
         .prefill_files
         .iter()
@@ -298,6 +331,9 @@ fn orchestrate(
         if let Err(stopped) = crate::signals::check_termination() {
             children.kill_all();
             return Err(stopped.into());
+        }
+        if let Some(f) = fault.as_mut() {
+            f.tick(site, &children, decode_ids[0])?;
         }
         let Some((id, event)) = children.next_event(Duration::from_millis(200)) else {
             continue;
@@ -366,9 +402,14 @@ fn orchestrate(
                 };
                 if role == "decode" {
                     last_done = Instant::now();
+                    let rank0_done = decode.keys().filter(|(r, _)| *r == 0).count() as u64
+                        + u64::from(rank == 0);
+                    if let Some(f) = fault.as_mut() {
+                        f.observe(outcome.success, outcome.reason.as_deref());
+                        f.progress(rank0_done, site, &children, decode_ids[0])?;
+                    }
                     decode.insert((rank, room), outcome);
                     bar.inc(1);
-                    let rank0_done = decode.keys().filter(|(r, _)| *r == 0).count() as u64;
                     if let Some(n) = args
                         .kill_decode_after
                         .filter(|n| !killed && rank0_done >= *n)
@@ -399,9 +440,18 @@ fn orchestrate(
     let seconds = first_start.map_or(0.0, |t| {
         last_done.saturating_duration_since(t).as_secs_f64()
     });
+    let fault_report = fault.map(|f| f.finish(site, &children, decode_ids[0]));
     let rogue_report = rogue.map(rogue::Rogue::stop);
     let mut summary = summarize(args, plan, &decode, &prefill, seconds);
     summary.rogue = rogue_report;
+    summary.fault = fault_report;
+    summary.hosts = site.traffic();
+    if let Some(hosts) = site.hosts() {
+        summary.topology.push_str(&format!(
+            ", {} hosts (network namespaces)",
+            hosts.hosts.len()
+        ));
+    }
     Ok(summary)
 }
 
@@ -574,5 +624,7 @@ fn summarize(
         mismatched_bytes: mismatched,
         failures,
         rogue: None,
+        fault: None,
+        hosts: Vec::new(),
     }
 }

@@ -63,6 +63,14 @@ fn validate_sizes(args: &DemoArgs) -> Result<()> {
             args.requests
         );
     }
+    for (name, v) in [
+        ("room-timeout-s", args.room_timeout_s),
+        ("fault-secs", args.fault_secs),
+    ] {
+        if !(v.is_finite() && v > 0.0 && v <= 86_400.0) {
+            bail!("--{name} must be a number of seconds above 0 (at most a day), not {v}");
+        }
+    }
     if !(0.0..=1.0).contains(&args.abort_fraction) {
         bail!(
             "--abort-fraction must be between 0 and 1, not {}",
@@ -182,7 +190,7 @@ pub(super) fn plan(args: &DemoArgs, bootstrap: SocketAddr) -> Result<Plan> {
         seed: args.seed,
         abort_fraction: args.abort_fraction,
         only: None,
-        room_timeout_s: 60.0,
+        room_timeout_s: args.room_timeout_s,
         forward_s: 0.0,
         dp_size: args.dp,
         dp_rank: None,
@@ -202,6 +210,9 @@ pub(super) fn plan(args: &DemoArgs, bootstrap: SocketAddr) -> Result<Plan> {
             request_bytes: 2 << 20,
             ..TcpConfig::default()
         },
+        io_timeout_ms: args
+            .engine_io_timeout_ms
+            .unwrap_or(EngineConfig::default().io_timeout_ms),
         ..EngineConfig::default()
     };
     // A killed decode can take a room's transfer request down with it (sent

@@ -1,7 +1,7 @@
 //! The demo's child processes: spawn a rank from its configuration file,
 //! read its JSON events, kill it, reap it.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -35,6 +35,10 @@ pub struct Children {
     backlog: VecDeque<(ChildId, Option<Event>)>,
     /// Every rank that reported ready: its control port and engine session.
     ready: Vec<super::rogue::Target>,
+    /// The network namespace each `(role, rank)` runs in (`--netns`).
+    namespaces: HashMap<(String, u64), String>,
+    /// Environment every child gets.
+    env: Vec<(String, String)>,
 }
 
 impl Children {
@@ -49,7 +53,25 @@ impl Children {
             rx,
             backlog: VecDeque::new(),
             ready: Vec::new(),
+            namespaces: HashMap::new(),
+            env: Vec::new(),
         }
+    }
+
+    /// Starts `role` rank `rank` inside network namespace `ns` from now on.
+    pub fn place(&mut self, role: &str, rank: u64, ns: &str) {
+        self.namespaces
+            .insert((role.to_owned(), rank), ns.to_owned());
+    }
+
+    /// Sets `key` in the environment of every child started from now on.
+    pub fn set_env(&mut self, key: &str, value: &str) {
+        self.env.push((key.to_owned(), value.to_owned()));
+    }
+
+    /// The process id of child `id`.
+    pub fn pid(&self, id: ChildId) -> Option<u32> {
+        self.entries.get(id).map(|e| e.child.id())
     }
 
     /// Starts `kvbridge <role> --config <file>` and a thread reading its events.
@@ -59,7 +81,16 @@ impl Children {
         std::fs::write(&path, serde_json::to_vec_pretty(file)?)
             .with_context(|| format!("writing {}", path.display()))?;
         let exe = std::env::current_exe().context("locating the kvbridge binary")?;
-        let mut command = Command::new(exe);
+        let mut command = match self.namespaces.get(&(role.to_owned(), rank)) {
+            // `ip netns exec` execs the binary: the child's pid is the rank's.
+            Some(ns) => {
+                let mut c = Command::new("ip");
+                c.args(["netns", "exec", ns]).arg(exe);
+                c
+            }
+            None => Command::new(exe),
+        };
+        command.envs(self.env.iter().map(|(k, v)| (k, v)));
         command
             .arg(role)
             .arg("--config")

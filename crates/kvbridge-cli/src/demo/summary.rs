@@ -45,6 +45,12 @@ pub struct Summary {
     /// What `--rogue` did during the run.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub rogue: Option<super::rogue::RogueReport>,
+    /// With `--netns`: each host's interface counters at the end.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub hosts: Vec<super::netns::Traffic>,
+    /// The scripted `--fault` and what the rooms did around it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fault: Option<super::faults::FaultReport>,
 }
 
 /// The `q`-quantile (nearest rank) of `values`.
@@ -103,6 +109,30 @@ impl Summary {
                 r.max_rank_fds,
                 r.max_rank_threads,
                 r.max_rank_rss_mib
+            ));
+        }
+        for h in &self.hosts {
+            out.push_str(&format!(
+                "  host       {:<10} {:<15} received {:>12} bytes, sent {:>12} bytes\n",
+                h.host, h.ip, h.rx_bytes, h.tx_bytes
+            ));
+        }
+        if let Some(f) = &self.fault {
+            out.push_str(&format!(
+                "  fault      {:?} after {} rooms of decode rank 0, for {:.1} s; room outcomes \
+                 (one per decode rank): {} failed from then on, {} succeeded during it \
+                 and {} after{}\n",
+                f.kind,
+                f.after_rooms,
+                f.seconds,
+                f.failed_from_start,
+                f.succeeded_during,
+                f.succeeded_after,
+                if f.injected {
+                    ""
+                } else {
+                    " (never started: too few rooms)"
+                }
             ));
         }
         for f in self.failures.iter().take(20) {

@@ -194,6 +194,9 @@ pub struct RankArgs {
     /// Serve Prometheus metrics on this address.
     #[arg(long)]
     metrics_addr: Option<std::net::SocketAddr>,
+    /// The zmq control port peers send to (default: any free port).
+    #[arg(long)]
+    control_port: Option<u16>,
 }
 
 impl RankArgs {
@@ -271,6 +274,10 @@ impl RankArgs {
         if let Some(kind) = self.engine {
             file.engine_kind = kind;
         }
+        if let Some(port) = self.control_port {
+            file.prefill.control_port = port;
+            file.decode.control_port = port;
+        }
         if let Some(m) = self.metrics_addr {
             file.prefill.metrics_addr = Some(m);
             file.decode.metrics_addr = Some(m);
@@ -297,7 +304,7 @@ impl RankArgs {
 
 /// Pools from this size on are announced before they are allocated (and
 /// filled or verified), which takes seconds per GiB.
-const ANNOUNCE_POOL_BYTES: u64 = 512 << 20;
+const ANNOUNCE_POOL_BYTES: u64 = 2 << 30;
 
 /// Says on stderr how much KV memory `role` is about to allocate when it is
 /// a lot, so that a slow start is not a silent one.

@@ -128,7 +128,11 @@ impl DecodeManager {
             unsafe { role::register_memory(&kv_args, &engine, config.nvlink_intra, &extra)? };
         let (mut lifecycle, stop_signal) =
             Lifecycle::new("decode", registration, config.secret.as_ref())?;
-        let pull = lifecycle.bind_inbox(&config.local_ip, config.zmq_max_message_bytes)?;
+        let pull = lifecycle.bind_inbox(
+            &config.local_ip,
+            config.control_port,
+            config.zmq_max_message_bytes,
+        )?;
         let metrics = lifecycle.serve_metrics(config.metrics_addr)?;
         let shared = Arc::new(Shared {
             push: PushPool::capped(

@@ -247,7 +247,11 @@ impl PrefillManager {
             unsafe { role::register_memory(&kv_args, &engine, config.nvlink_intra, &extra)? };
         let (mut lifecycle, stop_signal) =
             Lifecycle::new("prefill", registration, config.secret.as_ref())?;
-        let pull = lifecycle.bind_inbox(&config.local_ip, config.zmq_max_message_bytes)?;
+        let pull = lifecycle.bind_inbox(
+            &config.local_ip,
+            config.control_port,
+            config.zmq_max_message_bytes,
+        )?;
         let rank_port = pull.port();
         let (senders, receivers): (Vec<_>, Vec<Receiver<Option<QueuedChunk>>>) =
             (0..queue_count).map(|_| unbounded()).unzip();

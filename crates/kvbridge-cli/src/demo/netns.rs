@@ -1,0 +1,225 @@
+//! Hosts on one machine for `kvbridge demo --netns`: one Linux network
+//! namespace per host, each with its own address on a veth pair joined to a
+//! bridge, reachable only from the others (the bridge itself has no
+//! address). Links between two hosts can be cut and restored. Everything is
+//! removed on drop, and namespaces left by a run that was killed are
+//! removed by the next one.
+//!
+//! Needs root and `ip` (iproute2).
+
+use std::process::Command;
+
+use anyhow::{Context, Result, bail};
+
+/// The prefix of every name this module creates.
+const PREFIX: &str = "kvbns";
+
+/// One host: a namespace, its address, its interface inside.
+#[derive(Debug, Clone)]
+pub struct Host {
+    /// The namespace's name (`ip netns exec <ns> ...`).
+    pub ns: String,
+    /// The host's IPv4 address.
+    pub ip: String,
+}
+
+/// The interface every host has inside its namespace (`UCX_NET_DEVICES`).
+pub const HOST_DEVICE: &str = "eth0";
+
+/// The hosts of one run and their bridge.
+#[derive(Debug)]
+pub struct Hosts {
+    bridge: String,
+    /// The hosts, in creation order.
+    pub hosts: Vec<Host>,
+}
+
+/// Runs `ip args...`; the error names the command and what `ip` said.
+fn ip(args: &[&str]) -> Result<()> {
+    let out = Command::new("ip")
+        .args(args)
+        .output()
+        .context("running `ip` (iproute2 is needed for --netns)")?;
+    if !out.status.success() {
+        bail!(
+            "`ip {}` failed: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok(())
+}
+
+/// Whether process `pid` is alive.
+fn alive(pid: u32) -> bool {
+    std::path::Path::new(&format!("/proc/{pid}")).exists()
+}
+
+/// Removes namespaces, bridges and veths of earlier runs whose process is
+/// gone (a run killed with SIGKILL cannot clean up after itself).
+fn remove_stale() {
+    let listed = Command::new("ip").args(["-o", "link", "show"]).output();
+    let netns = Command::new("ip").args(["netns", "list"]).output();
+    let owner = |name: &str| -> Option<u32> {
+        let rest = name.strip_prefix(PREFIX)?;
+        rest.split(|c: char| !c.is_ascii_digit())
+            .next()?
+            .parse()
+            .ok()
+    };
+    if let Ok(out) = netns {
+        for line in String::from_utf8_lossy(&out.stdout).lines() {
+            let name = line.split_whitespace().next().unwrap_or("");
+            if owner(name).is_some_and(|pid| !alive(pid)) {
+                let _ = ip(&["netns", "del", name]);
+            }
+        }
+    }
+    if let Ok(out) = listed {
+        for line in String::from_utf8_lossy(&out.stdout).lines() {
+            // "7: kvbns123b: <...>" or "8: kvbns123v0@if2: <...>"
+            let name = line.split(':').nth(1).unwrap_or("").trim();
+            let name = name.split('@').next().unwrap_or("");
+            if owner(name).is_some_and(|pid| !alive(pid)) {
+                let _ = ip(&["link", "del", name]);
+            }
+        }
+    }
+}
+
+impl Hosts {
+    /// Creates `n` hosts on a fresh bridge, on a /24 of 10.0.0.0/8 chosen
+    /// from this process id.
+    pub fn create(n: usize) -> Result<Self> {
+        if n == 0 || n > 200 {
+            bail!("--netns needs 1 to 200 hosts, not {n}");
+        }
+        remove_stale();
+        let pid = std::process::id();
+        let tag = format!("{PREFIX}{pid}");
+        let bridge = format!("{tag}b");
+        if bridge.len() > 15 {
+            bail!("interface name {bridge} too long");
+        }
+        let subnet = format!("10.{}.{}", 100 + (pid >> 8) % 100, pid & 0xff);
+        let mut hosts = Hosts {
+            bridge: bridge.clone(),
+            hosts: Vec::new(),
+        };
+        ip(&["link", "add", &bridge, "type", "bridge"])?;
+        ip(&["link", "set", &bridge, "up"])?;
+        for i in 0..n {
+            let ns = format!("{tag}h{i}");
+            let outside = format!("{tag}v{i}");
+            let inside = format!("{tag}p{i}");
+            let addr = format!("{subnet}.{}", i + 10);
+            ip(&["netns", "add", &ns])?;
+            hosts.hosts.push(Host {
+                ns: ns.clone(),
+                ip: addr.clone(),
+            });
+            ip(&[
+                "link", "add", &outside, "type", "veth", "peer", "name", &inside,
+            ])?;
+            ip(&["link", "set", &inside, "netns", &ns])?;
+            ip(&["-n", &ns, "link", "set", &inside, "name", HOST_DEVICE])?;
+            ip(&["link", "set", &outside, "master", &bridge])?;
+            ip(&["link", "set", &outside, "up"])?;
+            ip(&[
+                "-n",
+                &ns,
+                "addr",
+                "add",
+                &format!("{addr}/24"),
+                "dev",
+                HOST_DEVICE,
+            ])?;
+            ip(&["-n", &ns, "link", "set", HOST_DEVICE, "up"])?;
+            ip(&["-n", &ns, "link", "set", "lo", "up"])?;
+        }
+        Ok(hosts)
+    }
+
+    /// Host `i`.
+    pub fn host(&self, i: usize) -> Result<&Host> {
+        self.hosts.get(i).with_context(|| format!("no host {i}"))
+    }
+
+    /// Cuts (`cut`) or restores the link between hosts `a` and `b` in both
+    /// directions: packets between their addresses are dropped by a
+    /// blackhole route on each side; every other pair still talks.
+    pub fn partition(&self, a: usize, b: usize, cut: bool) -> Result<()> {
+        let (ha, hb) = (self.host(a)?, self.host(b)?);
+        let verb = if cut { "add" } else { "del" };
+        ip(&[
+            "-n",
+            &ha.ns,
+            "route",
+            verb,
+            "blackhole",
+            &format!("{}/32", hb.ip),
+        ])?;
+        ip(&[
+            "-n",
+            &hb.ns,
+            "route",
+            verb,
+            "blackhole",
+            &format!("{}/32", ha.ip),
+        ])?;
+        Ok(())
+    }
+}
+
+/// Bytes a host's interface received and sent.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct Traffic {
+    /// What runs there (`bootstrap`, `prefill 0`, `decode 1`).
+    pub host: String,
+    /// Its address.
+    pub ip: String,
+    /// Bytes in and out of its interface.
+    pub rx_bytes: u64,
+    pub tx_bytes: u64,
+}
+
+impl Hosts {
+    /// The bytes host `i`'s interface received and sent so far (the proof
+    /// that a transfer crossed between hosts).
+    pub fn traffic(&self, i: usize, label: String) -> Result<Traffic> {
+        let host = self.host(i)?;
+        let out = Command::new("ip")
+            .args([
+                "-j",
+                "-s",
+                "-n",
+                &host.ns,
+                "link",
+                "show",
+                "dev",
+                HOST_DEVICE,
+            ])
+            .output()
+            .context("running `ip -s link`")?;
+        let v: serde_json::Value =
+            serde_json::from_slice(&out.stdout).context("reading `ip -j -s link` output")?;
+        let stats = &v[0]["stats64"];
+        Ok(Traffic {
+            host: label,
+            ip: host.ip.clone(),
+            rx_bytes: stats["rx"]["bytes"].as_u64().unwrap_or(0),
+            tx_bytes: stats["tx"]["bytes"].as_u64().unwrap_or(0),
+        })
+    }
+}
+
+impl Drop for Hosts {
+    fn drop(&mut self) {
+        for h in &self.hosts {
+            let _ = ip(&["netns", "del", &h.ns]);
+        }
+        // Deleting a namespace deletes its veth ends, and with them the
+        // outside ends; the bridge goes last.
+        let _ = ip(&["link", "del", &self.bridge]);
+    }
+}
