@@ -2,9 +2,10 @@
 //!
 //! - `cargo xtask ci`: installs the system packages the build needs (when
 //!   missing and running as root), then runs what CI runs: formatting check,
-//!   clippy with warnings denied, the whole test suite, the Python
-//!   package's pytest suite (see `python.rs`), then every fuzz target for
-//!   5 seconds.
+//!   clippy with warnings denied, the API docs, the whole test suite, the
+//!   network-namespace cluster's short list (as root; see `cluster.rs`),
+//!   the Python package's pytest suite (see `python.rs`), then every fuzz
+//!   target for 5 seconds.
 //! - `cargo xtask wheel`: builds the Python package's wheel (`import
 //!   kvbridge`) with maturin into `target/wheels`; `cargo xtask py-test`
 //!   runs only CI's Python step (see `python.rs`).
@@ -12,7 +13,11 @@
 //!   and runs them where a GPU is (see `gpu.rs`).
 //! - `cargo xtask fuzz [--seconds N] [--target NAME]`: runs the fuzz targets
 //!   in `fuzz/` for N seconds each (see `fuzz.rs`).
+//! - `cargo xtask cluster [--full] [--release] [--soak-minutes N]`: a cluster
+//!   of network namespaces on this machine, a workload and every scripted
+//!   fault, each checked against its expected outcome (see `cluster.rs`).
 
+mod cluster;
 mod fuzz;
 mod gpu;
 mod python;
@@ -26,12 +31,14 @@ use anyhow::{Context, Result, bail};
 /// `libucx0`: the UCX engine's tests (loaded at run time, not linked).
 /// `python3-dev`: libpython and headers, which `kvbridge-py` links in
 /// `cargo test`; `python3-venv`: `python3 -m venv` for its pytest suite.
+/// `iproute2`: `ip netns` for the cluster scenarios.
 const SYSTEM_PACKAGES: &[&str] = &[
     "build-essential",
     "pkg-config",
     "libucx0",
     "python3-dev",
     "python3-venv",
+    "iproute2",
 ];
 
 fn main() -> ExitCode {
@@ -43,9 +50,10 @@ fn main() -> ExitCode {
         Some("py-test") => python::pytest(&workspace_root(), false),
         Some("gpu-test") => gpu::gpu_test(&args[1..]),
         Some("fuzz") => fuzz::fuzz(&args[1..]),
+        Some("cluster") => cluster::cluster(&workspace_root(), &args[1..]),
         _ => {
             eprintln!(
-                "usage: cargo xtask <ci|install-deps|wheel|py-test|gpu-test [--run] [--bench]|fuzz [--seconds N] [--target NAME]>"
+                "usage: cargo xtask <ci|install-deps|wheel|py-test|gpu-test [--run] [--bench]|fuzz [--seconds N] [--target NAME]|cluster [--full] [--release] [--soak-minutes N]>"
             );
             return ExitCode::from(2);
         }
@@ -86,6 +94,15 @@ fn package_installed(name: &str) -> bool {
         .unwrap_or(false)
 }
 
+/// Whether this process runs as root.
+fn is_root() -> bool {
+    Command::new("id")
+        .arg("-u")
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
+        .unwrap_or(false)
+}
+
 fn install_system_packages() -> Result<()> {
     let missing: Vec<&str> = SYSTEM_PACKAGES
         .iter()
@@ -95,12 +112,7 @@ fn install_system_packages() -> Result<()> {
     if missing.is_empty() {
         return Ok(());
     }
-    let is_root = Command::new("id")
-        .arg("-u")
-        .output()
-        .map(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
-        .unwrap_or(false);
-    if !is_root {
+    if !is_root() {
         bail!(
             "missing system packages {missing:?}: run `sudo apt-get install -y {}`",
             missing.join(" ")
@@ -145,6 +157,13 @@ fn ci() -> Result<()> {
         .context("cannot start cargo")?;
     if !status.success() {
         bail!("cargo test --workspace failed with {status}");
+    }
+    // A cluster of network namespaces: the workload and every scripted
+    // fault (root only: a user without it cannot make namespaces).
+    if is_root() {
+        cluster::cluster(&workspace_root(), &[])?;
+    } else {
+        eprintln!("xtask: not root; skipping the network-namespace cluster (cargo xtask cluster)");
     }
     // The Python package, built into a venv, against its pytest suite.
     python::pytest(&workspace_root(), true)?;

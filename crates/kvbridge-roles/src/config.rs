@@ -307,6 +307,11 @@ pub struct PrefillConfig {
     /// The zmq control port peers send this rank's messages to (0: any
     /// free port, as sglang; set it where a firewall must open it).
     pub control_port: u16,
+    /// How often the rank checks that the bootstrap server still holds its
+    /// registration and registers again when it does not (a restarted
+    /// server); zero: never (sglang registers once).
+    #[serde(with = "duration_secs")]
+    pub bootstrap_refresh: Duration,
     /// Intra-node transport (`MC_INTRANODE_NVLINK`, `MC_INTRA_NVLINK`,
     /// `MOONCAKE_PROTOCOL=nvlink_intra`): only device regions go to the
     /// engine; host-sourced blocks and aux travel over zmq. Also on when
@@ -348,6 +353,7 @@ impl Default for PrefillConfig {
             max_abort_endpoints: 64,
             metrics_addr: None,
             control_port: 0,
+            bootstrap_refresh: Duration::from_secs(10),
             nvlink_intra: false,
             secret: None,
             staging: StagingConfig::default(),

@@ -1,10 +1,14 @@
 //! Scripted faults of a demo run (`--fault KIND --fault-after N
 //! --fault-secs S`): once decode rank 0 has concluded N rooms, the fault
-//! starts; S seconds later it is undone. What the rooms did meanwhile goes
-//! into the summary, for a test to hold against the expected outcome.
+//! starts; S seconds later it is undone. With `--fault-every T` another
+//! one follows T seconds (half to one and a half times T) after each is
+//! undone, until the run ends (`--fault random` picks each one's kind).
+//! What the rooms did meanwhile goes into the summary, for a test to hold
+//! against the expected outcome.
 
+use std::collections::BTreeMap;
 use std::process::Command;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use serde::Serialize;
@@ -24,6 +28,9 @@ pub enum FaultKind {
     /// Take the bootstrap host down (SIGKILL), then start it again on the
     /// same address (`--netns`).
     BootstrapDown,
+    /// Each time one of the above, at random (those that need `--netns`
+    /// only with it).
+    Random,
 }
 
 /// What happened around one fault.
@@ -33,9 +40,11 @@ pub struct FaultReport {
     pub kind: FaultKind,
     /// Whether it was started (the run had enough rooms).
     pub injected: bool,
+    /// How many times it was started, by kind.
+    pub by_kind: BTreeMap<String, u64>,
     /// Decode rank 0's rooms concluded before it started.
     pub after_rooms: u64,
-    /// How long it lasted, seconds.
+    /// How long it lasted, seconds (all its times together).
     pub seconds: f64,
     /// Room outcomes (one per room and decode rank) that failed from its
     /// start on.
@@ -50,9 +59,12 @@ pub struct FaultReport {
 
 #[derive(Debug, Clone, Copy)]
 enum Phase {
+    /// Until decode rank 0's `after`-th room.
     Waiting,
-    Active(Instant),
-    Undone,
+    /// Started then, as this kind.
+    Active(Instant, FaultKind),
+    /// Undone; the next one (`--fault-every`) starts at the instant given.
+    Undone(Option<Instant>),
 }
 
 /// One scripted fault and what the rooms did around it.
@@ -60,6 +72,9 @@ enum Phase {
 pub(super) struct Fault {
     after: u64,
     secs: f64,
+    every: Option<f64>,
+    netns: bool,
+    rng: u64,
     phase: Phase,
     report: FaultReport,
 }
@@ -78,15 +93,28 @@ fn signal(pid: u32, signal: &str) -> Result<()> {
 }
 
 impl Fault {
-    /// A fault of `kind` after decode rank 0's `after`-th room, for `secs`.
-    pub(super) fn new(kind: FaultKind, after: u64, secs: f64) -> Self {
+    /// A fault of `kind` after decode rank 0's `after`-th room, for
+    /// `secs`, again `every` seconds after each time it is undone; `netns`
+    /// says whether the run has hosts (what `Random` may pick).
+    pub(super) fn new(
+        kind: FaultKind,
+        after: u64,
+        secs: f64,
+        every: Option<f64>,
+        netns: bool,
+        seed: u64,
+    ) -> Self {
         Self {
             after,
             secs,
+            every,
+            netns,
+            rng: seed | 1,
             phase: Phase::Waiting,
             report: FaultReport {
                 kind,
                 injected: false,
+                by_kind: BTreeMap::new(),
                 after_rooms: after,
                 seconds: 0.0,
                 failed_from_start: 0,
@@ -95,6 +123,31 @@ impl Fault {
                 reasons: Vec::new(),
             },
         }
+    }
+
+    /// The next pseudo-random number (xorshift).
+    fn next_random(&mut self) -> u64 {
+        self.rng ^= self.rng << 13;
+        self.rng ^= self.rng >> 7;
+        self.rng ^= self.rng << 17;
+        self.rng
+    }
+
+    /// The kind to start now.
+    fn pick(&mut self) -> FaultKind {
+        if self.report.kind != FaultKind::Random {
+            return self.report.kind;
+        }
+        let kinds: &[FaultKind] = if self.netns {
+            &[
+                FaultKind::Partition,
+                FaultKind::StopDecode,
+                FaultKind::BootstrapDown,
+            ]
+        } else {
+            &[FaultKind::StopDecode]
+        };
+        kinds[(self.next_random() % kinds.len() as u64) as usize]
     }
 
     /// Checks that the run can host the fault.
@@ -113,50 +166,65 @@ impl Fault {
         children: &Children,
         decode0: ChildId,
     ) -> Result<()> {
-        if !matches!(self.phase, Phase::Waiting) || done < self.after {
-            return Ok(());
+        if matches!(self.phase, Phase::Waiting) && done >= self.after {
+            self.start(site, children, decode0)?;
         }
-        match self.report.kind {
+        Ok(())
+    }
+
+    fn start(&mut self, site: &mut Site, children: &Children, decode0: ChildId) -> Result<()> {
+        let kind = self.pick();
+        match kind {
             FaultKind::Partition => site.partition(true)?,
             FaultKind::StopDecode => {
                 signal(children.pid(decode0).context("decode rank 0")?, "STOP")?;
             }
             FaultKind::BootstrapDown => site.stop_bootstrap(),
+            FaultKind::Random => bail!("no fault kind picked"),
         }
-        tracing::info!(kind = ?self.report.kind, "fault started");
+        tracing::info!(?kind, "fault started");
         self.report.injected = true;
-        self.phase = Phase::Active(Instant::now());
+        *self.report.by_kind.entry(format!("{kind:?}")).or_default() += 1;
+        self.phase = Phase::Active(Instant::now(), kind);
         Ok(())
     }
 
-    /// Undoes the fault once it has lasted its time.
+    /// Undoes the fault once it has lasted its time, and starts the next
+    /// one (`--fault-every`) when that is due.
     pub(super) fn tick(
         &mut self,
         site: &mut Site,
         children: &Children,
         decode0: ChildId,
     ) -> Result<()> {
-        let Phase::Active(since) = self.phase else {
-            return Ok(());
-        };
-        if since.elapsed().as_secs_f64() < self.secs {
-            return Ok(());
+        match self.phase {
+            Phase::Active(since, _) if since.elapsed().as_secs_f64() >= self.secs => {
+                self.undo(site, children, decode0)
+            }
+            Phase::Undone(Some(at)) if Instant::now() >= at => self.start(site, children, decode0),
+            _ => Ok(()),
         }
-        self.undo(site, children, decode0)?;
-        self.report.seconds = since.elapsed().as_secs_f64();
-        Ok(())
     }
 
     fn undo(&mut self, site: &mut Site, children: &Children, decode0: ChildId) -> Result<()> {
-        self.phase = Phase::Undone;
-        match self.report.kind {
+        let Phase::Active(since, kind) = self.phase else {
+            return Ok(());
+        };
+        let next = self.every.map(|every| {
+            let spread = (self.next_random() % 1000) as f64 / 1000.0 + 0.5;
+            Instant::now() + Duration::from_secs_f64(every * spread)
+        });
+        self.phase = Phase::Undone(next);
+        self.report.seconds += since.elapsed().as_secs_f64();
+        match kind {
             FaultKind::Partition => site.partition(false)?,
             FaultKind::StopDecode => {
                 signal(children.pid(decode0).context("decode rank 0")?, "CONT")?;
             }
             FaultKind::BootstrapDown => site.start_bootstrap()?,
+            FaultKind::Random => {}
         }
-        tracing::info!(kind = ?self.report.kind, "fault undone");
+        tracing::info!(?kind, "fault undone");
         Ok(())
     }
 
@@ -165,8 +233,8 @@ impl Fault {
         let r = &mut self.report;
         match (self.phase, success) {
             (Phase::Waiting, _) => {}
-            (Phase::Active(_), true) => r.succeeded_during += 1,
-            (Phase::Undone, true) => r.succeeded_after += 1,
+            (Phase::Active(..), true) => r.succeeded_during += 1,
+            (Phase::Undone(_), true) => r.succeeded_after += 1,
             (_, false) => {
                 r.failed_from_start += 1;
                 let reason = reason.unwrap_or("(no reason)").to_owned();
@@ -184,11 +252,8 @@ impl Fault {
         children: &Children,
         decode0: ChildId,
     ) -> FaultReport {
-        if let Phase::Active(since) = self.phase {
-            if let Err(e) = self.undo(site, children, decode0) {
-                tracing::warn!("undoing the fault at the end: {e:#}");
-            }
-            self.report.seconds = since.elapsed().as_secs_f64();
+        if let Err(e) = self.undo(site, children, decode0) {
+            tracing::warn!("undoing the fault at the end: {e:#}");
         }
         self.report
     }

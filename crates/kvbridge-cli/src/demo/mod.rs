@@ -11,10 +11,12 @@
 //! and answers Failed at once for one it had already begun sending or had
 //! given up. `--abort-fraction F` aborts that fraction of requests mid-transfer.
 
+mod args;
 pub mod faults;
 mod netns;
 mod plan;
 mod procs;
+mod resources;
 mod rogue;
 mod site;
 pub mod summary;
@@ -24,159 +26,17 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
-use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 
 use crate::rank::EngineKind;
 use crate::rank::events::Event;
-use faults::{Fault, FaultKind};
+pub use args::DemoArgs;
+use faults::Fault;
 use plan::{Plan, plan};
 use procs::{ChildId, Children};
+use resources::Sampler;
 use site::Site;
 use summary::{Failure, Summary, percentile};
-
-/// `kvbridge demo` flags; every one has a default.
-#[derive(Debug, Args)]
-pub struct DemoArgs {
-    /// Model preset: `llama3-8b` (MHA/GQA), `deepseek-v3` (MLA),
-    /// `deepseek-v32` (MLA + DSA indexer pages), `deepseek-v4` (compressed
-    /// MLA: C4 KV, C4 indexer and C128 KV pages), `qwen3-next` (hybrid:
-    /// full attention every 4th layer, mamba slots TP-sliced on the rest) or
-    /// `gpt-oss` (alternating full and 128-token sliding-window layers).
-    #[arg(long, default_value = "llama3-8b")]
-    model: String,
-    /// Speculative draft layers (MTP/EAGLE) after the model's, same KV
-    /// shape, on the last prefill stage and every decode rank.
-    #[arg(long, default_value_t = 0)]
-    draft_layers: u64,
-    /// Decode ranks as HiSparse decodes (`--model deepseek-v4`): their C4
-    /// KV lives in host memory with its own page numbers, the rest in the
-    /// device page space (`dst_device_kv_indices`).
-    #[arg(long)]
-    hisparse: bool,
-    /// Prefill context parallelism: each prefill TP rank has this many CP
-    /// peers holding the same KV; CP rank 0 sends unless `--all-cp-ranks`.
-    #[arg(long, default_value_t = 1)]
-    prefill_cp: u64,
-    /// With `--prefill-cp`: every CP rank sends its share of each request
-    /// (`SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER`).
-    #[arg(long)]
-    all_cp_ranks: bool,
-    /// Prefill data parallelism: this many prefill groups (each TP × CP ×
-    /// PP ranks) on one bootstrap server; each room goes to one group.
-    #[arg(long, default_value_t = 1)]
-    dp: u64,
-    /// With `--dp`: dispatch rooms round robin instead of by the bootstrap
-    /// room; prefills register each room's DP rank and decodes query it.
-    #[arg(long)]
-    dp_round_robin: bool,
-    /// Decode context parallelism (MLA models): decode ranks form groups of
-    /// this size, each rank holding every N-th token; must divide
-    /// `--decode-tp`.
-    #[arg(long, default_value_t = 1)]
-    decode_cp: u64,
-    /// Tokens per KV page (default: the preset's).
-    #[arg(long)]
-    page_size: Option<u64>,
-    /// Use only this many of the preset's layers (a smaller, faster run).
-    #[arg(long)]
-    layers: Option<u64>,
-    /// Prefill attention TP size.
-    #[arg(long, default_value_t = 1)]
-    prefill_tp: u64,
-    /// Prefill pipeline stages.
-    #[arg(long, default_value_t = 1)]
-    prefill_pp: u64,
-    /// Decode attention TP size.
-    #[arg(long, default_value_t = 1)]
-    decode_tp: u64,
-    /// Requests to stream.
-    #[arg(long, default_value_t = 32)]
-    requests: u64,
-    /// Mean prompt length in tokens (each request varies ±25%).
-    #[arg(long, default_value_t = 256)]
-    prompt_tokens: u64,
-    /// Tokens per prefill chunk.
-    #[arg(long, default_value_t = 64)]
-    chunk_tokens: u64,
-    /// Requests in flight per rank.
-    #[arg(long, default_value_t = 8)]
-    concurrency: usize,
-    /// Seed for rooms, lengths and aborts.
-    #[arg(long, default_value_t = 1)]
-    seed: u64,
-    /// Print one JSON object (stdout) instead of the table.
-    #[arg(long)]
-    json: bool,
-    /// Kill decode rank 0 (SIGKILL) after N of its rooms, then restart it.
-    #[arg(long)]
-    kill_decode_after: Option<u64>,
-    /// Fraction of requests the decode aborts mid-transfer.
-    #[arg(long, default_value_t = 0.0)]
-    abort_fraction: f64,
-    /// Transfer engine.
-    #[arg(long, value_enum, default_value = "tcp")]
-    engine: EngineKind,
-    /// Run without a cluster secret (sglang-compatible open mode, every
-    /// channel unauthenticated). By default the demo generates a secret and
-    /// hands it to its processes through their environment.
-    #[arg(long)]
-    open: bool,
-    /// Attack the run from a hostile host without the secret: forged
-    /// control messages for the run's rooms to every rank, idle connections
-    /// on every engine port, unsigned bootstrap writes. The summary says
-    /// what it did; in secret mode the run must not notice.
-    #[arg(long)]
-    rogue: bool,
-    /// KV pools in GPU memory (`--device` = GPU 0, `--device N`).
-    #[arg(long, num_args = 0..=1, default_missing_value = "0", value_name = "GPU")]
-    device: Option<i32>,
-    /// With `--device`: keep the first N KV buffers of each prefill rank in
-    /// host memory, so their blocks take the intra-node host path (STATE_DATA).
-    #[arg(long, default_value_t = 0)]
-    host_kv_buffers: u64,
-    /// Intra-node transport mode (as `MC_INTRANODE_NVLINK`): only device
-    /// memory goes to the engine, host blocks over zmq. On with `--engine ipc`.
-    #[arg(long)]
-    nvlink_intra: bool,
-    /// Heterogeneous TP through the staging path, as sglang's
-    /// `SGLANG_DISAGG_STAGING_BUFFER=1`: each prefill rank gathers a
-    /// chunk's head slices for a decode rank into one bulk write into that
-    /// rank's staging ring, which the decode scatters into its pages.
-    /// Pairs of equal TP, MLA models and PP stages are not staged.
-    #[arg(long)]
-    staging: bool,
-    /// With `--staging`: each decode rank's staging ring, MiB
-    /// (`SGLANG_DISAGG_STAGING_POOL_SIZE_MB`).
-    #[arg(long, default_value_t = 256)]
-    staging_pool_mb: u64,
-    /// Give up on the whole run after this many seconds.
-    #[arg(long, default_value_t = 600)]
-    timeout_s: u64,
-    /// Run as a cluster on this machine (Linux, root): the bootstrap
-    /// server and every rank on a host of its own, each a network
-    /// namespace with its own address on a bridge.
-    #[arg(long)]
-    netns: bool,
-    /// A scripted fault: `partition` (the link between prefill rank 0's
-    /// and decode rank 0's hosts; --netns), `stop-decode` (SIGSTOP decode
-    /// rank 0) or `bootstrap-down` (kill the bootstrap host; --netns).
-    #[arg(long, value_enum)]
-    fault: Option<FaultKind>,
-    /// With `--fault`: start it once decode rank 0 has concluded this many rooms.
-    #[arg(long, default_value_t = 8)]
-    fault_after: u64,
-    /// A decode rank aborts a room not complete after this many seconds.
-    #[arg(long, default_value_t = 60.0)]
-    room_timeout_s: f64,
-    /// Engine I/O timeout, ms (default: the engine's 30 s): how long a
-    /// transfer to a peer that stopped answering may take before it fails.
-    #[arg(long)]
-    engine_io_timeout_ms: Option<u64>,
-    /// With `--fault`: undo it after this many seconds.
-    #[arg(long, default_value_t = 6.0)]
-    fault_secs: f64,
-}
 
 /// Runs the demo; exits non-zero on any mismatched byte, and on failures
 /// when no fault was injected.
@@ -271,9 +131,18 @@ fn orchestrate(
 ) -> Result<Summary> {
     let deadline = Instant::now() + Duration::from_secs(args.timeout_s);
     let bootstrap = site.bootstrap_addr();
-    let mut fault = args
-        .fault
-        .map(|kind| Fault::new(kind, args.fault_after, args.fault_secs));
+    let mut fault = args.fault.map(|kind| {
+        Fault::new(
+            kind,
+            args.fault_after,
+            args.fault_secs,
+            args.fault_every,
+            args.netns,
+            args.seed,
+        )
+    });
+    // Every rank's fds, threads and memory, every 5 s after a warm-up.
+    let mut sampler = Sampler::new(Duration::from_secs(5), Duration::from_secs(30));
     let prefill_ids: Vec<ChildId> = plan
         .prefill_files
         .iter()
@@ -335,6 +204,7 @@ fn orchestrate(
         if let Some(f) = fault.as_mut() {
             f.tick(site, &children, decode_ids[0])?;
         }
+        sampler.tick(children.running());
         let Some((id, event)) = children.next_event(Duration::from_millis(200)) else {
             continue;
         };
@@ -446,6 +316,7 @@ fn orchestrate(
     summary.rogue = rogue_report;
     summary.fault = fault_report;
     summary.hosts = site.traffic();
+    summary.resources = sampler.report();
     if let Some(hosts) = site.hosts() {
         summary.topology.push_str(&format!(
             ", {} hosts (network namespaces)",
@@ -626,5 +497,6 @@ fn summarize(
         rogue: None,
         fault: None,
         hosts: Vec::new(),
+        resources: Vec::new(),
     }
 }

@@ -40,7 +40,7 @@ fn check_gpu(args: &DemoArgs) -> Result<()> {
 
 /// The most requests a demo run takes (each prefill rank fills its pages
 /// for all of them up front).
-const MAX_REQUESTS: u64 = 100_000;
+const MAX_REQUESTS: u64 = 2_000_000;
 
 /// Refuses sizes that cannot make a run, naming the flag (none is clamped).
 fn validate_sizes(args: &DemoArgs) -> Result<()> {
@@ -233,6 +233,9 @@ pub(super) fn plan(args: &DemoArgs, bootstrap: SocketAddr) -> Result<Plan> {
     };
     let timeouts = |p: &mut PrefillConfig| {
         p.bootstrap_timeout = bootstrap_timeout;
+        // A restarted bootstrap server (`--fault bootstrap-down`) knows the
+        // prefill ranks again within 2 s.
+        p.bootstrap_refresh = Duration::from_secs(2);
         p.probe.interval = Duration::from_millis(200);
     };
     let mut prefill_files = Vec::new();

@@ -69,6 +69,16 @@ impl Children {
         self.env.push((key.to_owned(), value.to_owned()));
     }
 
+    /// The children still running: process id and name.
+    pub fn running(&mut self) -> Vec<(u32, String)> {
+        self.entries
+            .iter_mut()
+            .filter_map(|e| {
+                matches!(e.child.try_wait(), Ok(None)).then(|| (e.child.id(), e.name.clone()))
+            })
+            .collect()
+    }
+
     /// The process id of child `id`.
     pub fn pid(&self, id: ChildId) -> Option<u32> {
         self.entries.get(id).map(|e| e.child.id())

@@ -158,27 +158,13 @@ fn attack(
     report
 }
 
-/// Folds the fd count, thread count and resident memory of `pid` (from
-/// `/proc`) into the report's maxima; a process that is gone is skipped.
+/// Folds the fd count, thread count and resident memory of `pid` into the
+/// report's maxima; a process that is gone is skipped.
 fn sample(pid: u32, report: &mut RogueReport) {
-    if let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) {
-        report.max_rank_fds = report.max_rank_fds.max(fds.count() as u64);
-    }
-    let Ok(status) = std::fs::read_to_string(format!("/proc/{pid}/status")) else {
-        return;
-    };
-    let field = |name: &str| {
-        status
-            .lines()
-            .find_map(|l| l.strip_prefix(name))
-            .and_then(|v| v.split_whitespace().next())
-            .and_then(|v| v.parse::<u64>().ok())
-    };
-    if let Some(t) = field("Threads:") {
-        report.max_rank_threads = report.max_rank_threads.max(t);
-    }
-    if let Some(kib) = field("VmRSS:") {
-        report.max_rank_rss_mib = report.max_rank_rss_mib.max(kib / 1024);
+    if let Some(u) = super::resources::Usage::of(pid) {
+        report.max_rank_fds = report.max_rank_fds.max(u.fds);
+        report.max_rank_threads = report.max_rank_threads.max(u.threads);
+        report.max_rank_rss_mib = report.max_rank_rss_mib.max(u.rss_mib);
     }
 }
 

@@ -204,10 +204,13 @@ impl Site {
 
     /// Stops the bootstrap server; the hosts go when the site is dropped.
     pub fn shutdown(mut self) {
-        match std::mem::replace(&mut self.bootstrap, Bootstrap::Process(None)) {
-            Bootstrap::InProcess(server) => server.shutdown(),
-            Bootstrap::Process(_) => self.stop_bootstrap(),
+        if matches!(self.bootstrap, Bootstrap::InProcess(_))
+            && let Bootstrap::InProcess(server) =
+                std::mem::replace(&mut self.bootstrap, Bootstrap::Process(None))
+        {
+            server.shutdown();
         }
+        // A bootstrap process is stopped by `Drop`.
     }
 }
 

@@ -48,6 +48,9 @@ pub struct Summary {
     /// With `--netns`: each host's interface counters at the end.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub hosts: Vec<super::netns::Traffic>,
+    /// Each rank process's fds, threads and resident memory over the run.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub resources: Vec<super::resources::ProcessUsage>,
     /// The scripted `--fault` and what the rooms did around it.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub fault: Option<super::faults::FaultReport>,
@@ -134,6 +137,24 @@ impl Summary {
                     " (never started: too few rooms)"
                 }
             ));
+        }
+        if self.seconds >= 60.0 {
+            for p in &self.resources {
+                out.push_str(&format!(
+                    "  process    {:<16} fds {} -> {} (max {}), threads {} -> {} (max {}), \
+                     RSS {} -> {} MiB (max {})\n",
+                    p.name,
+                    p.settled.fds,
+                    p.last.fds,
+                    p.max.fds,
+                    p.settled.threads,
+                    p.last.threads,
+                    p.max.threads,
+                    p.settled.rss_mib,
+                    p.last.rss_mib,
+                    p.max.rss_mib
+                ));
+            }
         }
         for f in self.failures.iter().take(20) {
             out.push_str(&format!("  failed     room {:#x}: {}\n", f.room, f.reason));

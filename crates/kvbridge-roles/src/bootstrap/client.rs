@@ -107,6 +107,57 @@ pub fn register_with_bootstrap(
     }
 }
 
+/// What [`refresh_registration`] found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refresh {
+    /// The server still holds this rank's entry.
+    Present,
+    /// The entry was gone (a restarted server) and is registered again.
+    Registered,
+}
+
+/// Checks that the bootstrap server still knows this rank (`GET /route`
+/// for its DP, CP, TP and PP rank answers 200) and registers it again when
+/// it does not (any other answer),
+/// as after a bootstrap server restart: one attempt of each, at most 5 s.
+pub fn refresh_registration(
+    config: &PrefillConfig,
+    page_size: u64,
+    rank_port: u16,
+    engine_session: &str,
+) -> Result<Refresh, String> {
+    let r = &config.rank;
+    let url = format!(
+        "http://{}/route?prefill_dp_rank={}&prefill_cp_rank={}&target_tp_rank={}&target_pp_rank={}",
+        config.bootstrap_addr, r.attn_dp_rank, r.attn_cp_rank, r.attn_tp_rank, r.pp_rank
+    );
+    let agent = crate::http::agent(ATTEMPT_TIMEOUT);
+    match agent.get(&url).call() {
+        Ok(resp) if resp.status() == 200 => return Ok(Refresh::Present),
+        // Not found, or not ready (a restarted server has nobody yet).
+        Ok(_) => {}
+        Err(e) => return Err(format!("{url}: {e}")),
+    }
+    let body = serde_json::to_vec(&registration(config, page_size, rank_port, engine_session))
+        .map_err(|e| format!("cannot encode the registration: {e}"))?;
+    let put = format!("http://{}/route", config.bootstrap_addr);
+    let mut request = agent.put(&put).content_type("application/json");
+    if let Some(secret) = config.secret.as_ref() {
+        let signed = WriteAuth::new(secret).sign("PUT", "/route", &body);
+        for (name, value) in signed.pairs() {
+            request = request.header(name, value);
+        }
+    }
+    match request.send(&body[..]) {
+        Ok(resp) if resp.status() == 200 => Ok(Refresh::Registered),
+        Ok(resp) => {
+            let (status, text) = refusal(resp);
+            Err(format!("{put} answered {status}: {text}"))
+        }
+        Err(e) => Err(format!("{put}: {e}")),
+    }
+}
+
 /// `POST /register_dp_rank`: tells the bootstrap server that this prefill's
 /// DP rank `dp_rank` serves `room`, for decodes that cannot compute it
 /// (routing that does not follow the bootstrap room). One attempt of at

@@ -11,6 +11,7 @@ mod flight;
 mod inbox;
 mod pipeline;
 mod probe;
+mod refresh;
 mod sender;
 mod ship;
 mod staged;
@@ -285,14 +286,14 @@ impl PrefillManager {
             staging,
         });
         let started = Self::spawn_threads(&shared, &mut lifecycle, pull, receivers);
-        let manager = Self {
+        let mut manager = Self {
             shared,
             rank_port,
             lifecycle: Some(lifecycle),
         };
         // From here a failure drops the manager, which tears down what started.
         started?;
-        let shared = &manager.shared;
+        let shared = manager.shared.clone();
         crate::bootstrap::client::register_with_bootstrap(
             &shared.config,
             shared.kv_args.layout.page_size,
@@ -300,6 +301,15 @@ impl PrefillManager {
             shared.engine.session_id(),
             &shared.stopped,
         )?;
+        if !shared.config.bootstrap_refresh.is_zero()
+            && let Some(lifecycle) = manager.lifecycle.as_mut()
+        {
+            lifecycle
+                .spawn("kvb-prefill-refresh".into(), move || {
+                    refresh::run(&shared, rank_port);
+                })
+                .map_err(StartError::Thread)?;
+        }
         Ok(manager)
     }
 

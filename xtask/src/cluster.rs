@@ -1,0 +1,406 @@
+//! `cargo xtask cluster [--full] [--soak-minutes N] [--release]`: a real
+//! cluster on this machine. Every scenario runs `kvbridge demo --netns`:
+//! the bootstrap server and every prefill and decode rank on a host of its
+//! own (a network namespace with its own address on a bridge), a
+//! byte-verified workload over the TCP engine or UCX (its `tcp` transport,
+//! on each host's own interface), and one scripted fault. Each scenario's
+//! JSON summary is checked against the outcome the scenario expects; a
+//! table of the results ends the run. Needs root and iproute2.
+//!
+//! The short list (CI) takes a few minutes; `--full` runs bigger workloads
+//! and every fault over both engines; `--soak-minutes N` adds a soak: more
+//! than 1,000 rooms in flight, random faults every few seconds, and every
+//! rank process's fds, threads and memory checked for growth.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Instant;
+
+use anyhow::{Context, Result, bail};
+use serde_json::Value;
+
+/// One scenario: the demo's flags and what its summary must show.
+struct Scenario {
+    name: String,
+    args: Vec<String>,
+    expect: fn(&Value) -> Result<()>,
+}
+
+fn num(v: &Value, key: &str) -> u64 {
+    v[key].as_u64().unwrap_or(0)
+}
+
+/// What every scenario must show: no byte written where it should not
+/// have been, every room concluded, every failure with a reason, and
+/// bytes that crossed between hosts.
+fn sound(v: &Value) -> Result<()> {
+    if num(v, "mismatched_bytes") != 0 {
+        bail!("{} mismatched bytes", num(v, "mismatched_bytes"));
+    }
+    let (ok, failed, all) = (num(v, "succeeded"), num(v, "failed"), num(v, "requests"));
+    if ok + failed != all {
+        bail!("{ok} succeeded + {failed} failed != {all} requests: rooms left unconcluded");
+    }
+    let failures = v["failures"].as_array().map_or(&[][..], Vec::as_slice);
+    if let Some(f) = failures
+        .iter()
+        .find(|f| f["reason"].as_str().is_none_or(str::is_empty))
+    {
+        bail!("a failure without a reason: {f}");
+    }
+    let decode_rx: u64 = v["hosts"]
+        .as_array()
+        .map_or(&[][..], Vec::as_slice)
+        .iter()
+        .filter(|h| h["host"].as_str().is_some_and(|n| n.starts_with("decode")))
+        .map(|h| num(h, "rx_bytes"))
+        .sum();
+    if decode_rx < num(v, "bytes") {
+        bail!(
+            "decode hosts received {decode_rx} bytes, less than the {} verified: not across hosts?",
+            num(v, "bytes")
+        );
+    }
+    Ok(())
+}
+
+fn all_succeed(v: &Value) -> Result<()> {
+    sound(v)?;
+    if num(v, "failed") != 0 {
+        bail!("{} rooms failed: {}", num(v, "failed"), v["failures"]);
+    }
+    Ok(())
+}
+
+/// A fault that must have happened, cost rooms, and been recovered from.
+fn fails_then_recovers(v: &Value) -> Result<()> {
+    sound(v)?;
+    let f = &v["fault"];
+    if f["injected"] != true {
+        bail!("the fault never started: {f}");
+    }
+    if num(f, "failed_from_start") == 0 {
+        bail!("no room failed while the fault lasted: {f}");
+    }
+    if num(f, "succeeded_after") == 0 {
+        bail!("no room succeeded after the fault was undone: {f}");
+    }
+    Ok(())
+}
+
+/// A fault that must have happened and been recovered from (rooms may or
+/// may not have failed meanwhile).
+fn recovers(v: &Value) -> Result<()> {
+    sound(v)?;
+    let f = &v["fault"];
+    if f["injected"] != true || num(f, "succeeded_after") == 0 {
+        bail!("the fault did not start, or no room succeeded after it: {f}");
+    }
+    Ok(())
+}
+
+fn decode_restarts(v: &Value) -> Result<()> {
+    sound(v)?;
+    if num(v, "succeeded") <= 8 {
+        bail!("the new decode incarnation completed nothing: {v}");
+    }
+    Ok(())
+}
+
+/// Resources of every rank after the warm-up: bounded growth.
+fn bounded(v: &Value) -> Result<()> {
+    sound(v)?;
+    let procs = v["resources"].as_array().map_or(&[][..], Vec::as_slice);
+    if procs.is_empty() {
+        bail!("no resource samples");
+    }
+    for p in procs {
+        let (s, l) = (&p["settled"], &p["last"]);
+        let grew = |k: &str| num(l, k).saturating_sub(num(s, k));
+        if grew("fds") > 64 || grew("threads") > 16 || grew("rss_mib") > num(s, "rss_mib") / 4 + 64
+        {
+            bail!("{} grew: from {s} to {l}", p["name"]);
+        }
+    }
+    fails_then_recovers(v)
+}
+
+fn scenario<S: AsRef<str>>(name: &str, args: &[S], expect: fn(&Value) -> Result<()>) -> Scenario {
+    Scenario {
+        name: name.to_owned(),
+        args: args.iter().map(|s| s.as_ref().to_owned()).collect(),
+        expect,
+    }
+}
+
+/// The scenarios, short (CI) or `full`; each over `engines`.
+fn scenarios(full: bool, engines: &[&str]) -> Vec<Scenario> {
+    let requests = if full { "400" } else { "60" };
+    let layers = if full { "8" } else { "4" };
+    let base = ["--layers", layers, "--decode-tp", "2"];
+    // Short deadlines, so a fault of a few seconds fails rooms.
+    let deadlines = ["--room-timeout-s", "4", "--engine-io-timeout-ms", "2000"];
+    let mut out = Vec::new();
+    for engine in engines {
+        // The base, the engine, `--requests` (unless `extra` sets it), `extra`.
+        let with = |extra: &[&str]| -> Vec<String> {
+            let count: &[&str] = if extra.contains(&"--requests") {
+                &[]
+            } else {
+                &["--requests", requests]
+            };
+            base.iter()
+                .chain(&["--engine", *engine])
+                .chain(count)
+                .chain(extra)
+                .map(|a| (*a).to_owned())
+                .collect()
+        };
+        out.push(scenario(
+            &format!("{engine}: workload"),
+            &with(&[]),
+            all_succeed,
+        ));
+        out.push(scenario(
+            &format!("{engine}: link prefill 0 - decode 0 down 8 s"),
+            &with(
+                &[
+                    &[
+                        "--fault",
+                        "partition",
+                        "--fault-after",
+                        "4",
+                        "--fault-secs",
+                        "8",
+                    ][..],
+                    &deadlines,
+                ]
+                .concat(),
+            ),
+            fails_then_recovers,
+        ));
+        out.push(scenario(
+            &format!("{engine}: decode host killed and restarted"),
+            &with(&["--kill-decode-after", "6"]),
+            decode_restarts,
+        ));
+        out.push(scenario(
+            &format!("{engine}: decode host stopped 8 s"),
+            &with(
+                &[
+                    &[
+                        "--fault",
+                        "stop-decode",
+                        "--fault-after",
+                        "4",
+                        "--fault-secs",
+                        "8",
+                    ][..],
+                    &deadlines,
+                ]
+                .concat(),
+            ),
+            fails_then_recovers,
+        ));
+        out.push(scenario(
+            &format!("{engine}: bootstrap host down 5 s"),
+            &with(&[
+                "--fault",
+                "bootstrap-down",
+                "--fault-after",
+                "2",
+                "--fault-secs",
+                "5",
+                "--requests",
+                "200",
+            ]),
+            recovers,
+        ));
+        if !full {
+            // The short list runs the faults over the first engine only.
+            break;
+        }
+    }
+    out
+}
+
+/// The soak's flags: more than 1,000 rooms in flight (600 per decode
+/// rank), random faults every 20 s or so.
+const SOAK: &[&str] = &[
+    "--layers",
+    "1",
+    "--prompt-tokens",
+    "48",
+    "--chunk-tokens",
+    "16",
+    "--concurrency",
+    "600",
+    "--decode-tp",
+    "2",
+    "--room-timeout-s",
+    "6",
+    "--engine-io-timeout-ms",
+    "2000",
+];
+
+/// The soak: as many rooms as take `minutes` at the rate a fault-free
+/// calibration run of the same shape measured here.
+fn soak(kvbridge: &Path, minutes: u64) -> Result<Scenario> {
+    let calibration = scenario(
+        "soak calibration",
+        &[SOAK, &["--requests", "20000"]].concat(),
+        all_succeed,
+    );
+    eprintln!("xtask cluster: calibrating the soak (20000 rooms) ...");
+    let v = run_one(kvbridge, &calibration)?;
+    let rate = num(&v, "succeeded") as f64 / v["seconds"].as_f64().unwrap_or(1.0).max(1.0);
+    let rooms = ((rate * minutes as f64 * 60.0) as u64).clamp(10_000, 2_000_000);
+    let timeout = (minutes * 60 * 3 + 600).to_string();
+    let rooms_s = rooms.to_string();
+    let mut s = scenario(
+        "soak",
+        &[
+            SOAK,
+            &[
+                "--requests",
+                &rooms_s,
+                "--fault",
+                "random",
+                "--fault-after",
+                "100",
+                "--fault-secs",
+                "4",
+                "--fault-every",
+                "20",
+                "--timeout-s",
+                &timeout,
+            ],
+        ]
+        .concat(),
+        bounded,
+    );
+    s.name = format!(
+        "soak: {rooms} rooms (~{minutes} min at {rate:.0} rooms/s), 1200 in flight, random faults every ~20 s"
+    );
+    Ok(s)
+}
+
+/// Runs one scenario with `kvbridge`; its summary or why it failed.
+fn run_one(kvbridge: &Path, s: &Scenario) -> Result<Value> {
+    let out = Command::new(kvbridge)
+        .args(["demo", "--netns", "--json"])
+        .args(&s.args)
+        .output()
+        .with_context(|| format!("running {}", kvbridge.display()))?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let v: Value = serde_json::from_str(text.trim()).with_context(|| {
+        format!(
+            "no summary (exit {}): {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+                .lines()
+                .rev()
+                .take(5)
+                .collect::<Vec<_>>()
+                .join(" | ")
+        )
+    })?;
+    (s.expect)(&v)?;
+    Ok(v)
+}
+
+fn ucx_available() -> bool {
+    Command::new("ldconfig")
+        .arg("-p")
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).contains("libucp.so"))
+        .unwrap_or(false)
+}
+
+/// Runs the scenarios (see the module doc).
+pub fn cluster(root: &Path, args: &[String]) -> Result<()> {
+    let full = args.iter().any(|a| a == "--full");
+    let release = args.iter().any(|a| a == "--release");
+    let soak_minutes = args
+        .iter()
+        .position(|a| a == "--soak-minutes")
+        .and_then(|i| args.get(i + 1))
+        .map(|m| m.parse::<u64>().context("--soak-minutes N"))
+        .transpose()?;
+    let mut build = vec!["build", "-p", "kvbridge-cli"];
+    if release {
+        build.push("--release");
+    }
+    crate::run("cargo", &build)?;
+    let kvbridge: PathBuf = root
+        .join("target")
+        .join(if release { "release" } else { "debug" })
+        .join("kvbridge");
+    let mut engines = vec!["tcp"];
+    if ucx_available() {
+        engines.push("ucx");
+    } else {
+        eprintln!("xtask cluster: no libucp here; UCX scenarios skipped");
+    }
+    let mut list = scenarios(full, &engines);
+    if !full && engines.contains(&"ucx") {
+        list.insert(
+            1,
+            scenario(
+                "ucx: workload",
+                &[
+                    "--layers",
+                    "4",
+                    "--requests",
+                    "60",
+                    "--decode-tp",
+                    "2",
+                    "--engine",
+                    "ucx",
+                ],
+                all_succeed,
+            ),
+        );
+    }
+    if let Some(m) = soak_minutes {
+        list.push(soak(&kvbridge, m)?);
+    }
+    let mut rows = Vec::new();
+    let mut failed = 0;
+    for s in &list {
+        eprintln!("xtask cluster: {} ...", s.name);
+        let t = Instant::now();
+        let row = match run_one(&kvbridge, s) {
+            Ok(v) => format!(
+                "| {} | pass | {}/{} rooms, {} failed | {:.2} GB/s | p50 {:.0} ms, p99 {:.0} ms | {:.0} s |",
+                s.name,
+                num(&v, "succeeded"),
+                num(&v, "requests"),
+                num(&v, "failed"),
+                v["gbps"].as_f64().unwrap_or(0.0),
+                v["p50_ms"].as_f64().unwrap_or(0.0),
+                v["p99_ms"].as_f64().unwrap_or(0.0),
+                t.elapsed().as_secs_f64()
+            ),
+            Err(e) => {
+                failed += 1;
+                format!(
+                    "| {} | FAIL | {e:#} | | | {:.0} s |",
+                    s.name,
+                    t.elapsed().as_secs_f64()
+                )
+            }
+        };
+        eprintln!("{row}");
+        rows.push(row);
+    }
+    println!("| scenario | result | rooms | throughput | latency | took |");
+    println!("| --- | --- | --- | --- | --- | --- |");
+    for r in &rows {
+        println!("{r}");
+    }
+    if failed > 0 {
+        bail!("{failed} of {} cluster scenarios failed", list.len());
+    }
+    Ok(())
+}
