@@ -89,12 +89,16 @@ fn fails_then_recovers(v: &Value) -> Result<()> {
 }
 
 /// A fault that must have happened and been recovered from (rooms may or
-/// may not have failed meanwhile).
+/// may not have failed meanwhile), or ridden out: a run that finished every
+/// room while it lasted, none failed.
 fn recovers(v: &Value) -> Result<()> {
     sound(v)?;
     let f = &v["fault"];
-    if f["injected"] != true || num(f, "succeeded_after") == 0 {
-        bail!("the fault did not start, or no room succeeded after it: {f}");
+    if f["injected"] != true {
+        bail!("the fault did not start: {f}");
+    }
+    if num(f, "succeeded_after") == 0 && num(v, "failed") > 0 {
+        bail!("rooms failed and none succeeded after the fault: {f}");
     }
     Ok(())
 }
@@ -161,22 +165,14 @@ fn scenarios(full: bool, engines: &[&str]) -> Vec<Scenario> {
             &with(&[]),
             all_succeed,
         ));
+        // A fault for 8 s after decode rank 0's 4th room, short deadlines.
+        let for_8s = |kind: &str| {
+            let fault = ["--fault", kind, "--fault-after", "4", "--fault-secs", "8"];
+            with(&[&fault[..], &deadlines].concat())
+        };
         out.push(scenario(
             &format!("{engine}: link prefill 0 - decode 0 down 8 s"),
-            &with(
-                &[
-                    &[
-                        "--fault",
-                        "partition",
-                        "--fault-after",
-                        "4",
-                        "--fault-secs",
-                        "8",
-                    ][..],
-                    &deadlines,
-                ]
-                .concat(),
-            ),
+            &for_8s("partition"),
             fails_then_recovers,
         ));
         out.push(scenario(
@@ -186,20 +182,7 @@ fn scenarios(full: bool, engines: &[&str]) -> Vec<Scenario> {
         ));
         out.push(scenario(
             &format!("{engine}: decode host stopped 8 s"),
-            &with(
-                &[
-                    &[
-                        "--fault",
-                        "stop-decode",
-                        "--fault-after",
-                        "4",
-                        "--fault-secs",
-                        "8",
-                    ][..],
-                    &deadlines,
-                ]
-                .concat(),
-            ),
+            &for_8s("stop-decode"),
             fails_then_recovers,
         ));
         out.push(scenario(
@@ -224,8 +207,7 @@ fn scenarios(full: bool, engines: &[&str]) -> Vec<Scenario> {
     out
 }
 
-/// The soak's flags: more than 1,000 rooms in flight (600 per decode
-/// rank), random faults every 20 s or so.
+/// The soaks' shape: small rooms, two decode ranks, short deadlines.
 const SOAK: &[&str] = &[
     "--layers",
     "1",
@@ -233,8 +215,6 @@ const SOAK: &[&str] = &[
     "48",
     "--chunk-tokens",
     "16",
-    "--concurrency",
-    "600",
     "--decode-tp",
     "2",
     "--room-timeout-s",
@@ -248,7 +228,7 @@ const SOAK: &[&str] = &[
 fn soak(kvbridge: &Path, minutes: u64) -> Result<Scenario> {
     let calibration = scenario(
         "soak calibration",
-        &[SOAK, &["--requests", "20000"]].concat(),
+        &[SOAK, &["--concurrency", "600", "--requests", "20000"]].concat(),
         all_succeed,
     );
     eprintln!("xtask cluster: calibrating the soak (20000 rooms) ...");
@@ -262,6 +242,8 @@ fn soak(kvbridge: &Path, minutes: u64) -> Result<Scenario> {
         &[
             SOAK,
             &[
+                "--concurrency",
+                "600",
                 "--requests",
                 &rooms_s,
                 "--fault",
@@ -362,6 +344,31 @@ pub fn cluster(root: &Path, args: &[String]) -> Result<()> {
             ),
         );
     }
+    // A short soak: hundreds of rooms in flight and a random fault every
+    // ~10 s for about a minute, resources checked (`--soak-minutes` for
+    // the long one).
+    list.push(scenario(
+        "soak, short: 2 x 300 rooms in flight, random faults every ~10 s",
+        &[
+            SOAK,
+            &[
+                "--concurrency",
+                "300",
+                "--requests",
+                "6000",
+                "--fault",
+                "random",
+                "--fault-after",
+                "50",
+                "--fault-secs",
+                "3",
+                "--fault-every",
+                "10",
+            ],
+        ]
+        .concat(),
+        bounded,
+    ));
     if let Some(m) = soak_minutes {
         list.push(soak(&kvbridge, m)?);
     }

@@ -119,18 +119,9 @@ fn both_ends_started_apart_authenticate_with_the_shared_secret() {
         "kvbridge-bench-test-secret-0123456789abcdef",
     )];
     let (mut target, addr) = listening_target(&["--auth"], &secret);
+    let one_run = ["--bytes", "4M", "--sizes", "64K", "--runs", "1"];
     let (code, out, err) = initiator(
-        &[
-            "--connect",
-            &addr,
-            "--auth",
-            "--bytes",
-            "4M",
-            "--sizes",
-            "64K",
-            "--runs",
-            "1",
-        ],
+        &[&["--connect", &addr, "--auth"][..], &one_run].concat(),
         &secret,
     );
     assert_eq!(code, 0, "{err}");
@@ -139,19 +130,7 @@ fn both_ends_started_apart_authenticate_with_the_shared_secret() {
         "{out}"
     );
     // Without the secret the target's engine refuses the writes.
-    let (code, _, err) = initiator(
-        &[
-            "--connect",
-            &addr,
-            "--bytes",
-            "4M",
-            "--sizes",
-            "64K",
-            "--runs",
-            "1",
-        ],
-        &[],
-    );
+    let (code, _, err) = initiator(&[&["--connect", &addr][..], &one_run].concat(), &[]);
     assert_ne!(code, 0, "an unauthenticated initiator was served: {err}");
     target.kill().unwrap();
     target.wait().unwrap();

@@ -116,3 +116,25 @@ impl Sampler {
         self.by_pid.into_values().collect()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn samples_a_live_process_and_skips_a_gone_one() {
+        let me = Usage::of(std::process::id()).unwrap();
+        assert!(me.fds >= 3 && me.threads >= 1 && me.rss_mib >= 1, "{me:?}");
+        assert_eq!(Usage::of(u32::MAX), None);
+        let mut s = Sampler::new(Duration::ZERO, Duration::ZERO);
+        s.tick([
+            (std::process::id(), "me".to_owned()),
+            (u32::MAX, "gone".into()),
+        ]);
+        s.tick([(std::process::id(), "me".to_owned())]);
+        let report = s.report();
+        assert_eq!(report.len(), 1);
+        assert_eq!((report[0].name.as_str(), report[0].samples), ("me", 2));
+        assert!(report[0].max.fds >= report[0].settled.fds);
+    }
+}

@@ -6,6 +6,39 @@ use std::time::{Duration, Instant};
 
 use super::Shared;
 
+/// Most ABORTs sent again per heartbeat.
+const MAX_RESENDS: usize = 4096;
+
+/// Sends the ABORT of every room a fenced prefill rank still owes an ACK
+/// for again: one lost in a partition would otherwise keep the fence (and
+/// with it every transfer from that rank) for ever. A rank acknowledges an
+/// ABORT for a room it no longer knows at once.
+fn resend_owed_aborts(shared: &Shared) {
+    let owed: Vec<(u64, String, Option<u64>)> = shared
+        .rooms
+        .lock()
+        .fences
+        .values()
+        .flat_map(|owed| owed.iter())
+        .filter_map(|(&(room, _), ack)| Some((room, ack.endpoint.clone()?, ack.generation)))
+        .take(MAX_RESENDS)
+        .collect();
+    for (room, endpoint, generation) in owed {
+        let message = kvbridge_wire::Abort {
+            room,
+            decode_ip: shared.config.local_ip.as_str().into(),
+            decode_port: shared.rank_port,
+            generation,
+        };
+        if let Err(e) = shared
+            .push
+            .send(&endpoint, message.encode().iter().map(|f| f.as_ref()))
+        {
+            tracing::debug!(room, error = %e, "cannot send the abort again");
+        }
+    }
+}
+
 /// Checks until the manager stops.
 pub(crate) fn run(shared: &Shared) {
     let agent = crate::http::agent(Duration::from_secs(3));
@@ -16,6 +49,7 @@ pub(crate) fn run(shared: &Shared) {
             return;
         }
         next = Instant::now() + shared.config.heartbeat_interval;
+        resend_owed_aborts(shared);
         let addrs: Vec<String> = shared.prefills.lock().mapping.keys().cloned().collect();
         for addr in addrs {
             let healthy = matches!(

@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use kvbridge_wire::{AbortAck, AuxData, KvPoll, Limits, StateData, Status, ToDecode};
 
+use super::state::DecodeRooms;
 use super::{Shared, staging};
 use crate::control::PullSocket;
 use crate::role;
@@ -248,9 +249,41 @@ fn on_state(shared: &Shared, s: &StateData<'_>, batch: &mut StateBatch) {
 /// our ABORT carried: a missing or older generation is stale or forged.
 /// The reference's unranked 2-frame form counts only when our ABORT
 /// carried no generation (deferred release off), as sglang answers then.
+/// A fenced rank's late ACK for `room`: it drained the room (which may be
+/// cleared here by now). Lifts its fence once it owes no other room an ACK.
+/// Whether the ACK was one owed.
+fn settle_fence(
+    shared: &Shared,
+    rooms: &mut DecodeRooms,
+    room: u64,
+    rank: u64,
+    generation: Option<u64>,
+) -> bool {
+    let session = rooms.fences.iter().find_map(|(session, owed)| {
+        owed.get(&(room, rank))
+            .filter(|o| o.generation == generation)
+            .map(|_| session.clone())
+    });
+    let Some(session) = session else {
+        return false;
+    };
+    if let Some(owed) = rooms.fences.get_mut(&session) {
+        owed.remove(&(room, rank));
+        if owed.is_empty() {
+            rooms.fences.remove(&session);
+            shared.engine.unfence_peer(&session);
+            tracing::info!(%session, "fenced prefill rank acknowledged its aborts; fence lifted");
+        }
+    }
+    true
+}
+
 fn on_abort_ack(shared: &Shared, a: &AbortAck) {
     let mut rooms = shared.rooms.lock();
     let rooms = &mut *rooms;
+    let settled = a
+        .prefill_rank
+        .is_some_and(|rank| settle_fence(shared, rooms, a.room, rank, a.generation));
     let (Some(acks), Some(expected)) = (
         rooms.abort_acks.get_mut(&a.room),
         rooms.expected.get(&a.room),
@@ -260,24 +293,13 @@ fn on_abort_ack(shared: &Shared, a: &AbortAck) {
     let accepted = match a.prefill_rank {
         Some(rank) if expected.all.contains(&rank) && a.generation == acks.generation => {
             acks.ranks.insert(rank);
-            // A fenced rank's late ACK: it drained this room. Lift its fence
-            // once it owes no other room an ACK.
-            if let Some(session) = expected.sessions.get(&rank)
-                && let Some(owed) = rooms.fences.get_mut(session)
-                && owed.remove(&(a.room, rank))
-                && owed.is_empty()
-            {
-                rooms.fences.remove(session);
-                shared.engine.unfence_peer(session);
-                tracing::info!(%session, "fenced prefill rank acknowledged its aborts; fence lifted");
-            }
             true
         }
         None if acks.generation.is_none() && acks.unranked < expected.all.len() => {
             acks.unranked += 1;
             true
         }
-        _ => false,
+        _ => settled,
     };
     if !accepted {
         shared.metrics.dropped("abort_ack_foreign");

@@ -8,7 +8,7 @@ use kvbridge_wire::{Abort, KvPoll};
 
 use super::Shared;
 use super::slots::ExpectedRanks;
-use super::state::{AbortAcks, BootstrapInfo, PrefillSummary};
+use super::state::{AbortAcks, BootstrapInfo, OwedAck, PrefillSummary};
 use super::topology::{LocalTopology, RankMapping, resolve};
 use crate::error::KvTransferError;
 
@@ -493,8 +493,21 @@ impl KvReceiver {
                     "prefill rank did not acknowledge the abort in time; its engine session is \
                      fenced until it does, so no late write can land"
                 );
+                let endpoint = self
+                    .infos
+                    .iter()
+                    .flatten()
+                    .find(|i| i.unique_rank == rank)
+                    .map(BootstrapInfo::endpoint);
                 let mut rooms = self.shared.rooms.lock();
-                rooms.fences.entry(s).or_default().insert((self.room, rank));
+                let generation = rooms.abort_acks.get(&self.room).and_then(|a| a.generation);
+                rooms.fences.entry(s).or_default().insert(
+                    (self.room, rank),
+                    OwedAck {
+                        endpoint,
+                        generation,
+                    },
+                );
                 if let Some(acks) = rooms.abort_acks.get_mut(&self.room) {
                     acks.fenced.insert(rank);
                 }

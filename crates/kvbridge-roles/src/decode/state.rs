@@ -77,7 +77,18 @@ pub(crate) struct DecodeRooms {
     pub slots: SlotsByRoom,
     /// Engine sessions fenced for silent ranks, with the `(room, rank)`
     /// ACKs still owed; the fence is lifted when the last one arrives.
-    pub fences: HashMap<String, HashSet<(u64, u64)>>,
+    pub fences: HashMap<String, HashMap<(u64, u64), OwedAck>>,
+}
+
+/// An ABORT_ACK a fenced prefill rank still owes, and where to ask again:
+/// the ABORT may have been lost (a partition), and the fence stays until
+/// the rank answers, so the ABORT is sent again on every heartbeat.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct OwedAck {
+    /// The rank's zmq endpoint, when known.
+    pub endpoint: Option<String>,
+    /// The generation the room's ABORT carried.
+    pub generation: Option<u64>,
 }
 
 impl DecodeRooms {
