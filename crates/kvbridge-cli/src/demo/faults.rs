@@ -177,7 +177,16 @@ impl Fault {
         match kind {
             FaultKind::Partition => site.partition(true)?,
             FaultKind::StopDecode => {
-                signal(children.pid(decode0).context("decode rank 0")?, "STOP")?;
+                // Decode rank 0 may have finished its rooms and exited:
+                // nothing left to stop, and no reason to end the run.
+                let stopped = children
+                    .pid(decode0)
+                    .is_some_and(|pid| signal(pid, "STOP").is_ok());
+                if !stopped {
+                    tracing::info!("decode rank 0 has exited; no fault to start");
+                    self.phase = Phase::Undone(None);
+                    return Ok(());
+                }
             }
             FaultKind::BootstrapDown => site.stop_bootstrap(),
             FaultKind::Random => bail!("no fault kind picked"),
@@ -219,7 +228,12 @@ impl Fault {
         match kind {
             FaultKind::Partition => site.partition(false)?,
             FaultKind::StopDecode => {
-                signal(children.pid(decode0).context("decode rank 0")?, "CONT")?;
+                // Gone meanwhile (killed at the end of the run): nothing to resume.
+                if let Some(pid) = children.pid(decode0)
+                    && let Err(e) = signal(pid, "CONT")
+                {
+                    tracing::info!("resuming decode rank 0: {e:#}");
+                }
             }
             FaultKind::BootstrapDown => site.start_bootstrap()?,
             FaultKind::Random => {}
