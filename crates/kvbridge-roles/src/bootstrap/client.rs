@@ -79,13 +79,8 @@ pub fn register_with_bootstrap(
     let mut delay = Duration::from_millis(200);
     let deadline = Instant::now() + REGISTRATION_DEADLINE;
     loop {
-        let mut request = agent.put(&url).content_type("application/json");
-        if let Some(auth) = &auth {
-            let signed = auth.sign("PUT", "/route", &body);
-            for (name, value) in signed.pairs() {
-                request = request.header(name, value);
-            }
-        }
+        let request = agent.put(&url).content_type("application/json");
+        let request = signed(request, auth.as_ref(), "PUT", "/route", &body);
         let reason = match request.send(&body[..]) {
             Ok(resp) if resp.status() == 200 => return Ok(()),
             Ok(resp) => {
@@ -141,13 +136,9 @@ pub fn refresh_registration(
     let body = serde_json::to_vec(&registration(config, page_size, rank_port, engine_session))
         .map_err(|e| format!("cannot encode the registration: {e}"))?;
     let put = format!("http://{}/route", config.bootstrap_addr);
-    let mut request = agent.put(&put).content_type("application/json");
-    if let Some(secret) = config.secret.as_ref() {
-        let signed = WriteAuth::new(secret).sign("PUT", "/route", &body);
-        for (name, value) in signed.pairs() {
-            request = request.header(name, value);
-        }
-    }
+    let auth = config.secret.as_ref().map(WriteAuth::new);
+    let request = agent.put(&put).content_type("application/json");
+    let request = signed(request, auth.as_ref(), "PUT", "/route", &body);
     match request.send(&body[..]) {
         Ok(resp) if resp.status() == 200 => Ok(Refresh::Registered),
         Ok(resp) => {
@@ -170,15 +161,11 @@ pub fn register_dp_rank(config: &PrefillConfig, room: u64, dp_rank: u64) -> Resu
     })
     .map_err(|e| format!("cannot encode the DP registration: {e}"))?;
     let url = format!("http://{}/register_dp_rank", config.bootstrap_addr);
-    let mut request = crate::http::agent(ATTEMPT_TIMEOUT)
+    let auth = config.secret.as_ref().map(WriteAuth::new);
+    let request = crate::http::agent(ATTEMPT_TIMEOUT)
         .post(&url)
         .content_type("application/json");
-    if let Some(secret) = config.secret.as_ref() {
-        let signed = WriteAuth::new(secret).sign("POST", "/register_dp_rank", &body);
-        for (name, value) in signed.pairs() {
-            request = request.header(name, value);
-        }
-    }
+    let request = signed(request, auth.as_ref(), "POST", "/register_dp_rank", &body);
     match request.send(&body[..]) {
         Ok(resp) if resp.status() == 200 => Ok(()),
         Ok(resp) => {
@@ -249,6 +236,26 @@ pub fn wait_until_reachable(addr: &str, within: Duration) -> Result<(), String> 
         std::thread::sleep(delay);
         delay = (delay * 2).min(Duration::from_secs(2));
     }
+}
+
+/// A request body's builder.
+type WithBody = ureq::RequestBuilder<ureq::typestate::WithBody>;
+
+/// `request` with the cluster secret's signature of `method path body`
+/// in its headers, when there is a secret; unchanged otherwise.
+fn signed(
+    mut request: WithBody,
+    auth: Option<&WriteAuth>,
+    method: &str,
+    path: &str,
+    body: &[u8],
+) -> WithBody {
+    if let Some(auth) = auth {
+        for (name, value) in auth.sign(method, path, body).pairs() {
+            request = request.header(name, value);
+        }
+    }
+    request
 }
 
 /// The status and (first 4 KiB of the) text of a refused request.
