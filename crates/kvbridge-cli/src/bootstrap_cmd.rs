@@ -1,7 +1,6 @@
 //! `kvbridge bootstrap`: serves the bootstrap HTTP API until SIGTERM/SIGINT
 //! (docs/cli.md).
 
-use std::net::{SocketAddr, ToSocketAddrs};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -28,17 +27,6 @@ pub struct BootstrapArgs {
     /// Most connections served at once (idle ones are closed beyond).
     #[arg(long, default_value_t = DEFAULT_MAX_CONNECTIONS)]
     max_connections: usize,
-}
-
-/// The address `host` (an IP or a name) and `port` name; IPv4 first.
-fn resolve(host: &str, port: u16) -> std::io::Result<SocketAddr> {
-    let addrs: Vec<SocketAddr> = (host, port).to_socket_addrs()?.collect();
-    addrs
-        .iter()
-        .find(|a| a.is_ipv4())
-        .or_else(|| addrs.first())
-        .copied()
-        .ok_or_else(|| std::io::Error::other("resolves to no address"))
 }
 
 /// Runs the server until a termination signal, then exits 0.
@@ -69,7 +57,7 @@ pub fn run(args: BootstrapArgs) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let addr = match resolve(&args.host, args.port) {
+    let addr = match crate::net::first_addr((args.host.as_str(), args.port)) {
         Ok(a) => a,
         Err(e) => {
             eprintln!("kvbridge bootstrap: --host {}: {e}", args.host);

@@ -14,7 +14,7 @@
 //! - initiator → target: `QUIT` (or end of input) ends the session.
 
 use std::io::{BufRead, BufReader, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
@@ -146,15 +146,7 @@ impl Drop for Target {
 
 /// The first address `addr` (`host:port`) resolves to, IPv4 first.
 pub(super) fn resolve(addr: &str) -> Result<SocketAddr> {
-    let all: Vec<SocketAddr> = addr
-        .to_socket_addrs()
-        .with_context(|| format!("{addr:?} is not a reachable host:port"))?
-        .collect();
-    all.iter()
-        .find(|a| a.is_ipv4())
-        .or_else(|| all.first())
-        .copied()
-        .with_context(|| format!("{addr:?} resolves to no address"))
+    crate::net::first_addr(addr).with_context(|| format!("{addr:?} is not a reachable host:port"))
 }
 
 /// Where a target takes its commands from.
