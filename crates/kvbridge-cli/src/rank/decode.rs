@@ -9,6 +9,7 @@ use kvbridge_roles::synthetic::RankPools;
 use kvbridge_roles::{DecodeManager, KvPoll, KvReceiver};
 
 use super::RankFile;
+use super::control::CONTROL;
 use super::events::{Event, emit};
 use super::workload::{PageAllocator, Request, alloc_request};
 
@@ -88,9 +89,25 @@ pub fn run(file: &RankFile) -> Result<bool> {
     let room_timeout =
         Duration::try_from_secs_f64(workload.room_timeout_s).unwrap_or(Duration::from_secs(60));
     let mut jitter = workload.seed | 1;
+    // Every request started so far has an index below this.
+    let mut below = 0;
+    let mut pause_reported = false;
+    let mut drained = false;
     while !(pending.is_empty() && active.is_empty()) {
         let mut progressed = false;
+        if let Some(b) = CONTROL.drain_below().filter(|_| !drained) {
+            drained = true;
+            pending.retain(|r| r.index < b);
+            tracing::info!(below = b, left = pending.len(), "draining");
+        }
         while active.len() < workload.concurrency.max(1) {
+            if CONTROL.paused() {
+                if !pause_reported {
+                    pause_reported = true;
+                    emit(&Event::Paused { rank, below });
+                }
+                break;
+            }
             let Some(request) = pending.front().copied() else {
                 break;
             };
@@ -100,6 +117,7 @@ pub fn run(file: &RankFile) -> Result<bool> {
                 break;
             };
             pending.pop_front();
+            below = request.index + 1;
             let slots = request.slots(&p, a);
             let states = pools.dst_state_indices(&slots);
             let mut receiver = manager.receiver(&addr, request.room);

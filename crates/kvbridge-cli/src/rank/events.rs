@@ -46,6 +46,14 @@ pub enum Event {
         /// Whether the decode aborted it on purpose.
         aborted: bool,
     },
+    /// A decode rank paused (the supervisor's `pause`): it starts no new
+    /// room until told which requests still run.
+    Paused {
+        /// Rank index.
+        rank: u64,
+        /// Every request it started has an index below this.
+        below: u64,
+    },
     /// The rank finished its workload.
     Finished {
         /// `prefill` or `decode`.

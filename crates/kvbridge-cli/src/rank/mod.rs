@@ -5,6 +5,7 @@
 //! Progress goes to stdout as one JSON event per line, for the demo (or any
 //! supervisor) to read; logs go to stderr.
 
+pub mod control;
 mod decode;
 pub mod events;
 mod prefill;
@@ -332,27 +333,12 @@ pub enum Role {
     Decode,
 }
 
-/// Watches stdin on a thread of its own and exits the process when it
-/// closes: a supervised rank's supervisor is gone or has finished with it.
-fn exit_when_stdin_closes() -> Result<()> {
-    std::thread::Builder::new()
-        .name("supervisor".into())
-        .spawn(|| {
-            // Read errors also end the wait: stdin is gone either way.
-            let _ = std::io::copy(&mut std::io::stdin().lock(), &mut std::io::sink());
-            tracing::info!("stdin closed: the supervisor is gone; exiting");
-            std::process::exit(0);
-        })
-        .context("starting the stdin watcher")?;
-    Ok(())
-}
-
 /// Loads the configuration and runs the rank.
 pub fn run(role: Role, args: RankArgs) -> ExitCode {
     let result = (|| -> Result<bool> {
         let file = args.resolve()?;
         if file.supervised {
-            exit_when_stdin_closes()?;
+            control::follow_supervisor()?;
         }
         match role {
             Role::Prefill => prefill::run(&file),

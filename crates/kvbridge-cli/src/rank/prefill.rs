@@ -9,6 +9,7 @@ use kvbridge_roles::synthetic::RankPools;
 use kvbridge_roles::{KvPoll, KvSender, PrefillManager};
 
 use super::RankFile;
+use super::control::CONTROL;
 use super::events::{Event, emit};
 use super::workload::{PageAllocator, Request, Workload, alloc_request};
 
@@ -89,8 +90,27 @@ pub fn run(file: &RankFile) -> Result<bool> {
         .context("workload.forward_s must be a non-negative number of seconds")?;
     let mut pending: VecDeque<Request> = requests.into();
     let mut active: Vec<Active> = Vec::new();
+    let mut drained = false;
     while !(pending.is_empty() && active.is_empty()) {
         let mut progressed = false;
+        if let Some(below) = CONTROL.drain_below().filter(|_| !drained) {
+            // No decode asked, or will ask, for a room at or past the
+            // bound: give up the ones set up, never start the rest.
+            drained = true;
+            pending.retain(|r| r.index < below);
+            active.retain_mut(|a| {
+                if a.request.index < below {
+                    return true;
+                }
+                a.sender
+                    .fail("drained: the run ended before a decode asked for the room");
+                a.sender.clear();
+                pages.free(&a.pages);
+                aux_slots.free(&[a.aux]);
+                false
+            });
+            tracing::info!(below, left = pending.len() + active.len(), "draining");
+        }
         while active.len() < workload.concurrency.max(1) {
             let Some(request) = pending.front().copied() else {
                 break;
@@ -180,6 +200,12 @@ pub fn run(file: &RankFile) -> Result<bool> {
         rank,
     });
     if file.linger {
+        if file.supervised {
+            // The supervisor thread reads stdin and exits the process at its end.
+            loop {
+                std::thread::park();
+            }
+        }
         // Read errors also end the wait: stdin is gone either way.
         let _ = std::io::copy(&mut std::io::stdin().lock(), &mut std::io::sink());
     }

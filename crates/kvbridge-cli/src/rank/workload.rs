@@ -25,6 +25,9 @@ pub struct Workload {
     /// Only these request indices (a restarted decode resumes the rest).
     #[serde(default)]
     pub only: Option<Vec<u64>>,
+    /// Only requests from this index on (a role switch resumes there).
+    #[serde(default)]
+    pub from: u64,
     /// Decode ranks: give up on a room after this many seconds.
     #[serde(default = "default_room_timeout")]
     pub room_timeout_s: f64,
@@ -86,7 +89,7 @@ impl Workload {
         }
     }
 
-    /// The requests, in order (restricted to `only` when set, and on a
+    /// The requests, in order (from `from`, restricted to `only` when set, and on a
     /// prefill rank of a DP group to that group's).
     pub fn requests(&self) -> Vec<Request> {
         let all = self.all_requests();
@@ -97,8 +100,10 @@ impl Workload {
     }
 
     fn all_requests(&self) -> Vec<Request> {
-        (0..self.requests)
-            .filter(|i| self.only.as_ref().is_none_or(|o| o.contains(i)))
+        let only: Option<std::collections::HashSet<u64>> =
+            self.only.as_ref().map(|o| o.iter().copied().collect());
+        (self.from..self.requests)
+            .filter(|i| only.as_ref().is_none_or(|o| o.contains(i)))
             .map(|index| {
                 let h = mix(self.seed ^ mix(index + 1));
                 let spread = self.prompt_tokens / 2;
@@ -199,6 +204,7 @@ mod tests {
             seed: 3,
             abort_fraction: 0.25,
             only: None,
+            from: 0,
             room_timeout_s: 60.0,
             forward_s: 0.0,
             dp_size: 1,
