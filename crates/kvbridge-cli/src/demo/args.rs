@@ -130,8 +130,10 @@ pub struct DemoArgs {
     pub(super) netns: bool,
     /// A scripted fault: `partition` (the link between prefill rank 0's
     /// and decode rank 0's hosts; --netns), `stop-decode` (SIGSTOP decode
-    /// rank 0), `bootstrap-down` (kill the bootstrap host; --netns) or
-    /// `random` (one of those each time).
+    /// rank 0), `bootstrap-down` (kill the bootstrap host; --netns),
+    /// `random` (one of those each time) or `role-switch` (under load,
+    /// prefill hosts become decode hosts and decode hosts prefill hosts;
+    /// --netns, as many prefill ranks as decode ranks).
     #[arg(long, value_enum)]
     pub(super) fault: Option<FaultKind>,
     /// With `--fault`: start it once decode rank 0 has concluded this many rooms.
@@ -151,4 +153,9 @@ pub struct DemoArgs {
     /// With `--fault`: undo it after this many seconds.
     #[arg(long, default_value_t = 6.0)]
     pub(super) fault_secs: f64,
+    /// End the run this many seconds after its first room: no room is
+    /// started past then, the ones in flight finish, the rest of the
+    /// workload is reported as drained (a soak sized in time).
+    #[arg(long, value_name = "SECONDS", conflicts_with = "kill_decode_after")]
+    pub(super) drain_after_s: Option<f64>,
 }

@@ -31,6 +31,12 @@ pub enum FaultKind {
     /// Each time one of the above, at random (those that need `--netns`
     /// only with it).
     Random,
+    /// Under load, swap the roles of the hosts (`--netns`, as many prefill
+    /// as decode ranks): the rooms in flight finish, every prefill host
+    /// starts a decode rank and every decode host a prefill rank, each on
+    /// the address and engine port the other role had, and the rest of the
+    /// workload runs the other way.
+    RoleSwitch,
 }
 
 /// What happened around one fault.
@@ -76,6 +82,8 @@ pub(super) struct Fault {
     netns: bool,
     rng: u64,
     phase: Phase,
+    /// A role switch was handed to the run (`switch_due` said so).
+    switch_begun: bool,
     report: FaultReport,
 }
 
@@ -111,6 +119,7 @@ impl Fault {
             netns,
             rng: seed | 1,
             phase: Phase::Waiting,
+            switch_begun: false,
             report: FaultReport {
                 kind,
                 injected: false,
@@ -150,12 +159,49 @@ impl Fault {
         kinds[(self.next_random() % kinds.len() as u64) as usize]
     }
 
-    /// Checks that the run can host the fault.
-    pub(super) fn check(kind: FaultKind, netns: bool) -> Result<()> {
-        if matches!(kind, FaultKind::Partition | FaultKind::BootstrapDown) && !netns {
+    /// Checks that a run with `prefills` and `decodes` rank processes can
+    /// host the fault.
+    pub(super) fn check(kind: FaultKind, netns: bool, prefills: u64, decodes: u64) -> Result<()> {
+        let needs_hosts = matches!(
+            kind,
+            FaultKind::Partition | FaultKind::BootstrapDown | FaultKind::RoleSwitch
+        );
+        if needs_hosts && !netns {
             bail!("--fault {kind:?} needs --netns (hosts with their own links)");
         }
+        if kind == FaultKind::RoleSwitch && prefills != decodes {
+            bail!(
+                "--fault role-switch swaps prefill and decode hosts one for one: it needs as \
+                 many prefill rank processes as decode ranks ({prefills} and {decodes})"
+            );
+        }
         Ok(())
+    }
+
+    /// Whether a role switch is due and not yet handed to the run (true once).
+    pub(super) fn switch_due(&mut self) -> bool {
+        let due = matches!(self.phase, Phase::Active(_, FaultKind::RoleSwitch));
+        let first = due && !self.switch_begun;
+        self.switch_begun |= due;
+        first
+    }
+
+    /// The role switch is done: the new ranks are ready.
+    pub(super) fn switched(&mut self) {
+        if let Phase::Active(since, FaultKind::RoleSwitch) = self.phase {
+            self.report.seconds += since.elapsed().as_secs_f64();
+            self.phase = Phase::Undone(None);
+            tracing::info!("role switch done");
+        }
+    }
+
+    /// Starts no further fault (the run is draining); one under way is
+    /// still undone in its time.
+    pub(super) fn no_more(&mut self) {
+        self.every = None;
+        if let Phase::Undone(Some(_)) = self.phase {
+            self.phase = Phase::Undone(None);
+        }
     }
 
     /// Decode rank 0 has concluded `done` rooms: starts the fault when due.
@@ -189,6 +235,8 @@ impl Fault {
                 }
             }
             FaultKind::BootstrapDown => site.stop_bootstrap(),
+            // The run drains and swaps the ranks (`switch_due`).
+            FaultKind::RoleSwitch => {}
             FaultKind::Random => bail!("no fault kind picked"),
         }
         tracing::info!(?kind, "fault started");
@@ -207,7 +255,9 @@ impl Fault {
         decode0: ChildId,
     ) -> Result<()> {
         match self.phase {
-            Phase::Active(since, _) if since.elapsed().as_secs_f64() >= self.secs => {
+            Phase::Active(since, kind)
+                if kind != FaultKind::RoleSwitch && since.elapsed().as_secs_f64() >= self.secs =>
+            {
                 self.undo(site, children, decode0)
             }
             Phase::Undone(Some(at)) if Instant::now() >= at => self.start(site, children, decode0),
@@ -236,7 +286,7 @@ impl Fault {
                 }
             }
             FaultKind::BootstrapDown => site.start_bootstrap()?,
-            FaultKind::Random => {}
+            FaultKind::RoleSwitch | FaultKind::Random => {}
         }
         tracing::info!(?kind, "fault undone");
         Ok(())

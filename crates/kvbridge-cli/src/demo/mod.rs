@@ -12,6 +12,7 @@
 //! given up. `--abort-fraction F` aborts that fraction of requests mid-transfer.
 
 mod args;
+mod drain;
 pub mod faults;
 mod netns;
 mod plan;
@@ -20,6 +21,8 @@ mod resources;
 mod rogue;
 mod site;
 pub mod summary;
+mod switch;
+mod tally;
 
 use std::collections::{HashMap, HashSet};
 use std::process::ExitCode;
@@ -28,15 +31,16 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use indicatif::{ProgressBar, ProgressStyle};
 
-use crate::rank::EngineKind;
 use crate::rank::events::Event;
 pub use args::DemoArgs;
+use drain::{Drain, Purpose};
 use faults::Fault;
 use plan::{Plan, plan};
 use procs::{ChildId, Children};
 use resources::Sampler;
 use site::Site;
-use summary::{Failure, Summary, percentile};
+use summary::Summary;
+use tally::Outcome;
 
 /// Runs the demo; exits non-zero on any mismatched byte, and on failures
 /// when no fault was injected.
@@ -78,16 +82,6 @@ pub fn run(args: DemoArgs) -> ExitCode {
     }
 }
 
-#[derive(Debug, Clone, Default)]
-struct Outcome {
-    success: bool,
-    reason: Option<String>,
-    latency_ms: f64,
-    verified: u64,
-    mismatched: u64,
-    aborted: bool,
-}
-
 fn run_inner(args: &DemoArgs) -> Result<Summary> {
     // From here a signal stops the run cleanly: the ranks are killed and
     // reaped, the temporary directory removed.
@@ -104,7 +98,11 @@ fn run_inner(args: &DemoArgs) -> Result<Summary> {
         })
     };
     if let Some(kind) = args.fault {
-        Fault::check(kind, args.netns)?;
+        let prefills = args.dp * args.prefill_pp * args.prefill_cp * args.prefill_tp;
+        Fault::check(kind, args.netns, prefills, args.decode_tp)?;
+        if kind == faults::FaultKind::RoleSwitch && args.kill_decode_after.is_some() {
+            bail!("--fault role-switch and --kill-decode-after do not run together");
+        }
     }
     if args.netns && args.rogue {
         bail!("--rogue attacks loopback ranks; it does not run with --netns");
@@ -116,7 +114,7 @@ fn run_inner(args: &DemoArgs) -> Result<Summary> {
         let mut children = Children::new(dir.clone(), secret);
         let mut plan = plan;
         site.place(&mut plan, &mut children)?;
-        orchestrate(args, &plan, children, &mut site)
+        orchestrate(args, &mut plan, children, &mut site)
     });
     let _ = std::fs::remove_dir_all(&dir);
     site.shutdown();
@@ -125,7 +123,7 @@ fn run_inner(args: &DemoArgs) -> Result<Summary> {
 
 fn orchestrate(
     args: &DemoArgs,
-    plan: &Plan,
+    plan: &mut Plan,
     mut children: Children,
     site: &mut Site,
 ) -> Result<Summary> {
@@ -143,21 +141,26 @@ fn orchestrate(
     });
     // Every rank's fds, threads and memory, every 5 s after a warm-up.
     let mut sampler = Sampler::new(Duration::from_secs(5), Duration::from_secs(30));
-    let prefill_ids: Vec<ChildId> = plan
+    let mut prefill_ids: Vec<ChildId> = plan
         .prefill_files
         .iter()
         .enumerate()
         .map(|(i, f)| children.spawn("prefill", i as u64, f))
         .collect::<Result<_>>()?;
-    children.wait_ready(&prefill_ids, deadline)?;
+    let mut prefill_sessions = children.wait_ready(&prefill_ids, deadline)?;
     let mut decode_ids: Vec<ChildId> = plan
         .decode_files
         .iter()
         .enumerate()
         .map(|(i, f)| children.spawn("decode", i as u64, f))
         .collect::<Result<_>>()?;
-    let sessions = children.wait_ready(&decode_ids, deadline)?;
+    let mut sessions = children.wait_ready(&decode_ids, deadline)?;
     let requests = plan.workload.requests();
+    let decodes = plan.decode_files.len() as u64;
+    // `--drain-after-s` or a role switch under way, and the bound it set
+    // for the end of the run (requests past it are drained).
+    let mut drain: Option<Drain> = None;
+    let mut drained_below: Option<u64> = None;
     let rogue = args.rogue.then(|| {
         rogue::Rogue::start(
             bootstrap,
@@ -190,8 +193,72 @@ fn orchestrate(
             .iter()
             .chain(&prefill_ids)
             .all(|id| finished.contains(id));
+        if let Some(f) = fault.as_mut()
+            && drain.is_none()
+            && restart_after.is_none()
+            && f.switch_due()
+        {
+            drain = Some(Drain::begin(
+                Purpose::RoleSwitch,
+                &mut children,
+                &decode_ids,
+                &finished,
+            ));
+        }
+        let drain_due = args
+            .drain_after_s
+            .zip(first_start)
+            .is_some_and(|(s, t)| t.elapsed().as_secs_f64() >= s);
+        if drain_due && drain.is_none() && drained_below.is_none() && restart_after.is_none() {
+            drain = Some(Drain::begin(
+                Purpose::End,
+                &mut children,
+                &decode_ids,
+                &finished,
+            ));
+            if let Some(f) = fault.as_mut() {
+                f.no_more();
+            }
+        }
+        if let Some(d) = drain.as_mut()
+            && let Some(below) = d.settle(
+                &mut children,
+                &decode_ids,
+                &prefill_ids,
+                &finished,
+                requests.len() as u64,
+            )
+            && d.purpose == Purpose::End
+        {
+            drained_below = Some(below);
+            drain = None;
+            bar.set_length(below.min(requests.len() as u64) * decodes);
+        }
         if all_done {
-            break;
+            let Some(below) = drain
+                .as_ref()
+                .filter(|d| d.purpose == Purpose::RoleSwitch)
+                .and_then(|d| d.below)
+            else {
+                break;
+            };
+            // Drained for a role switch: every rank finished; swap them.
+            let old = switch::Ranks {
+                prefill: prefill_ids.clone(),
+                prefill_sessions: prefill_sessions.clone(),
+                decode: decode_ids.clone(),
+                decode_sessions: sessions.clone(),
+            };
+            bar.set_message("role switch: prefill hosts become decode hosts and back");
+            let new = switch::swap_roles(&old, plan, site, &mut children, below, deadline)?;
+            (prefill_ids, prefill_sessions) = (new.prefill, new.prefill_sessions);
+            (decode_ids, sessions) = (new.decode, new.decode_sessions);
+            drain = None;
+            if let Some(f) = fault.as_mut() {
+                f.switched();
+            }
+            bar.set_message("");
+            continue;
         }
         if Instant::now() > deadline {
             children.kill_all();
@@ -298,6 +365,11 @@ fn orchestrate(
             Some(Event::Finished { .. }) => {
                 finished.insert(id);
             }
+            Some(Event::Paused { below, .. }) => {
+                if let Some(d) = drain.as_mut() {
+                    d.paused(id, below);
+                }
+            }
             Some(Event::Ready { .. }) => {}
             Some(Event::Error { message }) => {
                 children.kill_all();
@@ -312,7 +384,7 @@ fn orchestrate(
     });
     let fault_report = fault.map(|f| f.finish(site, &children, decode_ids[0]));
     let rogue_report = rogue.map(rogue::Rogue::stop);
-    let mut summary = summarize(args, plan, &decode, &prefill, seconds);
+    let mut summary = tally::summarize(args, plan, &decode, &prefill, seconds, drained_below);
     summary.rogue = rogue_report;
     summary.fault = fault_report;
     summary.hosts = site.traffic();
@@ -369,12 +441,7 @@ fn restart_decode0(
         .map(|r| r.index)
         .collect();
     let mut file = plan.decode_files[0].clone();
-    let port = sessions[0]
-        .rsplit(':')
-        .next()
-        .and_then(|p| p.parse().ok())
-        .context("decode session without a port")?;
-    file.engine.port = port;
+    file.engine.port = switch::port(&sessions[0])?;
     if let Some(w) = file.workload.as_mut() {
         w.only = Some(remaining);
     }
@@ -383,120 +450,4 @@ fn restart_decode0(
     children.wait_ready(&[id], deadline)?;
     decode_ids[0] = id;
     Ok(())
-}
-
-fn summarize(
-    args: &DemoArgs,
-    plan: &Plan,
-    decode: &HashMap<(u64, u64), Outcome>,
-    prefill: &HashMap<(u64, u64), Outcome>,
-    seconds: f64,
-) -> Summary {
-    let requests = plan.workload.requests();
-    let (mut succeeded, mut failed, mut aborted, mut bytes) = (0, 0, 0, 0);
-    let (mut verified, mut mismatched) = (0, 0);
-    let mut latencies = Vec::new();
-    let mut failures = Vec::new();
-    for r in &requests {
-        let d: Vec<&Outcome> = (0..plan.decode_files.len() as u64)
-            .filter_map(|k| decode.get(&(k, r.room)))
-            .collect();
-        let p: Vec<&Outcome> = (0..plan.prefill_files.len() as u64)
-            .filter_map(|k| prefill.get(&(k, r.room)))
-            .collect();
-        verified += d.iter().map(|o| o.verified).sum::<u64>();
-        mismatched += d.iter().map(|o| o.mismatched).sum::<u64>();
-        let ok =
-            d.len() == plan.decode_files.len() && d.iter().all(|o| o.success && o.mismatched == 0);
-        if d.iter().any(|o| o.aborted) {
-            aborted += 1;
-        }
-        if ok {
-            succeeded += 1;
-            bytes += d.iter().map(|o| o.verified).sum::<u64>();
-            let lat = p
-                .iter()
-                .filter(|o| o.success)
-                .map(|o| o.latency_ms)
-                .fold(0.0, f64::max);
-            latencies.push(if lat > 0.0 {
-                lat
-            } else {
-                d.iter().map(|o| o.latency_ms).fold(0.0, f64::max)
-            });
-        } else {
-            failed += 1;
-            let reason = d
-                .iter()
-                .find(|o| o.aborted)
-                .and_then(|o| o.reason.clone())
-                .or_else(|| p.iter().find_map(|o| o.reason.clone()))
-                .or_else(|| d.iter().find_map(|o| o.reason.clone()))
-                .or_else(|| {
-                    d.iter()
-                        .find(|o| o.mismatched > 0)
-                        .map(|o| format!("{} bytes mismatched", o.mismatched))
-                })
-                .unwrap_or_else(|| "no result from some decode rank".into());
-            failures.push(Failure {
-                room: r.room,
-                reason,
-            });
-        }
-    }
-    Summary {
-        model: plan.model.name.clone(),
-        topology: format!(
-            "prefill {}TP{} PP{}{} -> decode TP{}{}, {} engine{}{}",
-            match (args.dp, args.dp_round_robin) {
-                (1, _) => String::new(),
-                (dp, true) => format!("DP{dp} (round robin) "),
-                (dp, false) => format!("DP{dp} "),
-            },
-            args.prefill_tp,
-            args.prefill_pp,
-            match (args.prefill_cp, args.all_cp_ranks) {
-                (1, _) => String::new(),
-                (cp, true) => format!(" CP{cp} (all ranks send)"),
-                (cp, false) => format!(" CP{cp}"),
-            },
-            args.decode_tp,
-            match (args.decode_cp, args.hisparse) {
-                (1, false) => String::new(),
-                (1, true) => " HiSparse".into(),
-                (cp, _) => format!(" DCP{cp}"),
-            },
-            match args.engine {
-                EngineKind::Tcp => "tcp",
-                EngineKind::Ipc => "ipc",
-                EngineKind::Ucx => "ucx",
-            },
-            match (args.device, args.host_kv_buffers) {
-                (None, _) => String::new(),
-                (Some(d), 0) => format!(", KV on GPU {d}"),
-                (Some(d), n) => format!(", KV on GPU {d} ({n} prefill buffers in host memory)"),
-            },
-            if args.staging { ", staging on" } else { "" }
-        ),
-        requests: requests.len() as u64,
-        succeeded,
-        failed,
-        aborted,
-        bytes,
-        seconds,
-        gbps: if seconds > 0.0 {
-            bytes as f64 / seconds / 1e9
-        } else {
-            0.0
-        },
-        p50_ms: percentile(&latencies, 0.5),
-        p99_ms: percentile(&latencies, 0.99),
-        verified_bytes: verified,
-        mismatched_bytes: mismatched,
-        failures,
-        rogue: None,
-        fault: None,
-        hosts: Vec::new(),
-        resources: Vec::new(),
-    }
 }

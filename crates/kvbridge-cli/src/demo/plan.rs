@@ -66,6 +66,7 @@ fn validate_sizes(args: &DemoArgs) -> Result<()> {
     for (name, v) in [
         ("room-timeout-s", args.room_timeout_s),
         ("fault-secs", args.fault_secs),
+        ("drain-after-s", args.drain_after_s.unwrap_or(1.0)),
     ] {
         if !(v.is_finite() && v > 0.0 && v <= 86_400.0) {
             bail!("--{name} must be a number of seconds above 0 (at most a day), not {v}");
@@ -190,6 +191,7 @@ pub(super) fn plan(args: &DemoArgs, bootstrap: SocketAddr) -> Result<Plan> {
         seed: args.seed,
         abort_fraction: args.abort_fraction,
         only: None,
+        from: 0,
         room_timeout_s: args.room_timeout_s,
         forward_s: 0.0,
         dp_size: args.dp,

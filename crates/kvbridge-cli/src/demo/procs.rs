@@ -66,6 +66,7 @@ impl Children {
 
     /// Sets `key` in the environment of every child started from now on.
     pub fn set_env(&mut self, key: &str, value: &str) {
+        self.env.retain(|(k, _)| k != key);
         self.env.push((key.to_owned(), value.to_owned()));
     }
 
@@ -248,7 +249,7 @@ impl Children {
             .map_or_else(|| format!("child {id}"), |e| e.name.clone())
     }
 
-    /// Whether the demo killed child `id` on purpose.
+    /// Whether the demo ended child `id` on purpose (killed or released).
     pub fn was_killed(&self, id: ChildId) -> bool {
         self.entries.get(id).is_some_and(|e| e.killed)
     }
@@ -259,6 +260,50 @@ impl Children {
             e.killed = true;
             let _ = e.child.kill();
             let _ = e.child.wait();
+        }
+    }
+
+    /// Writes one command line to child `id`'s stdin (see
+    /// `rank::control`); a child that is gone is logged, not an error.
+    pub fn tell(&mut self, id: ChildId, line: &str) {
+        use std::io::Write;
+        let Some(e) = self.entries.get_mut(id) else {
+            return;
+        };
+        let sent = match e.child.stdin.as_mut() {
+            Some(stdin) => writeln!(stdin, "{line}").and_then(|()| stdin.flush()),
+            None => Err(std::io::ErrorKind::BrokenPipe.into()),
+        };
+        if let Err(err) = sent {
+            tracing::info!(child = e.name, line, "could not tell a rank: {err}");
+        }
+    }
+
+    /// Closes the stdin of each of `ids` (supervised ranks then exit) and
+    /// waits up to `timeout` for them to exit; kills the rest.
+    pub fn release(&mut self, ids: &[ChildId], timeout: Duration) {
+        let deadline = Instant::now() + timeout;
+        for &id in ids {
+            if let Some(e) = self.entries.get_mut(id) {
+                drop(e.child.stdin.take());
+            }
+        }
+        for &id in ids {
+            let Some(e) = self.entries.get_mut(id) else {
+                continue;
+            };
+            e.killed = true;
+            loop {
+                match e.child.try_wait() {
+                    Ok(Some(_)) | Err(_) => break,
+                    Ok(None) if Instant::now() >= deadline => {
+                        let _ = e.child.kill();
+                        let _ = e.child.wait();
+                        break;
+                    }
+                    Ok(None) => std::thread::sleep(Duration::from_millis(20)),
+                }
+            }
         }
     }
 

@@ -37,6 +37,8 @@ pub(super) struct Site {
     secret: Option<kvbridge_engine::ClusterSecret>,
     hosts: Option<Hosts>,
     prefills: usize,
+    /// After a role switch: prefill ranks on the decode hosts and back.
+    swapped: bool,
 }
 
 /// Prefill and decode rank processes of a run of `args`.
@@ -65,6 +67,7 @@ impl Site {
                 secret,
                 hosts: None,
                 prefills: 0,
+                swapped: false,
             });
         }
         let (prefills, decodes) = rank_counts(args);
@@ -77,6 +80,7 @@ impl Site {
             secret,
             hosts: Some(hosts),
             prefills,
+            swapped: false,
         };
         site.start_bootstrap()?;
         Ok(site)
@@ -94,10 +98,22 @@ impl Site {
 
     /// The host index of prefill rank `k` / decode rank `k`.
     pub fn host_of(&self, role: &str, k: usize) -> usize {
-        match role {
-            "prefill" => 1 + k,
-            _ => 1 + self.prefills + k,
+        match (role == "prefill") != self.swapped {
+            true => 1 + k,
+            false => 1 + self.prefills + k,
         }
+    }
+
+    /// Swaps the roles of the hosts (a role switch): from now on prefill
+    /// rank `k` goes to the host decode rank `k` had, and back. Only with
+    /// as many prefill as decode hosts.
+    pub fn swap_roles(&mut self) -> Result<()> {
+        let hosts = self.hosts.as_ref().context("a role switch needs --netns")?;
+        if hosts.hosts.len() != 1 + 2 * self.prefills {
+            bail!("a role switch needs as many prefill hosts as decode hosts");
+        }
+        self.swapped = !self.swapped;
+        Ok(())
     }
 
     /// Puts every rank of `plan` on its host: its addresses, and the
@@ -186,9 +202,14 @@ impl Site {
             return Vec::new();
         };
         let decodes = hosts.hosts.len().saturating_sub(1 + self.prefills);
+        // A host that switched roles is labelled with both, in order.
+        let label = |role: &str, other: &str, k: usize| match self.swapped {
+            true => format!("{role} {k}, then {other} {k}"),
+            false => format!("{role} {k}"),
+        };
         let labels = std::iter::once("bootstrap".to_owned())
-            .chain((0..self.prefills).map(|k| format!("prefill {k}")))
-            .chain((0..decodes).map(|k| format!("decode {k}")));
+            .chain((0..self.prefills).map(|k| label("prefill", "decode", k)))
+            .chain((0..decodes).map(|k| label("decode", "prefill", k)));
         labels
             .enumerate()
             .filter_map(|(i, label)| hosts.traffic(i, label).ok())

@@ -20,6 +20,9 @@ pub struct Summary {
     pub topology: String,
     /// Requests run.
     pub requests: u64,
+    /// Requests never started: the run drained before them
+    /// (`--drain-after-s`); not among `requests`.
+    pub drained: u64,
     /// Requests every decode rank received and verified.
     pub succeeded: u64,
     /// Requests that failed on some rank (fault injection included).
@@ -86,6 +89,12 @@ impl Summary {
                 String::new()
             }
         ));
+        if self.drained > 0 {
+            out.push_str(&format!(
+                "  drained    {:>8}   requests never started: the run drained at its deadline\n",
+                self.drained
+            ));
+        }
         out.push_str(&format!(
             "  moved      {:>8.1} MiB in {:.2} s = {:.2} GB/s\n",
             self.bytes as f64 / (1 << 20) as f64,
@@ -114,9 +123,10 @@ impl Summary {
                 r.max_rank_rss_mib
             ));
         }
+        let width = self.hosts.iter().map(|h| h.host.len()).max().unwrap_or(0);
         for h in &self.hosts {
             out.push_str(&format!(
-                "  host       {:<10} {:<15} received {:>12} bytes, sent {:>12} bytes\n",
+                "  host       {:<width$} {:<15} received {:>12} bytes, sent {:>12} bytes\n",
                 h.host, h.ip, h.rx_bytes, h.tx_bytes
             ));
         }
