@@ -317,23 +317,8 @@ impl Children {
     /// Closes every child's stdin (lingering ranks then exit), waits up to
     /// `timeout` for every child to exit, then kills the rest.
     pub fn wait_all(&mut self, timeout: Duration) {
-        for e in &mut self.entries {
-            drop(e.child.stdin.take());
-        }
-        let deadline = Instant::now() + timeout;
-        for e in &mut self.entries {
-            loop {
-                match e.child.try_wait() {
-                    Ok(Some(_)) | Err(_) => break,
-                    Ok(None) if Instant::now() >= deadline => {
-                        let _ = e.child.kill();
-                        let _ = e.child.wait();
-                        break;
-                    }
-                    Ok(None) => std::thread::sleep(Duration::from_millis(20)),
-                }
-            }
-        }
+        let everyone: Vec<ChildId> = (0..self.entries.len()).collect();
+        self.release(&everyone, timeout);
     }
 }
 

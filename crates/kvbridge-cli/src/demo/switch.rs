@@ -50,24 +50,17 @@ pub(super) fn swap_roles(
     let everyone: Vec<ChildId> = old.prefill.iter().chain(&old.decode).copied().collect();
     children.release(&everyone, RELEASE);
     site.swap_roles()?;
-    for (k, file) in plan.prefill_files.iter_mut().enumerate() {
-        let session = old
-            .decode_sessions
-            .get(k)
-            .context("a decode host per prefill rank")?;
-        file.engine.port = port(session)?;
-        if let Some(w) = file.workload.as_mut() {
-            w.from = from;
-        }
-    }
-    for (k, file) in plan.decode_files.iter_mut().enumerate() {
-        let session = old
-            .prefill_sessions
-            .get(k)
-            .context("a prefill host per decode rank")?;
-        file.engine.port = port(session)?;
-        if let Some(w) = file.workload.as_mut() {
-            w.from = from;
+    // Each role takes the other's engine port on the host it moves to.
+    for (files, sessions) in [
+        (&mut plan.prefill_files, &old.decode_sessions),
+        (&mut plan.decode_files, &old.prefill_sessions),
+    ] {
+        for (k, file) in files.iter_mut().enumerate() {
+            let session = sessions.get(k).context("as many prefill as decode hosts")?;
+            file.engine.port = port(session)?;
+            if let Some(w) = file.workload.as_mut() {
+                w.from = from;
+            }
         }
     }
     site.place(plan, children)?;
