@@ -1,5 +1,6 @@
-//! `cargo xtask cluster [--full] [--soak-minutes N] [--release]`: a real
-//! cluster on this machine. Every scenario runs `kvbridge demo --netns`:
+//! `cargo xtask cluster [--full] [--soak-minutes N [--soak-only]] [--release]
+//! [--kvbridge PATH] [--save DIR]`: a real cluster on this machine. Every scenario runs
+//! `kvbridge demo --netns`:
 //! the bootstrap server and every prefill and decode rank on a host of its
 //! own (a network namespace with its own address on a bridge), a
 //! byte-verified workload over the TCP engine or UCX (its `tcp` transport,
@@ -9,8 +10,12 @@
 //!
 //! The short list (CI) takes a few minutes; `--full` runs bigger workloads
 //! and every fault over both engines; `--soak-minutes N` adds a soak: more
-//! than 1,000 rooms in flight, random faults every few seconds, and every
-//! rank process's fds, threads and memory checked for growth.
+//! than 1,000 rooms in flight for N minutes, random faults every few
+//! seconds, a drain at the end (no room is started past N minutes; the
+//! ones in flight finish), and every rank process's fds, threads and
+//! memory checked for growth. `--soak-only` runs just the soak;
+//! `--kvbridge PATH` runs a given binary instead of building one; `--save
+//! DIR` keeps every scenario's JSON summary there.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -48,11 +53,10 @@ fn sound(v: &Value) -> Result<()> {
     {
         bail!("a failure without a reason: {f}");
     }
-    let decode_rx: u64 = v["hosts"]
-        .as_array()
-        .map_or(&[][..], Vec::as_slice)
+    // Hosts that ran a decode rank (after a role switch: either role first).
+    let decode_rx: u64 = hosts(v)
         .iter()
-        .filter(|h| h["host"].as_str().is_some_and(|n| n.starts_with("decode")))
+        .filter(|h| h["host"].as_str().is_some_and(|n| n.contains("decode")))
         .map(|h| num(h, "rx_bytes"))
         .sum();
     if decode_rx < num(v, "bytes") {
@@ -62,6 +66,10 @@ fn sound(v: &Value) -> Result<()> {
         );
     }
     Ok(())
+}
+
+fn hosts(v: &Value) -> &[Value] {
+    v["hosts"].as_array().map_or(&[][..], Vec::as_slice)
 }
 
 fn all_succeed(v: &Value) -> Result<()> {
@@ -103,6 +111,41 @@ fn recovers(v: &Value) -> Result<()> {
     Ok(())
 }
 
+/// A role switch under load: no room lost, and after it the bytes flowed
+/// the other way: into the hosts that ran the prefill ranks before.
+fn switched(v: &Value) -> Result<()> {
+    all_succeed(v)?;
+    let f = &v["fault"];
+    if f["injected"] != true || num(f, "succeeded_after") == 0 {
+        bail!("no room ran after the role switch: {f}");
+    }
+    // Outcomes are one per room and decode rank (half the hosts but the
+    // bootstrap's); the bytes of those after the switch went the other way.
+    let decode_ranks = (hosts(v).len().saturating_sub(1) / 2).max(1) as f64;
+    let outcomes = (num(v, "succeeded") as f64 * decode_ranks).max(1.0);
+    let after = num(f, "succeeded_after") as f64 / outcomes;
+    let former_prefills = |n: &str| n.starts_with("prefill") && n.contains("then decode");
+    if !hosts(v)
+        .iter()
+        .any(|h| h["host"].as_str().is_some_and(former_prefills))
+    {
+        bail!("no host reports a switch from prefill to decode");
+    }
+    let into_old_prefills: u64 = hosts(v)
+        .iter()
+        .filter(|h| h["host"].as_str().is_some_and(former_prefills))
+        .map(|h| num(h, "rx_bytes"))
+        .sum();
+    let expected = (num(v, "bytes") as f64 * after / 2.0) as u64;
+    if into_old_prefills < expected {
+        bail!(
+            "the former prefill hosts received {into_old_prefills} bytes, less than half \
+             the {expected} expected after the switch"
+        );
+    }
+    Ok(())
+}
+
 fn decode_restarts(v: &Value) -> Result<()> {
     sound(v)?;
     if num(v, "succeeded") <= 8 {
@@ -127,6 +170,16 @@ fn bounded(v: &Value) -> Result<()> {
         }
     }
     fails_then_recovers(v)
+}
+
+/// A soak sized in time: bounded resources, and it ran until its drain
+/// (not out of requests first).
+fn soaked(v: &Value) -> Result<()> {
+    bounded(v)?;
+    if num(v, "drained") == 0 {
+        bail!("the soak ran out of requests before its time: raise its --requests");
+    }
+    Ok(())
 }
 
 fn scenario<S: AsRef<str>>(name: &str, args: &[S], expect: fn(&Value) -> Result<()>) -> Scenario {
@@ -199,6 +252,18 @@ fn scenarios(full: bool, engines: &[&str]) -> Vec<Scenario> {
             ]),
             recovers,
         ));
+        out.push(scenario(
+            &format!("{engine}: prefill and decode hosts switch roles under load"),
+            &with(&[
+                "--prefill-tp",
+                "2",
+                "--fault",
+                "role-switch",
+                "--fault-after",
+                "10",
+            ]),
+            switched,
+        ));
         if !full {
             // The short list runs the faults over the first engine only.
             break;
@@ -223,29 +288,27 @@ const SOAK: &[&str] = &[
     "2000",
 ];
 
-/// The soak: as many rooms as take `minutes` at the rate a fault-free
-/// calibration run of the same shape measured here.
-fn soak(kvbridge: &Path, minutes: u64) -> Result<Scenario> {
-    let calibration = scenario(
-        "soak calibration",
-        &[SOAK, &["--concurrency", "600", "--requests", "20000"]].concat(),
-        all_succeed,
-    );
-    eprintln!("xtask cluster: calibrating the soak (20000 rooms) ...");
-    let v = run_one(kvbridge, &calibration)?;
-    let rate = num(&v, "succeeded") as f64 / v["seconds"].as_f64().unwrap_or(1.0).max(1.0);
-    let rooms = ((rate * minutes as f64 * 60.0) as u64).clamp(10_000, 2_000_000);
-    let timeout = (minutes * 60 * 3 + 600).to_string();
-    let rooms_s = rooms.to_string();
-    let mut s = scenario(
-        "soak",
+/// The soak: rooms for `minutes`, then a drain (the rooms in flight
+/// finish, the rest are never started).
+fn soak(minutes: u64) -> Scenario {
+    let seconds = (minutes * 60).to_string();
+    // The drain, the tail (rooms the faults left waiting out their
+    // deadlines) and start-up, with room to spare.
+    let timeout = (minutes * 60 + 900).to_string();
+    scenario(
+        &format!(
+            "soak: {minutes} min, 1200 rooms in flight, a random fault every ~20 s, \
+             resources checked"
+        ),
         &[
             SOAK,
             &[
                 "--concurrency",
                 "600",
                 "--requests",
-                &rooms_s,
+                "2000000",
+                "--drain-after-s",
+                &seconds,
                 "--fault",
                 "random",
                 "--fault-after",
@@ -259,16 +322,13 @@ fn soak(kvbridge: &Path, minutes: u64) -> Result<Scenario> {
             ],
         ]
         .concat(),
-        bounded,
-    );
-    s.name = format!(
-        "soak: {rooms} rooms (~{minutes} min at {rate:.0} rooms/s), 1200 in flight, random faults every ~20 s"
-    );
-    Ok(s)
+        soaked,
+    )
 }
 
-/// Runs one scenario with `kvbridge`; its summary or why it failed.
-fn run_one(kvbridge: &Path, s: &Scenario) -> Result<Value> {
+/// Runs one scenario with `kvbridge`; its summary or why it failed. With
+/// `save`, the summary also goes to `save/<scenario>.json`.
+fn run_one(kvbridge: &Path, s: &Scenario, save: Option<&Path>) -> Result<Value> {
     let out = Command::new(kvbridge)
         .args(["demo", "--netns", "--json"])
         .args(&s.args)
@@ -287,6 +347,15 @@ fn run_one(kvbridge: &Path, s: &Scenario) -> Result<Value> {
                 .join(" | ")
         )
     })?;
+    if let Some(dir) = save {
+        let name: String = s
+            .name
+            .chars()
+            .map(|c| if c.is_ascii_alphanumeric() { c } else { '-' })
+            .collect();
+        std::fs::create_dir_all(dir)?;
+        std::fs::write(dir.join(format!("{name}.json")), text.trim())?;
+    }
     (s.expect)(&v)?;
     Ok(v)
 }
@@ -309,15 +378,30 @@ pub fn cluster(root: &Path, args: &[String]) -> Result<()> {
         .and_then(|i| args.get(i + 1))
         .map(|m| m.parse::<u64>().context("--soak-minutes N"))
         .transpose()?;
-    let mut build = vec!["build", "-p", "kvbridge-cli"];
-    if release {
-        build.push("--release");
-    }
-    crate::run("cargo", &build)?;
-    let kvbridge: PathBuf = root
-        .join("target")
-        .join(if release { "release" } else { "debug" })
-        .join("kvbridge");
+    let given = args
+        .iter()
+        .position(|a| a == "--kvbridge")
+        .map(|i| args.get(i + 1).context("--kvbridge PATH"))
+        .transpose()?;
+    let save: Option<PathBuf> = args
+        .iter()
+        .position(|a| a == "--save")
+        .map(|i| args.get(i + 1).map(PathBuf::from).context("--save DIR"))
+        .transpose()?;
+    let kvbridge: PathBuf = match given {
+        // A binary of its own: a long soak is not disturbed by rebuilds.
+        Some(path) => PathBuf::from(path),
+        None => {
+            let mut build = vec!["build", "-p", "kvbridge-cli"];
+            if release {
+                build.push("--release");
+            }
+            crate::run("cargo", &build)?;
+            root.join("target")
+                .join(if release { "release" } else { "debug" })
+                .join("kvbridge")
+        }
+    };
     let mut engines = vec!["tcp"];
     if ucx_available() {
         engines.push("ucx");
@@ -369,15 +453,18 @@ pub fn cluster(root: &Path, args: &[String]) -> Result<()> {
         .concat(),
         bounded,
     ));
+    if args.iter().any(|a| a == "--soak-only") {
+        list.clear();
+    }
     if let Some(m) = soak_minutes {
-        list.push(soak(&kvbridge, m)?);
+        list.push(soak(m));
     }
     let mut rows = Vec::new();
     let mut failed = 0;
     for s in &list {
         eprintln!("xtask cluster: {} ...", s.name);
         let t = Instant::now();
-        let row = match run_one(&kvbridge, s) {
+        let row = match run_one(&kvbridge, s, save.as_deref()) {
             Ok(v) => format!(
                 "| {} | pass | {}/{} rooms, {} failed | {:.2} GB/s | p50 {:.0} ms, p99 {:.0} ms | {:.0} s |",
                 s.name,

@@ -53,7 +53,7 @@ fn main() -> ExitCode {
         Some("cluster") => cluster::cluster(&workspace_root(), &args[1..]),
         _ => {
             eprintln!(
-                "usage: cargo xtask <ci|install-deps|wheel|py-test|gpu-test [--run] [--bench]|fuzz [--seconds N] [--target NAME]|cluster [--full] [--release] [--soak-minutes N]>"
+                "usage: cargo xtask <ci|install-deps|wheel|py-test|gpu-test [--run] [--bench]|fuzz [--seconds N] [--target NAME]|cluster [--full] [--release] [--soak-minutes N [--soak-only]] [--kvbridge PATH] [--save DIR]>"
             );
             return ExitCode::from(2);
         }

@@ -51,8 +51,8 @@ fn a_drained_run_ends_at_its_deadline_and_finishes_every_room_it_started() {
 
 #[test]
 fn a_drain_waits_for_a_stopped_decode_rank_and_concludes_every_room() {
-    // Decode rank 0 is stopped (SIGSTOP) for 3 s from about the time the
-    // drain begins: it answers the pause only once resumed; every room
+    // Decode rank 0 is stopped (SIGSTOP) for 4 s from its first room on,
+    // the drain begins 2 s after the first room: it answers the pause only once resumed; every room
     // the run started still concludes, succeeded or failed with a reason.
     let (code, v) = demo(&[
         "--requests",
@@ -66,11 +66,11 @@ fn a_drain_waits_for_a_stopped_decode_rank_and_concludes_every_room() {
         "--fault",
         "stop-decode",
         "--fault-after",
-        "20",
-        "--fault-secs",
-        "3",
-        "--drain-after-s",
         "1",
+        "--fault-secs",
+        "4",
+        "--drain-after-s",
+        "2",
     ]);
     assert_eq!(code, 0, "{v}");
     assert_eq!(v["fault"]["injected"], true, "{v}");

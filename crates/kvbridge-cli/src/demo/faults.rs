@@ -199,7 +199,7 @@ impl Fault {
     /// still undone in its time.
     pub(super) fn no_more(&mut self) {
         self.every = None;
-        if let Phase::Undone(Some(_)) = self.phase {
+        if let Phase::Waiting | Phase::Undone(Some(_)) = self.phase {
             self.phase = Phase::Undone(None);
         }
     }

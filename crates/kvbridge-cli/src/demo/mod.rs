@@ -197,6 +197,7 @@ fn orchestrate(
             .all(|id| finished.contains(id));
         if let Some(f) = fault.as_mut()
             && drain.is_none()
+            && drained_below.is_none()
             && restart_after.is_none()
             && f.switch_due()
         {
@@ -329,6 +330,7 @@ fn orchestrate(
                 verified,
                 mismatched,
                 aborted,
+                timed_out,
                 ..
             }) => {
                 let outcome = Outcome {
@@ -338,6 +340,7 @@ fn orchestrate(
                     verified,
                     mismatched,
                     aborted,
+                    timed_out,
                 };
                 if role == "decode" {
                     last_done = Instant::now();

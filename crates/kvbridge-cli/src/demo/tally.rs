@@ -18,6 +18,7 @@ pub(super) struct Outcome {
     pub verified: u64,
     pub mismatched: u64,
     pub aborted: bool,
+    pub timed_out: bool,
 }
 
 /// The summary of a run's outcomes; requests from `drained_below` on that
@@ -72,7 +73,7 @@ pub(super) fn summarize(
             failed += 1;
             let reason = d
                 .iter()
-                .find(|o| o.aborted)
+                .find(|o| o.aborted || o.timed_out)
                 .and_then(|o| o.reason.clone())
                 .or_else(|| p.iter().find_map(|o| o.reason.clone()))
                 .or_else(|| d.iter().find_map(|o| o.reason.clone()))

@@ -43,7 +43,8 @@ impl Command {
         let mut words = line.split_whitespace();
         let command = match (words.next()?, words.next()) {
             ("pause", None) => Self::Pause,
-            ("drain", Some(n)) => Self::Drain(n.parse().ok()?),
+            // `u64::MAX` is reserved: it stands for "no drain".
+            ("drain", Some(n)) => Self::Drain(n.parse().ok().filter(|n| *n != u64::MAX)?),
             _ => return None,
         };
         words.next().is_none().then_some(command)
@@ -106,7 +107,16 @@ mod tests {
     fn parses_commands_and_refuses_the_rest() {
         assert_eq!(Command::parse("pause"), Some(Command::Pause));
         assert_eq!(Command::parse(" drain 12 "), Some(Command::Drain(12)));
-        for bad in ["", "drain", "drain x", "drain 1 2", "pause now", "stop"] {
+        let reserved = u64::MAX.to_string();
+        for bad in [
+            "",
+            "drain",
+            "drain x",
+            "drain 1 2",
+            "pause now",
+            "stop",
+            &reserved,
+        ] {
             assert_eq!(Command::parse(bad), None, "{bad:?}");
         }
     }

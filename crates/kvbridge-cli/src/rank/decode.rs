@@ -25,6 +25,8 @@ struct Active {
     started: Instant,
     abort_at: Option<Instant>,
     aborted_at: Option<Instant>,
+    /// Given up past the room timeout.
+    timed_out: bool,
 }
 
 /// Runs the rank; `Ok(true)` when no byte mismatched.
@@ -111,6 +113,11 @@ pub fn run(file: &RankFile) -> Result<bool> {
             let Some(request) = pending.front().copied() else {
                 break;
             };
+            // A drain that arrived since the top of the loop (it also ended
+            // the pause just read): nothing at or past its bound starts.
+            if CONTROL.drain_below().is_some_and(|b| request.index >= b) {
+                break;
+            }
             // A DCP rank's pages are virtual (`page_size * dcp_size` tokens).
             let n = pools.pages_for(request.tokens);
             let Some((p, a)) = alloc_request(&mut pages, &mut aux_slots, n) else {
@@ -158,6 +165,7 @@ pub fn run(file: &RankFile) -> Result<bool> {
                 started: Instant::now(),
                 abort_at,
                 aborted_at: None,
+                timed_out: false,
             });
             let _ = state;
             progressed = true;
@@ -173,6 +181,7 @@ pub fn run(file: &RankFile) -> Result<bool> {
                 a.receiver.abort();
                 a.aborted_at = Some(Instant::now());
                 a.abort_at = None;
+                a.timed_out = true;
             }
             if a.aborted_at.is_none() && a.receiver.poll() == KvPoll::Failed {
                 // Failed (here or at a prefill rank): the receiver told
@@ -218,6 +227,11 @@ pub fn run(file: &RankFile) -> Result<bool> {
                 let why = a.receiver.failure_exception().reason;
                 let why = if a.abort_at.is_some() {
                     "aborted by the demo (decode side)".to_owned()
+                } else if a.timed_out {
+                    format!(
+                        "no KV within the room timeout ({} s); the decode aborted the room",
+                        room_timeout.as_secs_f64()
+                    )
                 } else {
                     why
                 };
@@ -237,6 +251,7 @@ pub fn run(file: &RankFile) -> Result<bool> {
                 verified: verified.bytes,
                 mismatched: verified.mismatched,
                 aborted: a.abort_at.is_some(),
+                timed_out: a.timed_out,
             });
             if reuse_pages {
                 pages.free(&a.pages);

@@ -45,6 +45,9 @@ pub enum Event {
         mismatched: u64,
         /// Whether the decode aborted it on purpose.
         aborted: bool,
+        /// Whether the decode gave it up past its room timeout.
+        #[serde(default)]
+        timed_out: bool,
     },
     /// A decode rank paused (the supervisor's `pause`): it starts no new
     /// room until told which requests still run.

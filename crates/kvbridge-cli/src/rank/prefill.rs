@@ -99,7 +99,8 @@ pub fn run(file: &RankFile) -> Result<bool> {
             drained = true;
             pending.retain(|r| r.index < below);
             active.retain_mut(|a| {
-                if a.request.index < below {
+                // Sending means a decode asked: that room runs to its end.
+                if a.request.index < below || a.first_send.is_some() {
                     return true;
                 }
                 a.sender
@@ -183,6 +184,7 @@ pub fn run(file: &RankFile) -> Result<bool> {
                     verified: 0,
                     mismatched: 0,
                     aborted: false,
+                    timed_out: false,
                 });
                 pages.free(&a.pages);
                 aux_slots.free(&[a.aux]);
