@@ -286,7 +286,12 @@ pub(super) fn plan(args: &DemoArgs, bootstrap: SocketAddr) -> Result<Plan> {
                     ..Default::default()
                 },
                 pages: prefill_pages,
-                aux_slots: requests.len() as u64 + workload.concurrency as u64 + 1,
+                // A request holds at least one page: no more can hold an
+                // aux slot at once than there are pages (a soak plans
+                // millions of requests; a slot each cost ~1 KiB apiece).
+                aux_slots: (requests.len() as u64).min(prefill_pages)
+                    + workload.concurrency as u64
+                    + 1,
                 engine_kind: args.engine,
                 engine: engine.clone(),
                 placement: Placement {
