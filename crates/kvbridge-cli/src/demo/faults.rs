@@ -161,7 +161,12 @@ impl Fault {
 
     /// Checks that a run with `prefills` and `decodes` rank processes can
     /// host the fault.
-    pub(super) fn check(kind: FaultKind, netns: bool, prefills: u64, decodes: u64) -> Result<()> {
+    pub(super) fn check(
+        kind: FaultKind,
+        netns: bool,
+        prefills: usize,
+        decodes: usize,
+    ) -> Result<()> {
         let needs_hosts = matches!(
             kind,
             FaultKind::Partition | FaultKind::BootstrapDown | FaultKind::RoleSwitch

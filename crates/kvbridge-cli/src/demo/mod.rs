@@ -36,7 +36,7 @@ pub use args::DemoArgs;
 use drain::{Drain, Purpose};
 use faults::Fault;
 use plan::{Plan, plan};
-use procs::{ChildId, Children};
+use procs::{ChildId, Children, Ranks};
 use resources::Sampler;
 use site::Site;
 use summary::Summary;
@@ -98,8 +98,8 @@ fn run_inner(args: &DemoArgs) -> Result<Summary> {
         })
     };
     if let Some(kind) = args.fault {
-        let prefills = args.dp * args.prefill_pp * args.prefill_cp * args.prefill_tp;
-        Fault::check(kind, args.netns, prefills, args.decode_tp)?;
+        let (prefills, decodes) = site::rank_counts(args);
+        Fault::check(kind, args.netns, prefills, decodes)?;
         if kind == faults::FaultKind::RoleSwitch && args.kill_decode_after.is_some() {
             bail!("--fault role-switch and --kill-decode-after do not run together");
         }
@@ -141,20 +141,7 @@ fn orchestrate(
     });
     // Every rank's fds, threads and memory, every 5 s after a warm-up.
     let mut sampler = Sampler::new(Duration::from_secs(5), Duration::from_secs(30));
-    let mut prefill_ids: Vec<ChildId> = plan
-        .prefill_files
-        .iter()
-        .enumerate()
-        .map(|(i, f)| children.spawn("prefill", i as u64, f))
-        .collect::<Result<_>>()?;
-    let mut prefill_sessions = children.wait_ready(&prefill_ids, deadline)?;
-    let mut decode_ids: Vec<ChildId> = plan
-        .decode_files
-        .iter()
-        .enumerate()
-        .map(|(i, f)| children.spawn("decode", i as u64, f))
-        .collect::<Result<_>>()?;
-    let mut sessions = children.wait_ready(&decode_ids, deadline)?;
+    let mut ranks = Ranks::start(plan, &mut children, deadline)?;
     let requests = plan.workload.requests();
     let decodes = plan.decode_files.len() as u64;
     // `--drain-after-s` or a role switch under way, and the bound it set
@@ -191,9 +178,10 @@ fn orchestrate(
     let mut last_done = Instant::now();
     let mut finished: HashSet<ChildId> = HashSet::new();
     loop {
-        let all_done = decode_ids
+        let all_done = ranks
+            .decode
             .iter()
-            .chain(&prefill_ids)
+            .chain(&ranks.prefill)
             .all(|id| finished.contains(id));
         if let Some(f) = fault.as_mut()
             && drain.is_none()
@@ -204,7 +192,7 @@ fn orchestrate(
             drain = Some(Drain::begin(
                 Purpose::RoleSwitch,
                 &mut children,
-                &decode_ids,
+                &ranks.decode,
                 &finished,
             ));
         }
@@ -216,7 +204,7 @@ fn orchestrate(
             drain = Some(Drain::begin(
                 Purpose::End,
                 &mut children,
-                &decode_ids,
+                &ranks.decode,
                 &finished,
             ));
             if let Some(f) = fault.as_mut() {
@@ -226,8 +214,8 @@ fn orchestrate(
         if let Some(d) = drain.as_mut()
             && let Some(below) = d.settle(
                 &mut children,
-                &decode_ids,
-                &prefill_ids,
+                &ranks.decode,
+                &ranks.prefill,
                 &finished,
                 requests.len() as u64,
             )
@@ -246,16 +234,8 @@ fn orchestrate(
                 break;
             };
             // Drained for a role switch: every rank finished; swap them.
-            let old = switch::Ranks {
-                prefill: prefill_ids.clone(),
-                prefill_sessions: prefill_sessions.clone(),
-                decode: decode_ids.clone(),
-                decode_sessions: sessions.clone(),
-            };
             bar.set_message("role switch: prefill hosts become decode hosts and back");
-            let new = switch::swap_roles(&old, plan, site, &mut children, below, deadline)?;
-            (prefill_ids, prefill_sessions) = (new.prefill, new.prefill_sessions);
-            (decode_ids, sessions) = (new.decode, new.decode_sessions);
+            ranks = switch::swap_roles(&ranks, plan, site, &mut children, below, deadline)?;
             drain = None;
             if let Some(f) = fault.as_mut() {
                 f.switched();
@@ -272,7 +252,7 @@ fn orchestrate(
             return Err(stopped.into());
         }
         if let Some(f) = fault.as_mut() {
-            f.tick(site, &children, decode_ids[0])?;
+            f.tick(site, &children, ranks.decode[0])?;
         }
         sampler.tick(children.running());
         let Some((id, event)) = children.next_event(Duration::from_millis(200)) else {
@@ -287,9 +267,9 @@ fn orchestrate(
                 let (skip, in_flight) = split_rooms_of_decode0(&decode, &prefill, &started);
                 restart_decode0(
                     &mut children,
-                    &mut decode_ids,
+                    &mut ranks.decode,
                     plan,
-                    &sessions,
+                    &ranks.decode_sessions,
                     &skip,
                     deadline,
                 )?;
@@ -350,7 +330,7 @@ fn orchestrate(
                     }
                     if let Some(f) = fault.as_mut() {
                         f.observe(outcome.success, outcome.reason.as_deref());
-                        f.progress(rank0_done, site, &children, decode_ids[0])?;
+                        f.progress(rank0_done, site, &children, ranks.decode[0])?;
                     }
                     decode.insert((rank, room), outcome);
                     bar.inc(1);
@@ -362,8 +342,8 @@ fn orchestrate(
                         bar.set_message(format!(
                             "killed decode rank 0 after {n} rooms; restarting it"
                         ));
-                        children.kill(decode_ids[0]);
-                        restart_after = Some(decode_ids[0]);
+                        children.kill(ranks.decode[0]);
+                        restart_after = Some(ranks.decode[0]);
                     }
                 } else {
                     prefill.insert((rank, room), outcome);
@@ -389,7 +369,7 @@ fn orchestrate(
     let seconds = first_start.map_or(0.0, |t| {
         last_done.saturating_duration_since(t).as_secs_f64()
     });
-    let fault_report = fault.map(|f| f.finish(site, &children, decode_ids[0]));
+    let fault_report = fault.map(|f| f.finish(site, &children, ranks.decode[0]));
     let rogue_report = rogue.map(rogue::Rogue::stop);
     let mut summary = tally::summarize(args, plan, &decode, &prefill, seconds, drained_below);
     summary.rogue = rogue_report;

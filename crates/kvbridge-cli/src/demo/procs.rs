@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 
+use super::plan::Plan;
 use crate::rank::RankFile;
 use crate::rank::events::Event;
 
@@ -319,6 +320,45 @@ impl Children {
     pub fn wait_all(&mut self, timeout: Duration) {
         let everyone: Vec<ChildId> = (0..self.entries.len()).collect();
         self.release(&everyone, timeout);
+    }
+}
+
+/// The rank processes of a run and their engine sessions.
+pub struct Ranks {
+    /// Prefill rank processes.
+    pub prefill: Vec<ChildId>,
+    /// Their engine sessions (`ip:port`).
+    pub prefill_sessions: Vec<String>,
+    /// Decode rank processes.
+    pub decode: Vec<ChildId>,
+    /// Their engine sessions.
+    pub decode_sessions: Vec<String>,
+}
+
+impl Ranks {
+    /// Starts every rank of `plan` and waits until each is ready; prefill
+    /// first, so its registration is in place before a decode asks.
+    pub fn start(plan: &Plan, children: &mut Children, deadline: Instant) -> Result<Self> {
+        let prefill: Vec<ChildId> = plan
+            .prefill_files
+            .iter()
+            .enumerate()
+            .map(|(k, f)| children.spawn("prefill", k as u64, f))
+            .collect::<Result<_>>()?;
+        let prefill_sessions = children.wait_ready(&prefill, deadline)?;
+        let decode: Vec<ChildId> = plan
+            .decode_files
+            .iter()
+            .enumerate()
+            .map(|(k, f)| children.spawn("decode", k as u64, f))
+            .collect::<Result<_>>()?;
+        let decode_sessions = children.wait_ready(&decode, deadline)?;
+        Ok(Self {
+            prefill,
+            prefill_sessions,
+            decode,
+            decode_sessions,
+        })
     }
 }
 

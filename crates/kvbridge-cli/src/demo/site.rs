@@ -42,7 +42,7 @@ pub(super) struct Site {
 }
 
 /// Prefill and decode rank processes of a run of `args`.
-fn rank_counts(args: &DemoArgs) -> (usize, usize) {
+pub(super) fn rank_counts(args: &DemoArgs) -> (usize, usize) {
     let prefills = args.dp * args.prefill_pp * args.prefill_cp * args.prefill_tp;
     (prefills as usize, args.decode_tp as usize)
 }

@@ -10,23 +10,11 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result};
 
 use super::plan::Plan;
-use super::procs::{ChildId, Children};
+use super::procs::{ChildId, Children, Ranks};
 use super::site::Site;
 
 /// How long a released rank may take to exit before it is killed.
 const RELEASE: Duration = Duration::from_secs(10);
-
-/// The rank processes of one side of the run and their engine sessions.
-pub(super) struct Ranks {
-    /// Prefill rank processes.
-    pub prefill: Vec<ChildId>,
-    /// Their engine sessions (`ip:port`).
-    pub prefill_sessions: Vec<String>,
-    /// Decode rank processes.
-    pub decode: Vec<ChildId>,
-    /// Their engine sessions.
-    pub decode_sessions: Vec<String>,
-}
 
 /// The port of an engine session `ip:port`.
 pub(super) fn port(session: &str) -> Result<u16> {
@@ -65,25 +53,5 @@ pub(super) fn swap_roles(
     }
     site.place(plan, children)?;
     tracing::info!(from, "role switch: starting the swapped ranks");
-    // Prefill first: its registration is in place before a decode asks.
-    let prefill: Vec<ChildId> = plan
-        .prefill_files
-        .iter()
-        .enumerate()
-        .map(|(k, f)| children.spawn("prefill", k as u64, f))
-        .collect::<Result<_>>()?;
-    let prefill_sessions = children.wait_ready(&prefill, deadline)?;
-    let decode: Vec<ChildId> = plan
-        .decode_files
-        .iter()
-        .enumerate()
-        .map(|(k, f)| children.spawn("decode", k as u64, f))
-        .collect::<Result<_>>()?;
-    let decode_sessions = children.wait_ready(&decode, deadline)?;
-    Ok(Ranks {
-        prefill,
-        prefill_sessions,
-        decode,
-        decode_sessions,
-    })
+    Ranks::start(plan, children, deadline)
 }

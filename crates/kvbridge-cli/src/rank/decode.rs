@@ -94,14 +94,8 @@ pub fn run(file: &RankFile) -> Result<bool> {
     // Every request started so far has an index below this.
     let mut below = 0;
     let mut pause_reported = false;
-    let mut drained = false;
     while !(pending.is_empty() && active.is_empty()) {
         let mut progressed = false;
-        if let Some(b) = CONTROL.drain_below().filter(|_| !drained) {
-            drained = true;
-            pending.retain(|r| r.index < b);
-            tracing::info!(below = b, left = pending.len(), "draining");
-        }
         while active.len() < workload.concurrency.max(1) {
             if CONTROL.paused() {
                 if !pause_reported {
@@ -113,9 +107,11 @@ pub fn run(file: &RankFile) -> Result<bool> {
             let Some(request) = pending.front().copied() else {
                 break;
             };
-            // A drain that arrived since the top of the loop (it also ended
-            // the pause just read): nothing at or past its bound starts.
-            if CONTROL.drain_below().is_some_and(|b| request.index >= b) {
+            // Drained (which also ended the pause just read): requests
+            // are in index order, so none from here on starts.
+            if let Some(b) = CONTROL.drain_below().filter(|b| request.index >= *b) {
+                tracing::info!(below = b, dropped = pending.len(), "drained");
+                pending.clear();
                 break;
             }
             // A DCP rank's pages are virtual (`page_size * dcp_size` tokens).
