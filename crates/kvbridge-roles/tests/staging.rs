@@ -265,3 +265,67 @@ fn a_state_slot_lands_beside_staged_kv() {
     decode.teardown();
     bs.shutdown();
 }
+
+/// sglang's decode creates its manager before it sets `KVArgs.kv_head_num`
+/// (it does so afterwards, for staging only): such a decode starts, and
+/// with its head counts unknown its rooms take the per-slice path (the
+/// ring is not offered to the prefill), byte-exact.
+#[test]
+fn a_decode_without_head_counts_takes_the_per_slice_path() {
+    let unknown = |mut a: kvbridge_roles::KvArgs| {
+        a.layout.kv_head_num = 0;
+        a.layout.total_kv_head_num = 0;
+        a
+    };
+    let config = StagingConfig {
+        wait_timeout: Duration::from_secs(5),
+        ..staging(8, 64 << 10)
+    };
+    let mut c = Cluster::staged_with(model(8), 1, 2, 64, config, &unknown);
+    let src: Vec<i32> = (0..9).collect();
+    let dst: Vec<i32> = (20..29).collect();
+    for (rank, (status, v)) in c.run(31, &src, &dst, 3).into_iter().enumerate() {
+        assert_eq!(status, KvPoll::Success, "decode rank {rank}");
+        assert_eq!(v.mismatched, 0, "decode rank {rank}: {v:?}");
+    }
+    assert_eq!(
+        staged_bytes(&c),
+        (0, 0),
+        "nothing staged without head counts"
+    );
+    assert_ring_empty(&c);
+    c.shutdown();
+}
+
+/// Heads handed over after start (sglang's `set_kv_buffer_tensors`, before
+/// its first request): staging works as if they had been known at start.
+#[test]
+fn staging_starts_once_the_head_counts_are_handed_over() {
+    let unknown = |mut a: kvbridge_roles::KvArgs| {
+        a.layout.kv_head_num = 0;
+        a.layout.total_kv_head_num = 0;
+        a
+    };
+    let m = model(8);
+    let mut c = Cluster::staged_with(m.clone(), 1, 2, 64, staging(8, 64 << 10), &unknown);
+    for (decode, _) in &c.decode {
+        let e = decode.set_kv_heads(0, 8).unwrap_err();
+        assert!(e.to_string().contains("kv_head_num"), "{e}");
+        let e = decode.set_kv_heads(4, 2).unwrap_err();
+        assert!(e.to_string().contains("below"), "{e}");
+        decode.set_kv_heads(m.local_heads(2), m.kv_heads).unwrap();
+    }
+    for (k, room) in [41u64, 42].into_iter().enumerate() {
+        let n = 5 + 4 * k;
+        let src: Vec<i32> = (0..n as i32).collect();
+        let dst: Vec<i32> = (0..n as i32).map(|i| 60 - i).collect();
+        for (rank, (status, v)) in c.run(room, &src, &dst, 3).into_iter().enumerate() {
+            assert_eq!(status, KvPoll::Success, "decode rank {rank}");
+            assert_eq!(v.mismatched, 0, "decode rank {rank}: {v:?}");
+        }
+    }
+    let (p, d) = staged_bytes(&c);
+    assert!(p > 0 && p == d, "staged: prefill {p}, decode {d}");
+    assert_ring_empty(&c);
+    c.shutdown();
+}

@@ -487,13 +487,26 @@ class KVManager(BaseKVManager):
     def set_kv_buffer_tensors(self, k_buffers, v_buffers, page_size, slot_layer_ids=None):
         """Kept for sglang's scheduler (its staging handler reads the device
         of these tensors); kvbridge's roles gather and scatter from the
-        registered KV buffers themselves."""
+        registered KV buffers themselves.
+
+        On a decode this is also where the KV head counts arrive: sglang's
+        ``DecodePreallocQueue._init_kv_manager`` sets ``kv_args.kv_head_num``
+        and ``total_kv_head_num`` only after creating the manager, right
+        before this call; the decode role needs them to stage."""
         self.kv_buffer_tensors = {
             "k_buffers": k_buffers,
             "v_buffers": v_buffers,
             "page_size": page_size,
             "slot_layer_ids": list(slot_layer_ids or []),
         }
+        if self.disaggregation_mode == DisaggregationMode.DECODE and not self.is_mla_backend:
+            heads = getattr(self.kv_args, "kv_head_num", None)
+            if heads:
+                total = getattr(self.kv_args, "total_kv_head_num", None)
+                self._rust.set_kv_heads(int(heads), int(total) if total else None)
+            else:
+                logger.warning("kvbridge: set_kv_buffer_tensors without KVArgs.kv_head_num; the decode "
+                               "cannot stage (its rooms take the per-slice path)")
 
     def register_to_bootstrap(self):
         """Nothing to do: the prefill role registered with the bootstrap

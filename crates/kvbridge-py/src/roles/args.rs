@@ -182,10 +182,24 @@ fn per_component<T: Clone + Default>(
     Ok(list.to_vec())
 }
 
+/// Which role a [`RoleSpec`] starts: what sglang sets before creating the
+/// manager differs between them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Side {
+    /// A prefill rank: sglang sets the KV head counts of an MHA pool first.
+    Prefill,
+    /// A decode rank: sglang sets the KV head counts only after creating
+    /// the manager (and only for staging), so they may be missing.
+    Decode,
+}
+
 impl RoleSpec {
-    /// The roles' [`KvArgs`]: refuses what kvbridge cannot move and every
-    /// inconsistency between the lists, sizes and ranks, with the reason.
-    pub fn to_kv_args(&self) -> Result<KvArgs, ConfigError> {
+    /// The roles' [`KvArgs`] for `side`: refuses what kvbridge cannot move
+    /// and every inconsistency between the lists, sizes and ranks, with the
+    /// reason. A decode's MHA pool without `kv_head_num` gets head count 0
+    /// ("unknown", handed over later with the decode manager's
+    /// `set_kv_heads`).
+    pub fn to_kv_args(&self, side: Side) -> Result<KvArgs, ConfigError> {
         let a = &self.kv_args;
         let p = &self.parallel;
         self.refuse_unsupported()?;
@@ -224,16 +238,18 @@ impl RoleSpec {
             )));
         }
         let is_mla = self.is_mla_backend;
-        let kv_head_num = match (is_mla, a.kv_head_num) {
-            (true, _) => 1,
-            (false, Some(n)) if n > 0 => n,
-            (false, _) => {
+        let kv_head_num = match (is_mla, a.kv_head_num, side) {
+            (true, _, _) => 1,
+            (false, Some(n), _) if n > 0 => n,
+            // sglang's decode sets the heads after creating the manager.
+            (false, None, Side::Decode) => 0,
+            (false, _, _) => {
                 return Err(layout_err(
                     "an MHA pool needs KVArgs.kv_head_num (KV heads on this rank)",
                 ));
             }
         };
-        let total_kv_head_num = if is_mla {
+        let total_kv_head_num = if is_mla || kv_head_num == 0 {
             0
         } else {
             a.total_kv_head_num.unwrap_or(0)
@@ -384,7 +400,7 @@ mod tests {
 
     #[test]
     fn mha_kv_args_carry_every_field() {
-        let kv = mha().to_kv_args().unwrap();
+        let kv = mha().to_kv_args(Side::Prefill).unwrap();
         let l = &kv.layout;
         assert_eq!(l.engine_rank, 1);
         assert_eq!(l.attn_tp_size, 2);
@@ -403,10 +419,25 @@ mod tests {
         s.is_mla_backend = true;
         s.kv_args.kv_head_num = None;
         s.kv_args.total_kv_head_num = None;
-        let kv = s.to_kv_args().unwrap();
+        let kv = s.to_kv_args(Side::Prefill).unwrap();
         assert!(kv.layout.is_mla_backend);
         assert_eq!(kv.layout.kv_head_num, 1);
         assert_eq!(kv.layout.total_kv_head_num, 0);
+    }
+
+    #[test]
+    fn a_decode_needs_no_head_counts_but_a_prefill_does() {
+        let mut s = mha();
+        s.kv_args.kv_head_num = None;
+        s.kv_args.total_kv_head_num = Some(2);
+        let kv = s.to_kv_args(Side::Decode).unwrap();
+        assert_eq!(kv.layout.kv_head_num, 0, "unknown until handed over");
+        assert_eq!(kv.layout.total_kv_head_num, 0);
+        let e = s.to_kv_args(Side::Prefill).unwrap_err().to_string();
+        assert!(e.contains("kv_head_num"), "{e}");
+        // Heads given at start are kept on both sides.
+        let kv = mha().to_kv_args(Side::Decode).unwrap();
+        assert_eq!((kv.layout.kv_head_num, kv.layout.total_kv_head_num), (1, 2));
     }
 
     #[test]
@@ -417,7 +448,7 @@ mod tests {
         s.kv_args.state_data_lens = vec![vec![4096], vec![4096, 4096]];
         s.kv_args.state_item_lens = vec![vec![512], vec![256, 256]];
         s.kv_args.state_dim_per_tensor = vec![vec![8], vec![]];
-        let kv = s.to_kv_args().unwrap();
+        let kv = s.to_kv_args(Side::Prefill).unwrap();
         assert_eq!(kv.layout.states.len(), 2);
         assert_eq!(kv.layout.states[0].state_type, StateType::Mamba);
         assert_eq!(kv.layout.states[0].dim_per_tensor, vec![8]);
@@ -427,7 +458,7 @@ mod tests {
     }
 
     fn refused(s: &RoleSpec) -> String {
-        s.to_kv_args().unwrap_err().to_string()
+        s.to_kv_args(Side::Prefill).unwrap_err().to_string()
     }
 
     #[test]
@@ -475,7 +506,7 @@ mod tests {
         let mut s = mha();
         s.kv_args.total_kv_head_num = Some(0);
         s.kv_args.kv_head_num = Some(4);
-        assert!(s.to_kv_args().is_ok());
+        assert!(s.to_kv_args(Side::Prefill).is_ok());
         s.kv_args.total_kv_head_num = Some(2);
         assert!(refused(&s).contains("below"), "{}", refused(&s));
         let mut s = mha();
@@ -498,7 +529,7 @@ mod tests {
         let mut s = mha();
         s.parallel.attn_cp_size = 2;
         s.parallel.attn_cp_rank = 1;
-        assert!(s.to_kv_args().is_ok());
+        assert!(s.to_kv_args(Side::Prefill).is_ok());
     }
 
     #[test]

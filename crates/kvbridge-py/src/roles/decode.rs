@@ -42,7 +42,7 @@ impl PyDecodeManager {
         spec: &str,
         config: &str,
     ) -> PyResult<Self> {
-        let (kv_args, secret) = role_inputs(spec)?;
+        let (kv_args, secret) = role_inputs(spec, super::args::Side::Decode)?;
         let config = super::config::decode_config(config, secret).map_err(config_error)?;
         let engine = engine.get().shared_engine()?;
         let manager = py
@@ -103,6 +103,17 @@ impl PyDecodeManager {
             .manager()?
             .prefill_summary(bootstrap_addr)
             .map(|s| (s.dp_size, s.follow_bootstrap_room)))
+    }
+
+    /// Hands over the KV head counts sglang sets on `KVArgs` after creating
+    /// the manager (`kv_head_num`: heads on this rank; `total_kv_head_num`:
+    /// the model's, None or 0 if unknown), which staging needs. Raises
+    /// `KvArgsError` for counts that cannot be right.
+    #[pyo3(signature = (kv_head_num, total_kv_head_num = None))]
+    fn set_kv_heads(&self, kv_head_num: u64, total_kv_head_num: Option<u64>) -> PyResult<()> {
+        self.manager()?
+            .set_kv_heads(kv_head_num, total_kv_head_num.unwrap_or(0))
+            .map_err(config_error)
     }
 
     /// `(address, length)` of the staging ring when staging is on, else None.

@@ -4,7 +4,7 @@
 use kvbridge_engine::ClusterSecret;
 use kvbridge_roles::{ConfigError, KvArgs, SendError, StartError};
 
-use super::args::RoleSpec;
+use super::args::{RoleSpec, Side};
 use pyo3::PyErr;
 
 pyo3::create_exception!(
@@ -26,11 +26,12 @@ pyo3::create_exception!(
     "A chunk was refused (send before init, more pages than announced, no aux index, manager stopped)."
 );
 
-/// What both managers start from: the role description's `KvArgs` and the
-/// cluster secret from the environment, as Python exceptions on failure.
-pub fn role_inputs(spec: &str) -> Result<(KvArgs, Option<ClusterSecret>), PyErr> {
+/// What both managers start from: the role description's `KvArgs` for
+/// `side` and the cluster secret from the environment, as Python
+/// exceptions on failure.
+pub fn role_inputs(spec: &str, side: Side) -> Result<(KvArgs, Option<ClusterSecret>), PyErr> {
     let kv_args = RoleSpec::from_json(spec)
-        .and_then(|s| s.to_kv_args())
+        .and_then(|s| s.to_kv_args(side))
         .map_err(config_error)?;
     let secret = ClusterSecret::from_env()
         .map_err(|e| RoleStartError::new_err(format!("loading the cluster secret: {e}")))?;

@@ -53,7 +53,7 @@ impl PyPrefillManager {
         spec: &str,
         config: &str,
     ) -> PyResult<Self> {
-        let (kv_args, secret) = role_inputs(spec)?;
+        let (kv_args, secret) = role_inputs(spec, super::args::Side::Prefill)?;
         let config = super::config::prefill_config(config, secret).map_err(config_error)?;
         let engine = engine.get().shared_engine()?;
         let kv_item_lens_sum = kv_args.layout.kv_item_lens.iter().sum();

@@ -24,7 +24,7 @@ use parking_lot::Mutex;
 
 use crate::config::DecodeConfig;
 use crate::control::PushPool;
-use crate::error::StartError;
+use crate::error::{ConfigError, StartError};
 use crate::kv_args::KvArgs;
 use crate::metrics::Metrics;
 use crate::role::{self, Lifecycle};
@@ -106,7 +106,9 @@ impl std::fmt::Debug for DecodeManager {
 
 impl DecodeManager {
     /// Registers `kv_args`' buffers with `engine`, binds the zmq socket and
-    /// starts the receive and heartbeat threads.
+    /// starts the receive and heartbeat threads. A `kv_head_num` of 0 in
+    /// `kv_args` means the head counts are not known yet (sglang's decode
+    /// sets them later): see [`DecodeManager::set_kv_heads`].
     ///
     /// # Safety
     /// Every buffer `kv_args` names must stay valid until
@@ -214,6 +216,33 @@ impl DecodeManager {
         let mut batch = inbox::StateBatch::default();
         inbox::handle(&self.shared, frames, &mut batch);
         batch.flush(&self.shared);
+    }
+
+    /// Hands over the KV head counts after start (sglang's decode sets
+    /// `KVArgs.kv_head_num` / `total_kv_head_num` only after creating the
+    /// manager, for staging): `total_kv_head_num` 0 means unknown
+    /// (`kv_head_num` × TP). Only staging uses them; without a staging ring
+    /// (staging off, MLA, intra-node) they are accepted and unused. Prefill
+    /// servers registered with before this keep the per-slice path.
+    pub fn set_kv_heads(
+        &self,
+        kv_head_num: u64,
+        total_kv_head_num: u64,
+    ) -> Result<(), ConfigError> {
+        match &self.shared.staging {
+            Some(staging) => {
+                staging.set_heads(&self.shared.kv_args.layout, kv_head_num, total_kv_head_num)
+            }
+            None => {
+                staging::check_heads(kv_head_num, total_kv_head_num)?;
+                tracing::debug!(
+                    kv_head_num,
+                    total_kv_head_num,
+                    "KV head counts unused: no staging ring"
+                );
+                Ok(())
+            }
+        }
     }
 
     /// The staging ring's `(address, length)` in our memory, when staging is on.

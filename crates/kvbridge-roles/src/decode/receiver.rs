@@ -344,7 +344,11 @@ impl KvReceiver {
             self.shared.engine.incarnation(),
         );
         let mut registration = registration;
-        if let Some(staging) = &self.shared.staging {
+        // The ring is offered only once our head counts are known: a
+        // prefill told of it stages, and a room here could not scatter.
+        if let Some(staging) = &self.shared.staging
+            && staging.layout("registration").is_some()
+        {
             let (base, size) = staging.region();
             registration.staging_base_ptr = base;
             registration.staging_total_size = size;

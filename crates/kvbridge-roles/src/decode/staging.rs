@@ -14,10 +14,11 @@
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
-use kvbridge_plan::StagingTarget;
+use kvbridge_plan::{PrefillLayout, StagingTarget};
 use kvbridge_wire::{ChunkReady, StagingReq, StagingRsp, Watermark};
-use parking_lot::Mutex;
+use parking_lot::{Mutex, RwLock};
 
 use super::Shared;
 use super::ring::{Allocation, Ring};
@@ -43,6 +44,13 @@ pub(crate) struct DecodeStaging {
     ring: Mutex<Ring>,
     /// Prefill rank endpoints that asked for allocations.
     subscribers: Mutex<HashSet<String>>,
+    /// Our KV layout with its head counts, once known: sglang's decode sets
+    /// `KVArgs.kv_head_num` only after creating the manager, and hands it
+    /// over with `set_kv_buffer_tensors` ([`DecodeStaging::set_heads`]).
+    /// `None` until then: no ring is offered and rooms take the per-slice path.
+    layout: RwLock<Option<Arc<PrefillLayout>>>,
+    /// Whether the per-slice fallback for unknown heads was logged.
+    heads_unknown_logged: AtomicBool,
 }
 
 impl DecodeStaging {
@@ -85,11 +93,61 @@ impl DecodeStaging {
             device = buffer.is_device(),
             "staging ring allocated"
         );
+        // A head count of 0 is "not known yet" (sglang's decode sets it
+        // after the manager exists).
+        let known = (layout.kv_head_num > 0).then(|| Arc::new(layout.clone()));
+        if known.is_none() {
+            tracing::info!(
+                "staging ring allocated but the KV head count is not known yet; staging starts \
+                 once it is handed over (set_kv_buffer_tensors)"
+            );
+        }
         Ok(Some(Self {
             ring: Mutex::new(Ring::new(bytes as u64)),
             buffer,
             subscribers: Mutex::new(HashSet::new()),
+            layout: RwLock::new(known),
+            heads_unknown_logged: AtomicBool::new(false),
         }))
+    }
+
+    /// Takes the KV head counts (`total_kv_head_num` 0: unknown, i.e.
+    /// `kv_head_num` × TP) for staging from now on: rooms registered later
+    /// stage, and the ring is offered to prefill servers registered with later.
+    pub fn set_heads(
+        &self,
+        base: &PrefillLayout,
+        kv_head_num: u64,
+        total_kv_head_num: u64,
+    ) -> Result<(), ConfigError> {
+        check_heads(kv_head_num, total_kv_head_num)?;
+        let layout = PrefillLayout {
+            kv_head_num,
+            total_kv_head_num,
+            ..base.clone()
+        };
+        *self.layout.write() = Some(Arc::new(layout));
+        tracing::info!(
+            kv_head_num,
+            total_kv_head_num,
+            "KV head counts handed over; staging is usable"
+        );
+        Ok(())
+    }
+
+    /// Our layout with its head counts, or `None` (logged once, with the
+    /// reason) while they are unknown.
+    pub fn layout(&self, what: &str) -> Option<Arc<PrefillLayout>> {
+        let layout = self.layout.read().clone();
+        if layout.is_none() && !self.heads_unknown_logged.swap(true, Ordering::Relaxed) {
+            tracing::warn!(
+                what,
+                "staging is on but the KV head count is unknown (sglang hands KVArgs.kv_head_num \
+                 over with set_kv_buffer_tensors, which has not happened): the per-slice path \
+                 is used until it is"
+            );
+        }
+        layout
     }
 
     /// Allocations held.
@@ -105,6 +163,22 @@ impl DecodeStaging {
     fn base(&self) -> u64 {
         self.buffer.region().0
     }
+}
+
+/// Refuses head counts that cannot describe a pool: no head on this rank,
+/// or fewer heads in the model than on this rank (`total` 0: unknown).
+pub(crate) fn check_heads(kv_head_num: u64, total_kv_head_num: u64) -> Result<(), ConfigError> {
+    if kv_head_num == 0 {
+        return Err(ConfigError::Layout(
+            "kv_head_num must be at least 1 (KV heads on this rank)".into(),
+        ));
+    }
+    if total_kv_head_num != 0 && total_kv_head_num < kv_head_num {
+        return Err(ConfigError::Layout(format!(
+            "total_kv_head_num {total_kv_head_num} is below kv_head_num {kv_head_num}"
+        )));
+    }
+    Ok(())
 }
 
 /// Where a chunk's allocation stands.
@@ -161,10 +235,13 @@ pub(crate) fn register_room(
     (prefill_tp, stages): (u64, u64),
     prefills: Vec<(u64, String)>,
 ) {
-    if shared.staging.is_none() {
+    let Some(staging) = &shared.staging else {
         return;
-    }
-    let target = match StagingTarget::new(&shared.kv_args.layout, prefill_tp) {
+    };
+    let Some(layout) = staging.layout("room") else {
+        return;
+    };
+    let target = match StagingTarget::new(&layout, prefill_tp) {
         Ok(t) => Arc::new(t),
         Err(e) => {
             tracing::debug!(room, error = %e, "room takes the per-slice path");

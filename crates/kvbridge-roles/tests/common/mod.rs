@@ -369,12 +369,13 @@ impl Cluster {
             pages,
             engine,
             None,
+            &|a| a,
         )
     }
 
     /// A cluster of any [`Shape`].
     pub fn shaped(model: ModelSpec, shape: Shape, pages: u64) -> Self {
-        Self::build(model, shape, pages, tcp_engine, None)
+        Self::build(model, shape, pages, tcp_engine, None, &|a| a)
     }
 
     /// [`Cluster::new`] with `staging` on every rank.
@@ -385,6 +386,19 @@ impl Cluster {
         pages: u64,
         staging: StagingConfig,
     ) -> Self {
+        Self::staged_with(model, prefill_tp, decode_tp, pages, staging, &|a| a)
+    }
+
+    /// [`Cluster::staged`] with each decode rank's `KvArgs` passed through
+    /// `decode_args` before its manager starts.
+    pub fn staged_with(
+        model: ModelSpec,
+        prefill_tp: u64,
+        decode_tp: u64,
+        pages: u64,
+        staging: StagingConfig,
+        decode_args: &dyn Fn(KvArgs) -> KvArgs,
+    ) -> Self {
         let both = Some((staging.clone(), staging));
         Self::build(
             model,
@@ -392,6 +406,7 @@ impl Cluster {
             pages,
             tcp_engine,
             both,
+            decode_args,
         )
     }
 
@@ -412,6 +427,7 @@ impl Cluster {
             pages,
             tcp_engine,
             sides,
+            &|a| a,
         )
     }
 
@@ -421,6 +437,7 @@ impl Cluster {
         pages: u64,
         engine: impl Fn() -> Arc<dyn TransferEngine>,
         staging: Option<(StagingConfig, StagingConfig)>,
+        decode_args: &dyn Fn(KvArgs) -> KvArgs,
     ) -> Self {
         let Shape {
             prefill_tp,
@@ -500,7 +517,7 @@ impl Cluster {
             if let Some((_, s)) = &staging {
                 config.staging = s.clone();
             }
-            let manager = start_decode(config, kv_args(&pools), tcp_engine());
+            let manager = start_decode(config, decode_args(kv_args(&pools)), tcp_engine());
             decode.push((manager, pools));
         }
         Self {
