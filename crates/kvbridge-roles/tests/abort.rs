@@ -146,3 +146,54 @@ fn a_failed_rank_stops_the_other_ranks_before_pages_are_reused() {
     assert!(senders[1].failure_exception().reason.contains("Aborted"));
     cluster.shutdown();
 }
+
+/// The prefill aborts a room (`KVSender.abort()`) after its decode sent
+/// the destinations: the decode is told Failed (sglang's status message)
+/// and concludes at once, not at its waiting timeout; its ABORT is then
+/// acknowledged, so the pages may be reused.
+#[test]
+fn a_prefill_abort_fails_the_decode_room_at_once() {
+    let mut model = tiny_model(false, 4);
+    model.head_bytes = 512;
+    let mut cluster = Cluster::new(model, 1, 1, 1, 256);
+    let addr = cluster.bootstrap.local_addr().to_string();
+    // Twice: before any chunk, and with chunks in flight.
+    for (room, chunks) in [(91u64, 0usize), (92, 6)] {
+        let src: Vec<i32> = (0..64).collect();
+        let dst: Vec<i32> = (100..164).collect();
+        let mut rx = cluster.decode[0].0.receiver(&addr, room);
+        assert_eq!(rx.init(0), KvPoll::WaitingForInput);
+        rx.send_metadata(&dst, 1, &[], None);
+        let (prefill, pools) = &mut cluster.prefill[0];
+        pools.fill(room, &src, 1);
+        let mut tx = prefill.sender(room);
+        tx.init(src.len() as u64, Some(1));
+        assert_eq!(
+            wait_for(Duration::from_secs(10), KvPoll::WaitingForInput, || tx
+                .poll()),
+            KvPoll::WaitingForInput
+        );
+        for pages in src.chunks(8).take(chunks) {
+            tx.send(pages, None, None).unwrap();
+        }
+        tx.abort();
+        let started = Instant::now();
+        let status = wait_terminal(Duration::from_secs(10), || rx.poll());
+        assert_eq!(status, KvPoll::Failed, "room {room}");
+        assert!(
+            started.elapsed() < Duration::from_secs(2),
+            "room {room}: the decode concluded after {:?} (its waiting timeout is 20 s)",
+            started.elapsed()
+        );
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !rx.abort_acknowledged() {
+            assert!(Instant::now() < deadline, "room {room}: no ABORT_ACK");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let err = rx.failure_exception();
+        assert!(err.reason.contains("Aborted"), "room {room}: {err}");
+        assert_eq!(tx.poll(), KvPoll::Failed);
+        tx.clear();
+    }
+    cluster.shutdown();
+}

@@ -137,7 +137,11 @@ impl Shared {
                 let why = reason.unwrap_or_else(|| "KV transfer failed".into());
                 reason = Some(rooms.table.first_failure(room, why));
             }
-            let targets = targets.unwrap_or_else(|| rooms.notify_targets(room));
+            let mut targets = targets.unwrap_or_else(|| rooms.notify_targets(room));
+            if status == KvPoll::Failed {
+                // Each decode endpoint hears a room's failure once.
+                targets = rooms.untold(room, targets);
+            }
             rooms.table.update(room, status);
             (status, reason, targets, rooms.started.remove(&room))
         };
@@ -156,6 +160,21 @@ impl Shared {
         }
         self.send_status(&targets, room, status, reason.as_deref());
         Some(status)
+    }
+
+    /// Sends `room`'s `Failed` status (`notice` from
+    /// [`RoomsState::fail_and_tell`]) to the decode endpoints in it.
+    pub fn tell_failed(&self, room: u64, notice: state::FailedNotice) {
+        let (targets, reason) = notice;
+        if targets.is_empty() {
+            return;
+        }
+        tracing::debug!(
+            room,
+            decodes = targets.len(),
+            "telling the room's decodes it failed here"
+        );
+        self.send_status(&targets, room, KvPoll::Failed, reason.as_deref());
     }
 
     /// Sends the abort ACKs of a room if it has drained.

@@ -65,6 +65,8 @@ impl KvSender {
                 rooms.outstanding.remove(&room);
                 rooms.concluded.remove(room);
                 rooms.payload_bytes.remove(&room);
+                rooms.failed_told.remove(&room);
+                rooms.fail_on_drain.remove(&room);
             }
             // A dummy CP rank is never asked by a decode: nothing to wait for.
             let first = if shared.cp.is_dummy() {
@@ -201,7 +203,7 @@ impl KvSender {
         }
         let mut rooms = self.shared.rooms.lock();
         let status = rooms.table.get(self.room).unwrap_or(KvPoll::Failed);
-        let status = if status == KvPoll::Bootstrapping
+        if status == KvPoll::Bootstrapping
             && self.init_time.elapsed() >= self.shared.config.bootstrap_timeout
         {
             let reason = format!(
@@ -209,11 +211,13 @@ impl KvSender {
                 self.room,
                 self.init_time.elapsed().as_secs_f64()
             );
-            rooms.table.fail(self.room, reason);
-            KvPoll::Failed
-        } else {
-            status
-        };
+            // The decode ranks that did send their destinations are told.
+            let notice = rooms.fail_and_tell(self.room, reason);
+            drop(rooms);
+            self.shared.tell_failed(self.room, notice);
+            self.conclude_state = Some(KvPoll::Failed);
+            return KvPoll::Failed;
+        }
         if status.is_terminal() {
             self.conclude_state = Some(status);
         }
@@ -244,17 +248,20 @@ impl KvSender {
             .unwrap_or(0)
     }
 
-    /// Aborts the room from the prefill side.
+    /// Aborts the room from the prefill side; its decode ranks that sent
+    /// their destinations are told `Failed` (once, when nothing of the room
+    /// is in flight), so they conclude at once instead of at their timeout.
     pub fn abort(&mut self) {
         self.fail("Aborted by AbortReq.");
     }
 
     /// Fails the room with `reason` (a give-up decided above the role, e.g.
-    /// a pipeline stage that never reported in time).
+    /// a pipeline stage that never reported in time) and tells its known
+    /// decode ranks, as [`KvSender::abort`] does.
     pub fn fail(&mut self, reason: impl Into<String>) {
-        let mut rooms = self.shared.rooms.lock();
-        rooms.table.fail(self.room, reason);
+        let notice = self.shared.rooms.lock().fail_and_tell(self.room, reason);
         self.conclude_state = Some(KvPoll::Failed);
+        self.shared.tell_failed(self.room, notice);
     }
 
     /// Seconds since the sender was created (the bootstrap timeout's clock).

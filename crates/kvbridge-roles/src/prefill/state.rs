@@ -1,6 +1,6 @@
 //! What the prefill side knows about rooms and decode peers, behind one lock.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -115,7 +115,16 @@ pub(crate) struct RoomsState {
     pub staging: StagingRecords,
     /// Recently cleared rooms, to answer late requests for them.
     pub concluded: ConcludedRooms,
+    /// Decode endpoints already sent a room's `Failed` status (each is
+    /// told once).
+    pub failed_told: HashMap<u64, Vec<(String, u16)>>,
+    /// Rooms failed here (abort, give-up) whose decode endpoints are told
+    /// once nothing of the room is in flight any more.
+    pub fail_on_drain: HashSet<u64>,
 }
+
+/// Decode endpoints to send a room's `Failed` status, and the reason.
+pub(crate) type FailedNotice = (Vec<(String, u16)>, Option<String>);
 
 impl RoomsState {
     /// Every non-dummy decode endpoint of a room, each once.
@@ -130,6 +139,59 @@ impl RoomsState {
             }
         }
         targets
+    }
+
+    /// Of `targets`, those not yet sent `room`'s `Failed` status, marked
+    /// as sent now.
+    pub fn untold(&mut self, room: u64, targets: Vec<(String, u16)>) -> Vec<(String, u16)> {
+        let told = self.failed_told.entry(room).or_default();
+        let mut out = Vec::new();
+        for t in targets {
+            if !told.contains(&t) {
+                told.push(t.clone());
+                out.push(t);
+            }
+        }
+        out
+    }
+
+    /// Fails `room` here with `reason` (sglang `record_failure` +
+    /// `update_status`) and returns whom to tell now: every known decode
+    /// endpoint of the room not told yet, or nobody while chunks of it are
+    /// in flight (a decode freeing its pages on `Failed` must not see a
+    /// later write; [`RoomsState::take_drained_failure`] tells them once
+    /// they drained). A room that already succeeded is not reported
+    /// failed to its decodes, which hold every byte.
+    pub fn fail_and_tell(&mut self, room: u64, reason: impl Into<String>) -> FailedNotice {
+        let succeeded = self.table.get(room) == Some(kvbridge_wire::KvPoll::Success);
+        self.table.fail(room, reason);
+        if succeeded {
+            return (Vec::new(), None);
+        }
+        if self.outstanding.get(&room).copied().unwrap_or(0) > 0 {
+            self.fail_on_drain.insert(room);
+            return (Vec::new(), None);
+        }
+        let targets = self.notify_targets(room);
+        (
+            self.untold(room, targets),
+            self.table.failure(room).map(str::to_owned),
+        )
+    }
+
+    /// Once `room` drained: the decode endpoints still owed the `Failed`
+    /// status of a failure [`RoomsState::fail_and_tell`] deferred.
+    pub fn take_drained_failure(&mut self, room: u64) -> FailedNotice {
+        if self.outstanding.get(&room).copied().unwrap_or(0) > 0
+            || !self.fail_on_drain.remove(&room)
+        {
+            return (Vec::new(), None);
+        }
+        let targets = self.notify_targets(room);
+        (
+            self.untold(room, targets),
+            self.table.failure(room).map(str::to_owned),
+        )
     }
 
     /// Takes the room's ACK targets if nothing of it is in flight.
@@ -182,8 +244,9 @@ impl RoomsState {
         here || self.rooms_per_session.get(session).copied().unwrap_or(0) < cap
     }
 
-    /// Drops the room's destinations.
+    /// Drops the room's destinations (and whom its failure was told).
     pub fn remove_infos(&mut self, room: u64) {
+        self.failed_told.remove(&room);
         for info in self.infos.remove(&room).into_iter().flatten() {
             if let Some(n) = self.rooms_per_session.get_mut(&info.session) {
                 *n = n.saturating_sub(1);
@@ -253,6 +316,48 @@ impl ConcludedRooms {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn info(endpoint: &str, port: u16) -> Arc<TransferInfo> {
+        Arc::new(TransferInfo {
+            endpoint: endpoint.into(),
+            dst_port: port,
+            session: format!("{endpoint}:{}", port + 1000),
+            request: Some(TransferRequest::default()),
+            required_dst_info_num: 2,
+            decode_prefix_len: None,
+            registration: 0,
+        })
+    }
+
+    #[test]
+    fn a_failure_is_told_to_each_decode_once_and_after_the_drain() {
+        use kvbridge_wire::KvPoll;
+        let mut r = RoomsState::default();
+        r.table.update(7, KvPoll::Bootstrapping);
+        r.add_info(7, info("10.0.0.1", 5000));
+        r.add_info(7, info("10.0.0.2", 5000));
+        // A chunk in flight: nobody is told yet.
+        r.outstanding.insert(7, 1);
+        assert_eq!(r.fail_and_tell(7, "Aborted by AbortReq.").0, vec![]);
+        assert_eq!(r.take_drained_failure(7).0, vec![]);
+        r.outstanding.insert(7, 0);
+        let (told, reason) = r.take_drained_failure(7);
+        assert_eq!(
+            told,
+            vec![("10.0.0.1".into(), 5000), ("10.0.0.2".into(), 5000)]
+        );
+        assert_eq!(reason.as_deref(), Some("Aborted by AbortReq."));
+        // Once: a later failure of the room tells nobody again.
+        assert_eq!(r.take_drained_failure(7).0, vec![]);
+        assert_eq!(r.fail_and_tell(7, "again").0, vec![]);
+        let more = vec![("10.0.0.2".into(), 5000), ("10.0.0.3".into(), 5000)];
+        assert_eq!(r.untold(7, more), vec![("10.0.0.3".into(), 5000)]);
+        // A room that already succeeded is not reported failed.
+        r.table.update(8, KvPoll::Bootstrapping);
+        r.add_info(8, info("10.0.0.1", 5000));
+        r.table.update(8, KvPoll::Success);
+        assert_eq!(r.fail_and_tell(8, "late abort").0, vec![]);
+    }
 
     #[test]
     fn concluded_rooms_are_bounded_and_forget_the_oldest_first() {

@@ -523,13 +523,16 @@ fn plan_for<'p>(
 /// the room's transfer state once it has concluded and nothing of it is
 /// outstanding.
 fn finish(shared: &Shared, room: u64, is_last: bool) {
-    let acks = {
+    let (acks, failed) = {
         let mut rooms = shared.rooms.lock();
         if let Some(n) = rooms.outstanding.get_mut(&room) {
             *n = n.saturating_sub(1);
         }
         let drained = rooms.outstanding.get(&room).copied().unwrap_or(0) == 0;
         let acks = rooms.take_drained_acks(room);
+        // A failure decided here while chunks were in flight (an abort)
+        // reaches the decodes now that none is.
+        let failed = rooms.take_drained_failure(room);
         let status = rooms.table.get(room);
         let concluded = match status {
             None | Some(KvPoll::Success) => true,
@@ -539,8 +542,9 @@ fn finish(shared: &Shared, room: u64, is_last: bool) {
         if drained && concluded {
             rooms.forget_transfer(room);
         }
-        acks
+        (acks, failed)
     };
+    shared.tell_failed(room, failed);
     for target in acks {
         shared.send_abort_ack(room, &target);
     }
