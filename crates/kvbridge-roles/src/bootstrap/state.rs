@@ -66,6 +66,9 @@ pub struct BootstrapState {
     room_to_dp_rank: HashMap<u64, (u64, Instant)>,
     max_dp_rank_entries: usize,
     registered: u64,
+    /// Distinct `(dp, cp, tp, pp)` slots holding a rank: what readiness
+    /// counts (a rank re-registering, e.g. a refresh, fills no new slot).
+    slots: u64,
     replaced: u64,
 }
 
@@ -127,7 +130,13 @@ impl BootstrapState {
         self.registered
     }
 
-    /// Whether every expected prefill rank has registered.
+    /// How many distinct rank slots hold a registration.
+    pub fn slot_count(&self) -> u64 {
+        self.slots
+    }
+
+    /// Whether every expected prefill rank has registered: every distinct
+    /// `(dp, cp, tp, pp)` slot, however often one rank re-registered.
     pub fn is_ready(&self) -> bool {
         match (
             self.attn_tp_size,
@@ -136,7 +145,7 @@ impl BootstrapState {
             self.dp_size,
         ) {
             (Some(tp), Some(cp), Some(pp), Some(dp)) => {
-                self.registered >= dp.saturating_mul(cp).saturating_mul(tp).saturating_mul(pp)
+                self.slots >= dp.saturating_mul(cp).saturating_mul(tp).saturating_mul(pp)
             }
             _ => false,
         }
@@ -227,7 +236,8 @@ impl BootstrapState {
         self.enable_kv_cache_sharding
             .get_or_insert(reg.enable_kv_cache_sharding.unwrap_or(false));
         let (dp_group, _) = reg.dp_group();
-        self.ports
+        let previous = self
+            .ports
             .entry(dp_group)
             .or_default()
             .entry(reg.attn_cp_rank)
@@ -236,6 +246,9 @@ impl BootstrapState {
             .or_default()
             .insert(reg.pp_rank, new);
         self.registered += 1;
+        if previous.is_none() {
+            self.slots += 1;
+        }
         tracing::debug!(
             dp = dp_group,
             cp = reg.attn_cp_rank,
@@ -244,6 +257,7 @@ impl BootstrapState {
             ip = %reg.rank_ip,
             port = reg.rank_port,
             registered = self.registered,
+            slots = self.slots,
             "prefill rank registered"
         );
         Answer::ok()
@@ -254,7 +268,7 @@ impl BootstrapState {
             503,
             format!(
                 "Prefill server not fully registered yet ({} workers registered).",
-                self.registered
+                self.slots
             ),
         )
     }
@@ -440,6 +454,38 @@ mod tests {
         assert_eq!(s.get_route(&query("0", "0", "5", "0")).status(), 404);
         assert_eq!(s.get_route(&query("0", "", "1", "0")).status(), 400);
         assert_eq!(s.get_route(&query("0", "x", "1", "0")).status(), 400);
+    }
+
+    #[test]
+    fn readiness_counts_distinct_slots_not_registrations() {
+        let four = |tp: u64, port: u16| {
+            let mut r = reg(tp, port);
+            r.attn_tp_size = 4;
+            r
+        };
+        let mut s = BootstrapState::new();
+        // Rank 0 refreshes its registration while the server answers 503.
+        for _ in 0..4 {
+            assert_eq!(s.put_route(four(0, 7000), Replace::Refuse), Answer::ok());
+        }
+        assert!(
+            !s.is_ready(),
+            "one rank registered four times is not four ranks"
+        );
+        assert_eq!(s.get_route(&query("-1", "-1", "-1", "-1")).status(), 503);
+        s.put_route(four(1, 7001), Replace::Refuse);
+        s.put_route(four(2, 7002), Replace::Refuse);
+        s.put_route(four(1, 7001), Replace::Refuse);
+        assert!(!s.is_ready(), "three of four ranks");
+        assert_eq!(s.slot_count(), 3);
+        assert_eq!(
+            s.registered_count(),
+            7,
+            "every PUT counted, as sglang counts them"
+        );
+        s.put_route(four(3, 7003), Replace::Refuse);
+        assert!(s.is_ready());
+        assert_eq!(s.get_route(&query("-1", "-1", "-1", "-1")).status(), 200);
     }
 
     #[test]
