@@ -360,3 +360,132 @@ fn staging_on_one_side_only_takes_the_per_slice_path() {
         c.shutdown();
     }
 }
+
+/// Holds decode rank 0's scatters: each reports its room on the first
+/// channel as it starts, then waits (at most 3 s) for a release on the
+/// second.
+fn hold_scatters(c: &Cluster) -> (std::sync::mpsc::Receiver<u64>, std::sync::mpsc::Sender<()>) {
+    let (started, rooms) = std::sync::mpsc::channel();
+    let (release, released) = std::sync::mpsc::channel::<()>();
+    let hook = std::sync::Mutex::new((started, released));
+    c.decode[0]
+        .0
+        .set_scatter_hook(Some(std::sync::Arc::new(move |room| {
+            let hook = hook.lock().unwrap();
+            let _ = hook.0.send(room);
+            let _ = hook.1.recv_timeout(Duration::from_secs(3));
+        })));
+    (rooms, release)
+}
+
+/// A scatter copies without the rooms lock: while one is in progress, the
+/// room's `poll()` answers at once; the scatter's result is recorded after.
+#[test]
+fn poll_does_not_wait_for_a_scatter_in_progress() {
+    let mut c = Cluster::staged(tiny_model(false, 2), 2, 1, 64, staging(8, 64 << 10, T));
+    let (started, release) = hold_scatters(&c);
+    let mut r = open(&mut c, 11, (0..6).collect(), (30..36).collect(), 1);
+    r.send_all(2);
+    assert_eq!(started.recv_timeout(T), Ok(11), "a scatter started");
+    let t = Instant::now();
+    let state = r.rx[0].poll();
+    let took = t.elapsed();
+    assert!(
+        took < Duration::from_millis(500),
+        "poll() took {took:?} while a scatter was in progress"
+    );
+    assert!(!state.is_terminal(), "{state:?} before the scatter ended");
+    c.decode[0].0.set_scatter_hook(None);
+    // Release this scatter and any that started meanwhile.
+    for _ in 0..8 {
+        let _ = release.send(());
+    }
+    r.finish_ok(&c);
+    assert_eq!(allocations(&c), 0);
+    c.shutdown();
+}
+
+/// A room aborted and cleared while its scatter copies: its abort is not
+/// acknowledged and `clear()` does not return before the copy ended, and
+/// nothing lands in its pages afterwards (they may be reused).
+#[test]
+fn clear_waits_for_a_scatter_in_progress() {
+    let mut c = Cluster::staged(tiny_model(false, 2), 2, 1, 64, staging(8, 64 << 10, T));
+    let (started, release) = hold_scatters(&c);
+    let dst: Vec<i32> = (30..36).collect();
+    let mut r = open(&mut c, 12, (0..6).collect(), dst.clone(), 1);
+    r.send_all(2);
+    assert_eq!(started.recv_timeout(T), Ok(12), "a scatter started");
+    c.decode[0].0.set_scatter_hook(None);
+    r.rx[0].abort();
+    assert!(
+        !r.rx[0].abort_acknowledged(),
+        "acknowledged while a scatter into the pages was copying"
+    );
+    let releaser = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(300));
+        let _ = release.send(());
+    });
+    let t = Instant::now();
+    r.rx[0].clear();
+    assert!(
+        t.elapsed() >= Duration::from_millis(250),
+        "clear() returned after {:?}, before the scatter ended",
+        t.elapsed()
+    );
+    releaser.join().unwrap();
+    c.decode[0].1.poison(&dst, 0xee);
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(
+        c.decode[0].1.still_poisoned(&dst, 0xee),
+        "a scatter wrote into the pages after clear()"
+    );
+    // The prefill ranks may have finished before the abort reached them.
+    for t in &mut r.tx {
+        assert!(wait_terminal(T, || t.poll()).is_terminal());
+        t.clear();
+    }
+    let deadline = Instant::now() + T;
+    while allocations(&c) != 0 {
+        assert!(Instant::now() < deadline, "ring allocations left behind");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    c.shutdown();
+}
+
+/// The decode honours its own staging grid (`chunk_tokens`, from sglang's
+/// `--chunked-prefill-size`): a prefill that cuts chunks on another grid
+/// fails the room at once, naming the setting, on both sides. A room that
+/// fits one chunk on either grid is cut the same way and succeeds.
+#[test]
+fn a_staging_chunk_size_mismatch_fails_the_room_by_name() {
+    // Prefill chunks of 8 tokens (2 pages of 4); the decode's are 16 tokens.
+    let mut c = Cluster::staged_per_side(
+        tiny_model(false, 2),
+        2,
+        1,
+        64,
+        staging(8, 64 << 10, T),
+        staging(16, 64 << 10, T),
+    );
+    let mut small = open(&mut c, 14, vec![1, 2], vec![50, 51], 2);
+    small.send_all(2);
+    small.finish_ok(&c);
+    let mut r = open(&mut c, 13, (0..9).collect(), (30..39).collect(), 1);
+    r.send_all(3);
+    for rx in &mut r.rx {
+        assert_eq!(wait_terminal(T, || rx.poll()), KvPoll::Failed);
+        let e = rx.failure_exception();
+        assert!(e.reason.contains("--chunked-prefill-size"), "{e}");
+    }
+    for t in &mut r.tx {
+        assert_eq!(wait_terminal(T, || t.poll()), KvPoll::Failed);
+        t.clear();
+    }
+    let deadline = Instant::now() + T;
+    while allocations(&c) != 0 {
+        assert!(Instant::now() < deadline, "ring allocations left behind");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    c.shutdown();
+}

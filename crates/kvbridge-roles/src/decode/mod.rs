@@ -253,6 +253,16 @@ impl DecodeManager {
             .map(staging::DecodeStaging::region)
     }
 
+    /// Calls `hook` with the room before each staging scatter copies, or
+    /// no longer with `None` (for tests that hold a scatter in progress;
+    /// not part of the supported API). No-op without a staging ring.
+    #[doc(hidden)]
+    pub fn set_scatter_hook(&self, hook: Option<Arc<dyn Fn(u64) + Send + Sync>>) {
+        if let Some(staging) = &self.shared.staging {
+            staging.set_scatter_hook(hook.map(staging::ScatterHook));
+        }
+    }
+
     /// Staging ring allocations held (`None` without a ring): zero once
     /// every chunk was scattered or its room cleared.
     pub fn staging_allocations(&self) -> Option<usize> {

@@ -448,6 +448,10 @@ impl KvReceiver {
     /// any more) and counts as drained; a rank that cannot be fenced keeps
     /// the pages pinned, reported once.
     pub fn abort_acknowledged(&self) -> bool {
+        // Our own scatter into the pages counts as a write in flight.
+        if super::staging::scattering(&self.shared, self.room) {
+            return false;
+        }
         let Some(needed) = self.infos.as_ref().map(Vec::len) else {
             return true;
         };

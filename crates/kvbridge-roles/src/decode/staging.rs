@@ -6,19 +6,23 @@
 //! moves it.
 //!
 //! **Owns:** the ring memory and allocator, each room's chunk
-//! allocations, and the rule that a room succeeds only once every
-//! allocated chunk is scattered.
+//! allocations on its grid of `chunk_tokens` (sglang's chunked-prefill
+//! size; a prefill cutting other chunks fails the room, by name), and the
+//! rule that a room succeeds only once every allocated chunk is scattered.
 //! **Never:** scatters into a room that takes no writes (aborted, failed,
 //! cleared), or anywhere but the room's own pages, from the room's own
-//! allocation, at the sizes it allocated.
+//! allocation, at the sizes it allocated; holds the rooms lock while it
+//! copies (a room's `poll()` never waits for a scatter; its `clear()` and
+//! abort ACKs do, so no scatter lands in pages handed back).
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
 
 use kvbridge_plan::{PrefillLayout, StagingTarget};
 use kvbridge_wire::{ChunkReady, StagingReq, StagingRsp, Watermark};
-use parking_lot::{Mutex, RwLock};
+use parking_lot::{Condvar, Mutex, RwLock};
 
 use super::Shared;
 use super::ring::{Allocation, Ring};
@@ -51,6 +55,25 @@ pub(crate) struct DecodeStaging {
     layout: RwLock<Option<Arc<PrefillLayout>>>,
     /// Whether the per-slice fallback for unknown heads was logged.
     heads_unknown_logged: AtomicBool,
+    /// Called with the room before each scatter copies (tests only).
+    scatter_hook: Mutex<Option<ScatterHook>>,
+    /// Pages per staging chunk: our grid (sglang's chunked-prefill size).
+    chunk_pages: u64,
+    /// Scatters copying now, per room (outside the rooms lock).
+    scattering: Mutex<HashMap<u64, usize>>,
+    /// Signalled whenever a scatter ends.
+    scatter_ended: Condvar,
+}
+
+/// A function called before each scatter (for tests that hold a scatter
+/// in progress).
+#[derive(Clone)]
+pub(crate) struct ScatterHook(pub Arc<dyn Fn(u64) + Send + Sync>);
+
+impl std::fmt::Debug for ScatterHook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ScatterHook")
+    }
 }
 
 impl DecodeStaging {
@@ -108,6 +131,10 @@ impl DecodeStaging {
             subscribers: Mutex::new(HashSet::new()),
             layout: RwLock::new(known),
             heads_unknown_logged: AtomicBool::new(false),
+            scatter_hook: Mutex::new(None),
+            chunk_pages: config.chunk_pages(layout.page_size),
+            scattering: Mutex::new(HashMap::new()),
+            scatter_ended: Condvar::new(),
         }))
     }
 
@@ -150,6 +177,49 @@ impl DecodeStaging {
         layout
     }
 
+    /// Sets (or with `None` removes) the function called before each scatter.
+    pub fn set_scatter_hook(&self, hook: Option<ScatterHook>) {
+        *self.scatter_hook.lock() = hook;
+    }
+
+    /// Whether a scatter into `room`'s pages is copying now.
+    pub fn scattering(&self, room: u64) -> bool {
+        self.scattering.lock().get(&room).is_some_and(|n| *n > 0)
+    }
+
+    /// Waits until no scatter copies into `room`'s pages (call without the
+    /// rooms lock, which an ending scatter takes).
+    pub fn wait_scatters(&self, room: u64) {
+        let mut scattering = self.scattering.lock();
+        while scattering.get(&room).is_some_and(|n| *n > 0) {
+            let timed_out = self
+                .scatter_ended
+                .wait_for(&mut scattering, Duration::from_secs(5))
+                .timed_out();
+            if timed_out {
+                tracing::warn!(
+                    room,
+                    "still waiting for a staging scatter into the room's pages"
+                );
+            }
+        }
+    }
+
+    fn begin_scatter(&self, room: u64) {
+        *self.scattering.lock().entry(room).or_default() += 1;
+    }
+
+    fn end_scatter(&self, room: u64) {
+        let mut scattering = self.scattering.lock();
+        if let Some(n) = scattering.get_mut(&room) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                scattering.remove(&room);
+            }
+        }
+        self.scatter_ended.notify_all();
+    }
+
     /// Allocations held.
     pub fn held(&self) -> usize {
         self.ring.lock().held()
@@ -186,6 +256,8 @@ pub(crate) fn check_heads(kv_head_num: u64, total_kv_head_num: u64) -> Result<()
 enum SlotState {
     /// Allocated, waiting for its writers.
     Held(Allocation),
+    /// Every writer is in; its scatter is copying (outside the rooms lock).
+    Scattering(Allocation),
     /// Larger than the whole ring.
     Oversized,
     /// Scattered into the pages and freed.
@@ -196,6 +268,8 @@ enum SlotState {
 #[derive(Debug)]
 struct ChunkSlot {
     state: SlotState,
+    /// The chunk's first page in the room (its index × our grid).
+    page_start: u64,
     /// Pages the allocation was sized for.
     pages: u64,
     /// Writers (prefill unique ranks) whose `CHUNK_READY` arrived.
@@ -221,7 +295,7 @@ impl StagingRoom {
     pub fn pending(&self) -> usize {
         self.chunks
             .values()
-            .filter(|c| matches!(c.state, SlotState::Held(_)))
+            .filter(|c| matches!(c.state, SlotState::Held(_) | SlotState::Scattering(_)))
             .count()
     }
 }
@@ -297,20 +371,32 @@ pub(crate) fn on_staging_req(shared: &Shared, r: &StagingReq<'_>) {
             );
             return;
         };
-        // The chunk size is the prefill's grid (its chunked-prefill size),
-        // not ours: only what the room holds bounds it.
-        let pages_fit = r.chunk_num_pages > 0 && r.chunk_num_pages <= room.pages.len() as u64;
-        if !pages_fit {
+        // Chunk `i` is pages `[i × g, i × g + n)` of the room on the
+        // prefill's grid (its chunked-prefill size), which must be ours:
+        // a chunk cut on another grid is refused, failing the room by name.
+        let g = staging.chunk_pages;
+        let total = room.pages.len() as u64;
+        let page_start = r.chunk_idx.checked_mul(g).filter(|s| *s < total);
+        let expected = page_start.map(|s| g.min(total - s));
+        let Some(page_start) = page_start.filter(|_| expected == Some(r.chunk_num_pages)) else {
+            let reason = format!(
+                "the prefill asked staging for chunk {} of room {} as {} pages, but on this \
+                 decode's staging grid of {g} pages ({} tokens: its --chunked-prefill-size) \
+                 that chunk is {} of the room's {total} pages; staging needs the same \
+                 --chunked-prefill-size on prefill and decode",
+                r.chunk_idx,
+                r.room,
+                r.chunk_num_pages,
+                g.saturating_mul(shared.kv_args.layout.page_size),
+                expected.map_or_else(|| "not".to_owned(), |n| format!("{n} pages")),
+            );
+            rooms.table.fail(r.room, reason.clone());
             drop(rooms);
             shared.metrics.dropped("staging_req");
-            tracing::warn!(
-                room = r.room,
-                chunk = r.chunk_idx,
-                pages = r.chunk_num_pages,
-                "STAGING_REQ for a chunk the room does not have"
-            );
+            shared.metrics.room_concluded(false);
+            tracing::error!(room = r.room, chunk = r.chunk_idx, %reason, "staging chunk size mismatch");
             return;
-        }
+        };
         if !room.chunks.contains_key(&r.chunk_idx) && room.chunks.len() >= MAX_CHUNKS_PER_ROOM {
             drop(rooms);
             shared.metrics.dropped("staging_req");
@@ -332,6 +418,7 @@ pub(crate) fn on_staging_req(shared: &Shared, r: &StagingReq<'_>) {
             }
             ChunkSlot {
                 state: alloc.map_or(SlotState::Oversized, SlotState::Held),
+                page_start,
                 pages: r.chunk_num_pages,
                 arrived: HashSet::new(),
             }
@@ -339,7 +426,7 @@ pub(crate) fn on_staging_req(shared: &Shared, r: &StagingReq<'_>) {
         let answer = match slot.state {
             SlotState::Held(a) => (a.offset as i64, a.round as i64, (a.offset + a.len) as i64),
             SlotState::Oversized => (ALLOC_OVERSIZED, 0, -1),
-            SlotState::Scattered => {
+            SlotState::Scattering(_) | SlotState::Scattered => {
                 // Written and freed: its old place may hold another chunk now.
                 drop(rooms);
                 tracing::debug!(
@@ -389,12 +476,64 @@ pub(crate) fn on_staging_req(shared: &Shared, r: &StagingReq<'_>) {
 }
 
 /// `CHUNK_READY`: counts the writer; once every writer of the chunk is in,
-/// scatters the chunk into the room's pages and frees its allocation.
+/// scatters the chunk into the room's pages and frees its allocation. The
+/// copy runs without the rooms lock (a room's `poll()` must not wait for
+/// it); its result is recorded only into the same allocation of a room
+/// still taking writes, and a room's `clear()` and abort ACKs wait for it.
 pub(crate) fn on_chunk_ready(shared: &Shared, c: &ChunkReady<'_>) {
     let Some(staging) = &shared.staging else {
         shared.metrics.dropped("chunk_ready");
         return;
     };
+    let Some((target, alloc, pages)) = take_ready_chunk(shared, staging, c) else {
+        return;
+    };
+    let scattered = scatter(shared, staging, c.room, &target, alloc, &pages);
+    let failure = {
+        let mut rooms = shared.rooms.lock();
+        let live = rooms.takes_writes(c.room);
+        let slot = rooms
+            .staging
+            .get_mut(&c.room)
+            .and_then(|r| r.chunks.get_mut(&c.chunk_idx))
+            .filter(|s| s.state == SlotState::Scattering(alloc));
+        match (slot, live) {
+            (Some(slot), true) => {
+                slot.state = SlotState::Scattered;
+                match scattered {
+                    Err(reason) => {
+                        rooms.table.fail(c.room, reason.clone());
+                        Some(reason)
+                    }
+                    Ok(()) => None,
+                }
+            }
+            // Aborted, failed or cleared meanwhile: nothing to record.
+            _ => {
+                tracing::debug!(
+                    room = c.room,
+                    chunk = c.chunk_idx,
+                    "room stopped during its scatter"
+                );
+                None
+            }
+        }
+    };
+    staging.end_scatter(c.room);
+    if let Some(reason) = failure {
+        shared.metrics.room_concluded(false);
+        tracing::error!(room = c.room, %reason, "staging scatter failed");
+    }
+    free(shared, staging, alloc.id);
+}
+
+/// Counts `c`'s writer; when it was the chunk's last, marks the chunk
+/// scattering and returns what its scatter needs.
+fn take_ready_chunk(
+    shared: &Shared,
+    staging: &DecodeStaging,
+    c: &ChunkReady<'_>,
+) -> Option<(Arc<StagingTarget>, Allocation, Vec<i32>)> {
     let mut rooms = shared.rooms.lock();
     let live = rooms.takes_writes(c.room);
     let writer = c.prefill_unique_rank.unwrap_or(u64::MAX);
@@ -406,7 +545,7 @@ pub(crate) fn on_chunk_ready(shared: &Shared, c: &ChunkReady<'_>) {
             chunk = c.chunk_idx,
             "CHUNK_READY for a room not taking writes"
         );
-        return;
+        return None;
     };
     let writers = room.writers;
     let Some(slot) = room.chunks.get_mut(&c.chunk_idx) else {
@@ -417,15 +556,20 @@ pub(crate) fn on_chunk_ready(shared: &Shared, c: &ChunkReady<'_>) {
             chunk = c.chunk_idx,
             "CHUNK_READY for a chunk never allocated"
         );
-        return;
+        return None;
     };
     let SlotState::Held(alloc) = slot.state else {
-        return;
+        return None;
     };
-    let start = usize::try_from(c.page_start).ok();
-    let end = start.and_then(|s| s.checked_add(usize::try_from(c.num_pages).ok()?));
+    // The writer names the pages the chunk was allocated for, or none.
+    let start = usize::try_from(slot.page_start).ok();
+    let end = start.and_then(|s| s.checked_add(usize::try_from(slot.pages).ok()?));
     let pages = match (start, end) {
-        (Some(s), Some(e)) if c.num_pages == slot.pages && e <= room.pages.len() => {
+        (Some(s), Some(e))
+            if c.page_start == slot.page_start
+                && c.num_pages == slot.pages
+                && e <= room.pages.len() =>
+        {
             room.pages[s..e].to_vec()
         }
         _ => {
@@ -438,36 +582,30 @@ pub(crate) fn on_chunk_ready(shared: &Shared, c: &ChunkReady<'_>) {
                 pages = c.num_pages,
                 "CHUNK_READY names pages outside the chunk's allocation"
             );
-            return;
+            return None;
         }
     };
     slot.arrived.insert(writer);
     if (slot.arrived.len() as u64) < writers {
-        return;
+        return None;
     }
-    slot.state = SlotState::Scattered;
-    let target = room.target.clone();
-    // The scatter runs under the rooms lock: an abort or clear of this
-    // room waits for it, so no scatter lands after the room stopped.
-    let scattered = scatter(shared, staging, &target, alloc, &pages);
-    if let Err(reason) = scattered {
-        rooms.table.fail(c.room, reason.clone());
-        drop(rooms);
-        shared.metrics.room_concluded(false);
-        tracing::error!(room = c.room, %reason, "staging scatter failed");
-    } else {
-        drop(rooms);
-    }
-    free(shared, staging, alloc.id);
+    slot.state = SlotState::Scattering(alloc);
+    staging.begin_scatter(c.room);
+    Some((room.target.clone(), alloc, pages))
 }
 
 fn scatter(
     shared: &Shared,
     staging: &DecodeStaging,
+    room: u64,
     target: &StagingTarget,
     alloc: Allocation,
     pages: &[i32],
 ) -> Result<(), String> {
+    let hook = staging.scatter_hook.lock().clone();
+    if let Some(ScatterHook(hook)) = hook {
+        hook(room);
+    }
     let region = staging.base() + alloc.offset;
     let mut runs = Vec::new();
     target
@@ -522,6 +660,7 @@ fn release_locked(shared: &Shared, rooms: &mut HashMap<u64, StagingRoom>, room: 
     let Some(r) = rooms.remove(&room) else {
         return;
     };
+    // A scattering chunk's allocation is freed by its scatter, once copied.
     for (chunk, slot) in r.chunks {
         if let SlotState::Held(a) = slot.state {
             tracing::debug!(room, chunk, "releasing an unscattered staging allocation");
@@ -530,8 +669,18 @@ fn release_locked(shared: &Shared, rooms: &mut HashMap<u64, StagingRoom>, room: 
     }
 }
 
-/// Frees every allocation `room` still holds (the room is cleared).
+/// Frees every allocation `room` still holds (the room is cleared), once
+/// no scatter copies into its pages any more (its pages may be reused as
+/// soon as this returns). Call without the rooms lock.
 pub(crate) fn release_room(shared: &Shared, room: u64) {
+    if let Some(staging) = &shared.staging {
+        staging.wait_scatters(room);
+    }
     let mut rooms = shared.rooms.lock();
     release_locked(shared, &mut rooms.staging, room);
+}
+
+/// Whether a scatter copies into `room`'s pages now.
+pub(crate) fn scattering(shared: &Shared, room: u64) -> bool {
+    shared.staging.as_ref().is_some_and(|s| s.scattering(room))
 }
