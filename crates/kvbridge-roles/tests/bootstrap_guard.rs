@@ -386,3 +386,27 @@ fn the_prefill_registration_client_signs_in_secret_mode() {
     .unwrap();
     assert!(open.is_ready());
 }
+
+/// sglang keeps a rank's IP verbatim, e.g. a link-local IPv6 address with
+/// its zone id: the server accepts it over HTTP and answers it unchanged.
+#[test]
+fn a_zoned_ipv6_rank_ip_is_kept_verbatim() {
+    let bs = server(None);
+    let addr = bs.local_addr();
+    let mut body = reg(17000);
+    body["rank_ip"] = json!("fe80::1%eth0");
+    let (status, text) = call(
+        addr,
+        "PUT",
+        "/route",
+        &serde_json::to_vec(&body).unwrap(),
+        &[],
+    );
+    assert_eq!(status, 200, "{text}");
+    let (status, text) = route_of(addr);
+    assert_eq!(status, 200, "{text}");
+    let rank: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(rank["rank_ip"], "fe80::1%eth0", "{text}");
+    assert_eq!(rank["rank_port"], 17000);
+    bs.shutdown();
+}

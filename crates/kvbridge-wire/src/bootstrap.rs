@@ -96,8 +96,10 @@ fn name(field: &'static str, value: Option<&str>) -> Result<(), FieldError> {
     }
 }
 
-/// Whether `host` is an IP address (IPv6 with or without brackets) or a DNS
-/// name of letters, digits, `-`, `_` and `.`, at most [`MAX_NAME_LEN`] bytes.
+/// Whether `host` is an IP address (IPv6 with or without brackets, with or
+/// without a zone id such as `fe80::1%eth0`, as sglang keeps it verbatim)
+/// or a DNS name of letters, digits, `-`, `_` and `.`, at most
+/// [`MAX_NAME_LEN`] bytes.
 pub fn is_valid_host(host: &str) -> bool {
     if host.is_empty() || host.len() > MAX_NAME_LEN {
         return false;
@@ -107,9 +109,22 @@ pub fn is_valid_host(host: &str) -> bool {
         .and_then(|h| h.strip_suffix(']'))
         .unwrap_or(host);
     bare.parse::<std::net::IpAddr>().is_ok()
+        || is_zoned_ipv6(bare)
         || host
             .bytes()
             .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
+}
+
+/// An IPv6 address with a zone id (`addr%zone`: an interface name or
+/// index of letters, digits, `-`, `_` and `.`).
+fn is_zoned_ipv6(host: &str) -> bool {
+    host.split_once('%').is_some_and(|(addr, zone)| {
+        addr.parse::<std::net::Ipv6Addr>().is_ok()
+            && !zone.is_empty()
+            && zone
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
+    })
 }
 
 /// Whether `session` is a transfer-engine session id, `host:port`.
@@ -575,6 +590,16 @@ mod tests {
         assert_eq!(r.validate(), Ok(()));
         r.rank_ip = "prefill-0.cluster.local".into();
         assert_eq!(r.validate(), Ok(()));
+        // sglang keeps a link-local address's zone id verbatim.
+        for zoned in ["fe80::1%eth0", "[fe80::1%eth0]", "fe80::1%2"] {
+            r.rank_ip = zoned.into();
+            assert_eq!(r.validate(), Ok(()), "{zoned}");
+        }
+        for bad in ["fe80::1%", "fe80::1%eth0/x", "10.0.0.1%eth0", "%eth0"] {
+            r.rank_ip = bad.into();
+            assert!(r.validate().is_err(), "{bad}");
+        }
+        assert!(is_session_id("fe80::1%eth0:17000"));
         let d = RegisterDpRank {
             bootstrap_room: 1,
             dp_rank: 3,

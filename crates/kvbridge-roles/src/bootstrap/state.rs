@@ -489,6 +489,22 @@ mod tests {
     }
 
     #[test]
+    fn a_zoned_ipv6_rank_ip_is_answered_verbatim() {
+        let mut s = BootstrapState::new();
+        for (tp, ip) in [(0, "fe80::1%eth0"), (1, "[fe80::2%eth1]")] {
+            let mut r = reg(tp, 7000 + tp as u16);
+            r.rank_ip = ip.into();
+            assert_eq!(s.put_route(r, Replace::Refuse), Answer::ok(), "{ip}");
+        }
+        for (tp, ip) in [("0", "fe80::1%eth0"), ("1", "[fe80::2%eth1]")] {
+            let Answer::Json(rank) = s.get_route(&query("0", "0", tp, "0")) else {
+                panic!("expected rank info")
+            };
+            assert_eq!(rank["rank_ip"], ip);
+        }
+    }
+
+    #[test]
     fn inconsistent_ranks_are_rejected() {
         let mut s = BootstrapState::new();
         s.put_route(reg(0, 7000), Replace::Refuse);

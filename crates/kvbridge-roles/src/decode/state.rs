@@ -127,3 +127,33 @@ pub(crate) struct Prefills {
     /// Consecutive missed heartbeats per bootstrap address.
     pub heartbeat_failures: HashMap<String, u32>,
 }
+
+#[cfg(test)]
+mod tests {
+    use kvbridge_wire::bootstrap::PrefillRankInfo;
+
+    use super::*;
+
+    #[test]
+    fn a_zoned_ipv6_rank_ip_is_kept_verbatim() {
+        // As the bootstrap server answers it for a prefill rank.
+        let rank: PrefillRankInfo =
+            serde_json::from_str(r#"{"rank_ip": "fe80::1%eth0", "rank_port": "7000"}"#)
+                .expect("a rank entry");
+        let info = BootstrapInfo {
+            rank_ip: rank.rank_ip,
+            rank_port: rank.rank_port,
+            pp_rank: 0,
+            is_dummy: false,
+            unique_rank: 0,
+            engine_session: None,
+        };
+        assert_eq!(info.rank_ip, "fe80::1%eth0");
+        assert_eq!(info.endpoint(), "tcp://[fe80::1%eth0]:7000");
+        let bracketed = BootstrapInfo {
+            rank_ip: "[fe80::1%eth0]".into(),
+            ..info
+        };
+        assert_eq!(bracketed.endpoint(), "tcp://[fe80::1%eth0]:7000");
+    }
+}
