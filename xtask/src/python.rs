@@ -186,9 +186,10 @@ pub fn pytest(root: &Path, require_ucx: bool) -> Result<()> {
     status(&mut pytest, "pytest (kvbridge-py)")
 }
 
-/// The sglang interop suite (`python/interop/ci.sh`): its own venv with
-/// sglang 0.5.23 and the kvbridge package, against `target/debug/kvbridge`
-/// (built by `cargo test --workspace` before this step).
+/// The sglang interop suites: `python/interop/ci.sh` (its own venv with
+/// sglang 0.5.23 and the kvbridge package, against `target/debug/kvbridge`,
+/// built by `cargo test --workspace` before this step), then
+/// `python/interop/sched_ci.sh` (sglang's scheduler classes on real torch).
 pub fn interop(root: &Path) -> Result<()> {
     let bin = target_dir(root).join("debug").join("kvbridge");
     eprintln!("xtask: running the sglang interop suite (python/interop)");
@@ -200,6 +201,17 @@ pub fn interop(root: &Path) -> Result<()> {
         .context("cannot start bash")?;
     if !status.success() {
         bail!("the sglang interop suite failed with {status}");
+    }
+    // The same connector code driven by sglang's own scheduler classes on
+    // real torch (python/interop/README.md, "The real scheduler").
+    eprintln!("xtask: running the real-scheduler suite (python/interop/sched_ci.sh)");
+    let status = Command::new("bash")
+        .current_dir(root)
+        .arg("python/interop/sched_ci.sh")
+        .status()
+        .context("cannot start bash")?;
+    if !status.success() {
+        bail!("the real-scheduler suite failed with {status}");
     }
     Ok(())
 }

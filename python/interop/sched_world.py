@@ -1,0 +1,455 @@
+"""sglang 0.5.23's own scheduler code around a PD transfer backend, on CPU
+torch (or CUDA torch on the GPU machine).
+
+A :class:`World` is one prefill or decode rank as sglang's scheduler
+process builds it: sglang's real ``ModelConfig`` (from a tiny
+``config.json`` written here), its real KV pools (``MHATokenToKVPool`` /
+``MLATokenToKVPool``), allocator (``PagedTokenToKVPoolAllocator``),
+request pool (``ReqToTokenPool`` / ``DecodeReqToTokenPool``), radix tree
+cache and ``Req`` objects, and a ``Scheduler`` instance whose
+``init_disaggregation`` (sglang's own method) creates the disaggregation
+queues: ``PrefillBootstrapQueue`` (which builds ``KVArgs`` in
+``_init_kv_manager``) or ``DecodeTransferQueue`` + ``DecodePreallocQueue``.
+The loops then call sglang's queue and mixin methods
+(``pop_bootstrapped``, ``process_batch_result_disagg_prefill``,
+``process_disagg_prefill_inflight_queue``, ``pop_preallocated``,
+``pop_transferred``, ``release_aborted_prefill_waiting_req``, ...).
+
+What is stood in for, and why (also in README.md, "The real scheduler"):
+
+* ``Scheduler.__init__`` is not run (it loads a model and starts a model
+  runner, TP workers and the detokenizer pipes): the instance is created
+  with ``object.__new__`` and given the attributes sglang's disaggregation
+  methods read (:func:`_scheduler_shell`), each set to the real object
+  where one exists (pools, tree cache, model config, server args).
+* The model forward (``run_batch``) is :meth:`World.forward`: it writes a
+  deterministic byte pattern into the KV slots sglang's allocator handed
+  the batch (``prepare_for_extend``) and returns the next token as a
+  ``GenerationBatchResult``.
+* The batch planner (``get_new_batch_prefill``: ``PrefillAdder``, the
+  schedule policy) is not run: every bootstrapped request is admitted
+  into one ``ScheduleBatch`` (``init_new`` + ``prepare_for_extend``, the
+  real allocation path).
+* The TP/CP all-reduce of poll states runs on gloo groups of one rank
+  (each process is one rank of its role): ``torch.distributed`` really
+  runs, over a group of size 1.
+* The output streamer and metrics reporter are recorders.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import types
+from array import array
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+#: Tiny model configurations (HF ``config.json``), by layout name.
+MODELS = {
+    # Llama-shaped MHA: 8 KV heads, head_dim 32.
+    "mha": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
+            "num_attention_heads": 8, "num_key_value_heads": 8, "head_dim": 32},
+    # GQA: 4 KV heads for 8 query heads.
+    "gqa": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
+            "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 32},
+    # DeepSeek-V3-shaped MLA: one latent of kv_lora_rank + qk_rope_head_dim.
+    "mla": {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 256,
+            "num_attention_heads": 8, "num_key_value_heads": 8, "kv_lora_rank": 64, "qk_rope_head_dim": 32,
+            "qk_nope_head_dim": 32, "v_head_dim": 32, "q_lora_rank": None, "n_routed_experts": 4,
+            "num_experts_per_tok": 2, "moe_intermediate_size": 64, "first_k_dense_replace": 4,
+            "n_shared_experts": 1, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0},
+}
+
+
+def write_model_dir(layout: str, layers: int) -> str:
+    """A directory holding a tiny ``config.json`` for ``layout``."""
+    cfg = dict(MODELS[layout], num_hidden_layers=layers, intermediate_size=512, vocab_size=1000,
+               max_position_embeddings=8192, torch_dtype="bfloat16", rms_norm_eps=1e-6)
+    d = tempfile.mkdtemp(prefix=f"kvb-sched-{layout}-")
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return d
+
+
+@dataclass
+class Shape:
+    """One rank's place: role, TP and PP."""
+
+    layout: str = "mha"
+    layers: int = 2
+    page_size: int = 16
+    tp_size: int = 1
+    tp_rank: int = 0
+    pp_size: int = 1
+    pp_rank: int = 0
+    #: KV tokens in the pool (a multiple of page_size).
+    pool_tokens: int = 4096
+    max_running: int = 16
+    max_context: int = 2048
+    device: str = "cpu"
+
+
+def mix64(x):
+    """A 64-bit integer hash of a torch int64 tensor (splitmix64's finaliser,
+    wrapped to signed int64 arithmetic)."""
+
+    x = x * -7046029254386353131  # 0x9E3779B97F4A7C15 as int64
+    x = x ^ (x >> 30) & 0x3FFFFFFFF
+    x = x * -4658895280553007687  # 0xBF58476D1CE4E5B9
+    x = x ^ (x >> 27) & 0x1FFFFFFFFF
+    x = x * -7723592293110705685  # 0x94D049BB133111EB
+    return x ^ (x >> 31) & 0x1FFFFFFFF
+
+
+def kv_pattern(room: int, layer: int, kv: int, positions, heads, head_bytes: int, device: str):
+    """The bytes the "forward pass" writes: ``[len(positions), len(heads),
+    head_bytes]`` uint8, a function of (room, layer, K/V, token position,
+    global head, byte) only, so any TP split of the same model reads the
+    same bytes for the same head."""
+    import torch
+
+    p = torch.as_tensor(positions, dtype=torch.int64, device=device).view(-1, 1, 1)
+    h = torch.as_tensor(heads, dtype=torch.int64, device=device).view(1, -1, 1)
+    b = torch.arange(head_bytes, dtype=torch.int64, device=device).view(1, 1, -1)
+    seed = (room * 1_000_003 + layer * 7919 + kv * 104_729) & 0x3FFF_FFFF_FFFF_FFFF
+    x = mix64(mix64(p * 0x10000 + h * 0x100_0000_0000 + b) + seed)
+    return (x & 0xFF).to(torch.uint8)
+
+
+def first_token(room: int) -> int:
+    """The token the prefill "samples" for ``room`` (the decode checks it)."""
+    return 1 + room % 997
+
+
+def local_kv_heads(total: int, tp_size: int, tp_rank: int) -> List[int]:
+    """Global KV heads this attention-TP rank holds (sglang's split:
+    replicated when there are fewer heads than ranks)."""
+    if total >= tp_size:
+        per = total // tp_size
+        return list(range(tp_rank * per, (tp_rank + 1) * per))
+    return [tp_rank * total // tp_size]
+
+
+class Recorder:
+    """Stands in for the scheduler's output streamer and metrics reporter:
+    records what sglang hands them."""
+
+    def __init__(self):
+        self.streamed: List[object] = []
+        self.enable_metrics = False
+
+    def stream_output(self, reqs, *args, **kwargs):
+        self.streamed.extend(reqs)
+
+    def stream_abort(self, abort_output, req):
+        """``Scheduler.send_abort_output``: the abort reaches the client."""
+        self.streamed.append(req)
+
+    def __getattr__(self, name):  # report_prefill_stats, kv_transfer_* ...
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return lambda *a, **k: None
+
+
+def _init_gloo(port: int, shape: Shape) -> None:
+    """One gloo world per role (every TP x PP rank of it): sglang's poll
+    all-reduces run for real across the role's TP ranks."""
+    import datetime
+
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        rank = shape.pp_rank * shape.tp_size + shape.tp_rank
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=shape.tp_size * shape.pp_size,
+                                timeout=datetime.timedelta(seconds=120))
+
+
+class World:
+    """One rank of ``mode`` ("prefill" or "decode") through sglang's own
+    scheduler-side classes (module docstring)."""
+
+    def __init__(self, mode: str, shape: Shape, *, bootstrap_port: int, http_port: int, gloo_port: int,
+                 server_args_extra: Optional[dict] = None):
+        import torch
+
+        import harness
+
+        self.mode, self.shape = mode, shape
+        rank = harness.RankSpec(shape.tp_size, shape.tp_rank, shape.pp_size, shape.pp_rank)
+        self.server_args = harness.publish_server_args(
+            mode, bootstrap_port=bootstrap_port, rank=rank, http_port=http_port,
+            page_size=shape.page_size, **(server_args_extra or {}))
+        _init_gloo(gloo_port, shape)
+        self._override_groups()
+        from sglang.srt.configs.model_config import ModelConfig
+
+        self.model_dir = write_model_dir(shape.layout, shape.layers)
+        self.model_config = ModelConfig.from_server_args(self.server_args, model_path=self.model_dir)
+        self.engine = harness.init_engine(gpu_id=shape.tp_rank if shape.device != "cpu" else 0)
+        self._build_pools()
+        self.scheduler = self._scheduler_shell()
+        # sglang's own construction of the disaggregation queues (and so of
+        # KVArgs and the backend's manager).
+        self.scheduler.init_disaggregation()
+        self.torch = torch
+
+    # -- construction ------------------------------------------------------
+
+    def _override_groups(self) -> None:
+        """The attention TP/CP groups sglang's polls all-reduce over: gloo
+        groups of this one process."""
+        import torch.distributed as dist
+        from sglang.srt.runtime_context import get_parallel
+
+        s = self.shape
+        tp_group = cp_group = None
+        # Every rank creates every group, in the same order (torch's rule).
+        for pp in range(s.pp_size):
+            g = dist.new_group([pp * s.tp_size + t for t in range(s.tp_size)], backend="gloo")
+            if pp == s.pp_rank:
+                tp_group = g
+        for r in range(s.tp_size * s.pp_size):
+            g = dist.new_group([r], backend="gloo")
+            if r == s.pp_rank * s.tp_size + s.tp_rank:
+                cp_group = g
+        self.tp_cpu_group, self.cp_cpu_group = tp_group, cp_group
+        get_parallel().override_permanently(
+            attn_tp_group=types.SimpleNamespace(cpu_group=tp_group, world_size=s.tp_size, rank_in_group=s.tp_rank),
+            attn_cp_group=types.SimpleNamespace(cpu_group=cp_group, world_size=1, rank_in_group=0))
+
+    def _build_pools(self) -> None:
+        import torch
+        from sglang.srt.disaggregation.decode import DecodeReqToTokenPool
+        from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+        from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool
+        from sglang.srt.mem_cache.radix_cache import RadixCache
+
+        s, mc = self.shape, self.model_config
+        start, end = self.layer_range()
+        layer_num = end - start
+        if mc.attention_arch.name == "MLA":
+            self.kv_pool = MLATokenToKVPool(
+                s.pool_tokens, s.page_size, torch.bfloat16, kv_lora_rank=mc.kv_lora_rank,
+                qk_rope_head_dim=mc.qk_rope_head_dim, layer_num=layer_num, device=s.device,
+                enable_memory_saver=False, start_layer=start, end_layer=end - 1)
+            self.global_heads = [0]
+        else:
+            total = mc.get_total_num_kv_heads()
+            self.global_heads = local_kv_heads(total, s.tp_size, s.tp_rank)
+            self.kv_pool = MHATokenToKVPool(
+                s.pool_tokens, s.page_size, torch.bfloat16, head_num=len(self.global_heads),
+                head_dim=mc.head_dim, layer_num=layer_num, device=s.device, enable_memory_saver=False,
+                start_layer=start, end_layer=end - 1)
+        self.allocator = PagedTokenToKVPoolAllocator(
+            s.pool_tokens, s.page_size, torch.bfloat16, s.device, self.kv_pool, need_sort=False)
+        if self.mode == "decode":
+            self.req_to_token_pool = DecodeReqToTokenPool(
+                size=s.max_running, max_context_len=s.max_context, device=s.device,
+                enable_memory_saver=False, pre_alloc_size=2 * s.max_running)
+        else:
+            self.req_to_token_pool = ReqToTokenPool(
+                size=s.max_running, max_context_len=s.max_context, device=s.device, enable_memory_saver=False)
+        self.tree_cache = RadixCache(CacheInitParams(
+            disable=False, req_to_token_pool=self.req_to_token_pool,
+            token_to_kv_pool_allocator=self.allocator, page_size=s.page_size))
+
+    def layer_range(self):
+        """This PP stage's layers, sglang's even split (``get_pp_indices``)."""
+        from sglang.srt.distributed.utils import get_pp_indices
+
+        return get_pp_indices(self.shape.layers, self.shape.pp_rank, self.shape.pp_size)
+
+    def _scheduler_shell(self):
+        """sglang's ``Scheduler`` without ``__init__``: the attributes its
+        disaggregation methods read (module docstring)."""
+        from sglang.srt.environ import envs
+        from sglang.srt.managers.schedule_batch import ScheduleBatch
+        from sglang.srt.managers.scheduler import Scheduler
+        from sglang.srt.runtime_context import get_parallel
+        from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+        s = object.__new__(Scheduler)
+        model_runner = types.SimpleNamespace(
+            effective_logical_max_total_num_tokens=self.shape.pool_tokens, kv_cache_dtype_str="auto",
+            swa_max_total_num_tokens=self.shape.pool_tokens, model_config=self.model_config)
+        parallel = get_parallel()
+        recorder = Recorder()
+        s.__dict__.update(
+            # The real objects.
+            server_args=self.server_args, model_config=self.model_config,
+            req_to_token_pool=self.req_to_token_pool, token_to_kv_pool_allocator=self.allocator,
+            tree_cache=self.tree_cache, attn_tp_cpu_group=self.tp_cpu_group, attn_cp_cpu_group=self.cp_cpu_group,
+            pp_group=parallel.pp_group, tp_size=parallel.tp_size,
+            running_batch=ScheduleBatch(reqs=[], batch_is_full=False),
+            # Sizes a scheduler derives from the model runner.
+            max_running_requests=self.shape.max_running, max_total_num_tokens=self.shape.pool_tokens,
+            tp_worker=types.SimpleNamespace(model_runner=model_runner, is_hybrid_swa=False),
+            # Features this suite runs without (sglang's defaults for them).
+            draft_worker=None, spec_algorithm=SpeculativeAlgorithm.NONE, kv_shard_widening=1, rust_server=None,
+            enable_unified_memory=False, enable_overlap=False, enable_hisparse=False, enable_decode_hicache=False,
+            enable_hierarchical_cache=False, enable_priority_scheduling=False,
+            schedule_low_priority_values_first=False, enable_lora=False, enable_continuous_input_polling=False,
+            enable_staging=bool(envs.SGLANG_DISAGG_STAGING_BUFFER.get()), kv_checksum_computer=None,
+            sliding_window_size=None, dllm_config=None, is_generation=True, random_seed=0,
+            forward_stream=None, schedule_stream=None, scheduler_stage_metrics=None,
+            # Scheduler state at start.
+            waiting_queue=[], last_batch=None, chunked_req=None, processed_tokens_counter=0,
+            running_mbs=[], mbs=[], result_queue=[], return_health_check_ipcs=[],
+            # Outputs: recorded.
+            output_streamer=recorder, metrics_reporter=recorder, metrics_collector=recorder,
+            batch_result_processor=recorder, beam_coordinator=recorder, grammar_manager=recorder,
+            send_abort_output=recorder.stream_abort,
+            pool_stats_observer=types.SimpleNamespace(
+                get_pool_stats=lambda: types.SimpleNamespace(full_token_usage=0.0)),
+        )
+        self.recorder = recorder
+        return s
+
+    # -- requests ----------------------------------------------------------
+
+    def make_req(self, room: int, tokens: int, bootstrap_host: str = "127.0.0.1"):
+        """A real sglang ``Req`` for ``room``, as the tokenizer manager sends
+        it (prompt ids distinct per room, so no prefix is shared)."""
+        from sglang.srt.disaggregation.utils import DisaggregationMode
+        from sglang.srt.managers.schedule_batch import Req
+        from sglang.srt.sampling.sampling_params import SamplingParams
+
+        ids = array("q", [(room * 131 + i * 7) % 997 + 1 for i in range(tokens)])
+        params = SamplingParams(max_new_tokens=1 if self.mode == "prefill" else 8)
+        params.normalize(None)
+        mode = DisaggregationMode.PREFILL if self.mode == "prefill" else DisaggregationMode.DECODE
+        return Req(rid=f"room-{room}", origin_input_text="", origin_input_ids=ids, sampling_params=params,
+                   bootstrap_host=bootstrap_host, bootstrap_port=self.server_args.disaggregation_bootstrap_port,
+                   bootstrap_room=room, disagg_mode=mode, eos_token_ids=set(), vocab_size=1000)
+
+    @property
+    def kv_manager(self):
+        s = self.scheduler
+        queue = s.disagg_prefill_bootstrap_queue if self.mode == "prefill" else s.disagg_decode_prealloc_queue
+        return queue.kv_manager
+
+    # -- prefill -----------------------------------------------------------
+
+    def prefill_add(self, req) -> None:
+        """A new request reaches the prefill scheduler
+        (``PrefillBootstrapQueue.add``, as ``_add_request_to_queue`` does)."""
+        self.scheduler.disagg_prefill_bootstrap_queue.add(req, self.model_config.num_key_value_heads)
+        sender = getattr(req, "disagg_kv_sender", None)
+        if self.shape.device == "cpu" and getattr(sender, "supports_host_tensor_indices", False):
+            # sglang's Mooncake sender would stage page indices in pinned
+            # memory behind a CUDA event; without CUDA it takes sglang's
+            # numpy page-index path (kv_to_page_indices) instead.
+            sender.supports_host_tensor_indices = False
+
+    def prefill_step(self, run_batches: bool = True) -> List[object]:
+        """One iteration of ``event_loop_normal_disagg_prefill``: bootstrapped
+        requests join the waiting queue, every one ready runs in one batch
+        (allocation by ``prepare_for_extend``, the "forward" by
+        :meth:`forward`, the result by ``process_batch_result_disagg_prefill``),
+        then the inflight queue is polled. Returns the requests that
+        concluded (sglang's ``done_reqs``). ``run_batches=False``: the GPU
+        is busy, nothing new runs this iteration."""
+        from sglang.srt.managers.schedule_batch import ScheduleBatch
+
+        s = self.scheduler
+        s.waiting_queue.extend(s.disagg_prefill_bootstrap_queue.pop_bootstrapped())
+        s.resolve_waiting_queue_bootstrap()
+        ready = self._admit() if run_batches else []
+        if ready:
+            batch = ScheduleBatch.init_new(ready, self.req_to_token_pool, self.allocator, self.tree_cache,
+                                           self.model_config, False, s.spec_algorithm)
+            batch.prepare_for_extend()
+            s.process_batch_result_disagg_prefill(batch, self.forward(batch))
+        return s.process_disagg_prefill_inflight_queue()
+
+    def _admit(self) -> List[object]:
+        """sglang's ``PrefillAdder`` over the waiting queue (prefix match,
+        token budget, ``extend_end``): what fits runs in this batch."""
+        from sglang.srt.managers.schedule_policy import AddReqResult, PrefillAdder
+
+        s = self.scheduler
+        adder = PrefillAdder(self.shape.page_size, self.tree_cache, self.allocator, s.running_batch,
+                             new_token_ratio=0.0, rem_input_tokens=self.shape.pool_tokens, rem_chunk_tokens=None,
+                             max_running_requests=self.shape.max_running)
+        for req in list(s.waiting_queue):
+            if req.finished_reason is not None or req.to_finish is not None:
+                continue
+            req.init_next_round_input(self.tree_cache)
+            if adder.add_one_req(req, has_chunked_req=False, truncation_align_size=None) != AddReqResult.CONTINUE:
+                break
+        ready = adder.can_run_list
+        s.waiting_queue = [r for r in s.waiting_queue if r not in ready]
+        return ready
+
+    def kv_buffers(self):
+        """``(global layer, K/V index, uint8 view [slots, heads, head bytes])``
+        of every KV buffer of this stage."""
+        start, _ = self.layer_range()
+        pool = self.kv_pool
+        out = []
+        if hasattr(pool, "k_buffer"):
+            for i, (k, v) in enumerate(zip(pool.k_buffer, pool.v_buffer)):
+                out.append((start + i, 0, k.view(self.torch.uint8)))
+                out.append((start + i, 1, v.view(self.torch.uint8)))
+        else:
+            for i, kv in enumerate(pool.kv_buffer):
+                out.append((start + i, 0, kv.view(self.torch.uint8)))
+        return out
+
+    def forward(self, batch):
+        """Stands in for the model forward: writes :func:`kv_pattern` into
+        the slots sglang's allocator gave each request's new tokens and
+        "samples" :func:`first_token`."""
+        from sglang.srt.managers.utils import GenerationBatchResult
+
+        torch = self.torch
+        for req in batch.reqs:
+            start, end = req.prefix_len, req.extend_end
+            slots = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, start:end].long()
+            for layer, kv, buf in self.kv_buffers():
+                buf[slots] = kv_pattern(req.bootstrap_room, layer, kv, range(start, end), self.global_heads,
+                                        buf.shape[-1], buf.device.type)
+        tokens = torch.tensor([first_token(r.bootstrap_room) for r in batch.reqs], dtype=torch.int64)
+        return GenerationBatchResult(next_token_ids=tokens)
+
+    def abort(self, room: int) -> None:
+        """The router aborts ``room``'s request: sglang's own
+        ``Scheduler.abort_request`` (``AbortReq``), on either side."""
+        from sglang.srt.managers.io_struct import AbortReq
+
+        self.scheduler.abort_request(AbortReq(rid=f"room-{room}"))
+
+    # -- decode ------------------------------------------------------------
+
+    def decode_add(self, req) -> None:
+        """A new request reaches the decode scheduler (``DecodePreallocQueue.add``)."""
+        self.scheduler.disagg_decode_prealloc_queue.add(req)
+
+    def decode_step(self) -> List[object]:
+        """One ``process_decode_queue`` (sglang's own): preallocation,
+        metadata, polling; returns the requests whose KV arrived."""
+        s = self.scheduler
+        before = len(s.waiting_queue)
+        s.process_decode_queue()
+        arrived = s.waiting_queue[before:]
+        return arrived
+
+    def verify(self, req) -> Dict[str, int]:
+        """Checks every KV byte of ``req`` on this decode rank against what
+        each prefill rank wrote, and the first token from the metadata
+        buffers; returns ``{"bytes": n, "mismatched": m}``."""
+        n = len(req.origin_input_ids)
+        slots = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :n].long()
+        checked = bad = 0
+        for layer, kv, buf in self.kv_buffers():
+            want = kv_pattern(req.bootstrap_room, layer, kv, range(n), self.global_heads, buf.shape[-1],
+                              buf.device.type)
+            got = buf[slots]
+            checked += got.numel()
+            bad += int((got != want).sum())
+        token_ok = list(req.output_ids[:1]) == [first_token(req.bootstrap_room)]
+        return {"bytes": checked, "mismatched": bad, "token_ok": token_ok}

@@ -1,0 +1,128 @@
+"""kvbridge under sglang 0.5.23's own scheduler code (``sched_world.py``):
+``Scheduler.init_disaggregation`` builds the queues and ``KVArgs`` exactly
+as sglang does, real pools, allocator, radix cache, ``Req`` objects,
+``PrefillAdder``, ``ScheduleBatch.prepare_for_extend``,
+``process_batch_result_disagg_prefill``,
+``process_disagg_prefill_inflight_queue``, ``process_decode_queue`` and
+``abort_request`` run for real, and the TP ranks of each role all-reduce
+their polls over a real gloo group.
+
+Pairings: kvbridge's backend on both sides, and mixed with sglang's own
+Mooncake connector (on kvbridge's engine) both ways. The decode checks
+every KV byte of every room against the pattern the prefill's "forward"
+wrote (per token and global head, so TP slicing is checked) and the first
+token carried in sglang's metadata buffers; the prefill checks that every
+KV page and metadata slot came back to its pools.
+
+Needs real torch (requirements-sched.txt; ``sched_ci.sh``); skipped
+without it unless ``KVB_REQUIRE_TORCH=1`` (CI), which fails instead.
+"""
+
+import importlib.util
+import os
+
+import pytest
+
+from conftest import ENGINES
+
+TORCH_MISSING = importlib.util.find_spec("torch") is None
+if TORCH_MISSING and os.environ.get("KVB_REQUIRE_TORCH"):
+    raise RuntimeError("KVB_REQUIRE_TORCH=1 but torch is not installed (python/interop/sched_ci.sh installs it)")
+pytestmark = [
+    pytest.mark.skipif(TORCH_MISSING, reason="needs real torch (pip install -r requirements-sched.txt)"),
+    pytest.mark.skipif(ENGINES["kvbridge"][1] is not None, reason=ENGINES["kvbridge"][1] or ""),
+]
+
+import sched_cluster  # noqa: E402
+import sched_world  # noqa: E402
+
+KB, MC = "kvbridge", "mooncake"
+
+#: Pairing -> (prefill backend, decode backend, bootstrap server backend):
+#: the bootstrap server is the prefill side's, as in a deployment.
+PAIRINGS = {
+    "kvbridge-both": (KB, KB, KB),
+    "kvbridge-to-sglang": (KB, MC, KB),
+    "sglang-to-kvbridge": (MC, KB, MC),
+}
+
+#: (pairing, case) -> Spec fields. Every layout and TP pairing with a
+#: kvbridge decode runs KVArgs as sglang's decode builds them (no
+#: kv_head_num before the manager exists).
+CASES = {
+    ("kvbridge-both", "mha-tp1-tp1"): {},
+    ("kvbridge-both", "gqa-tp2-tp1"): {"layout": "gqa", "prefill_tp": 2},
+    ("kvbridge-both", "mla-tp1-tp2"): {"layout": "mla", "decode_tp": 2},
+    ("sglang-to-kvbridge", "mha-tp1-tp1"): {},
+    ("sglang-to-kvbridge", "mha-tp1-tp2"): {"decode_tp": 2},
+    ("sglang-to-kvbridge", "gqa-tp2-tp1"): {"layout": "gqa", "prefill_tp": 2},
+    ("sglang-to-kvbridge", "mla-tp2-tp1"): {"layout": "mla", "prefill_tp": 2},
+    ("kvbridge-to-sglang", "mha-tp2-tp1"): {"prefill_tp": 2},
+    ("kvbridge-to-sglang", "gqa-tp1-tp2"): {"layout": "gqa", "decode_tp": 2},
+    ("kvbridge-to-sglang", "mla-tp1-tp2"): {"layout": "mla", "decode_tp": 2},
+    # The router aborts the request on the decode after its metadata
+    # (Scheduler.abort_request on the transfer queue).
+    ("kvbridge-both", "abort-decode"): {"scenario": "abort-decode"},
+    ("sglang-to-kvbridge", "abort-decode"): {"scenario": "abort-decode"},
+    ("kvbridge-to-sglang", "abort-decode"): {"scenario": "abort-decode"},
+    # The router aborts the request on the prefill before it ran: a
+    # kvbridge prefill tells the room's decode, which concludes it at once
+    # (not after its 300 s waiting timeout).
+    ("kvbridge-both", "abort-prefill"): {"scenario": "abort-prefill"},
+    ("kvbridge-to-sglang", "abort-prefill"): {"scenario": "abort-prefill"},
+    # The decode dies with every room's metadata sent: the prefill fails
+    # every room with a reason and gets every page back.
+    ("kvbridge-both", "kill-decode"): {"scenario": "kill-decode"},
+    ("sglang-to-kvbridge", "kill-decode"): {"scenario": "kill-decode"},
+}
+
+
+def expected_bytes(spec: sched_cluster.Spec, rooms, rank: int) -> int:
+    """KV bytes decode rank ``rank`` must hold for ``rooms``."""
+    model = sched_world.MODELS[spec.layout]
+    if spec.layout == "mla":
+        per_token = (model["kv_lora_rank"] + model["qk_rope_head_dim"]) * 2
+    else:
+        heads = len(sched_world.local_kv_heads(model["num_key_value_heads"], spec.decode_tp, rank))
+        per_token = 2 * heads * model["head_dim"] * 2
+    tokens = {room: n for room, n in sched_worker_rooms(spec)}
+    return sum(tokens[r] for r in rooms) * spec.layers * per_token
+
+
+def sched_worker_rooms(spec):
+    import sched_worker
+
+    args = type("A", (), {"rooms": spec.rooms, "tokens": spec.tokens,
+                          "shape": sched_world.Shape(page_size=16)})()
+    return sched_worker.rooms(args)
+
+
+@pytest.mark.parametrize("pairing,case", list(CASES), ids=[f"{p}-{c}" for p, c in CASES])
+def test_real_scheduler(pairing, case):
+    prefill, decode, boot = PAIRINGS[pairing]
+    spec = sched_cluster.Spec(prefill_backend=prefill, decode_backend=decode, bootstrap_backend=boot,
+                              **CASES[(pairing, case)])
+    out = sched_cluster.run(spec)
+    assert out.ok, out.report() + "\n" + "\n".join(f"== {n}\n{o[-3000:]}" for n, o in out.outputs.items())
+    all_rooms = {room for room, _ in sched_worker_rooms(spec)}
+    first = min(all_rooms)
+    for name, r in out.results.items():
+        want = {prefill if name.startswith("prefill") else decode}
+        assert {"kvbridge" if "kvbridge" in r.get("manager", "kvbridge") else "mooncake"} == want or \
+            spec.scenario == "kill-decode"
+        if name.startswith("prefill"):
+            # Every page and metadata slot came back (no room leaked them).
+            assert r["leaks"]["free_kv_tokens"] == r["leaks"]["pool_tokens"], r
+        if name.startswith("decode") and spec.scenario != "kill-decode":
+            rank = int(name.split("tp")[1])
+            assert r["mismatched"] == 0
+            assert r["verified_bytes"] == expected_bytes(spec, r["arrived"], rank) > 0
+    if spec.scenario == "kill-decode":
+        for name, r in out.results.items():
+            if name.startswith("prefill"):
+                assert set(map(int, r["failed"])) == all_rooms and all(r["failed"].values())
+    if spec.scenario == "abort-prefill":
+        for name, r in out.results.items():
+            if name.startswith("decode"):
+                # Told by the prefill, long before any timeout.
+                assert r["failed_after_s"][str(first)] < 10, r
