@@ -63,6 +63,16 @@ def run_bootstrap(args) -> int:
     return 0
 
 
+def staged_bytes(mgr) -> int:
+    """kvbridge's staged-bytes counter (gathered on a prefill, scattered on
+    a decode); 0 for sglang's connector."""
+    text = mgr.render_metrics() if hasattr(mgr, "render_metrics") else ""
+    for line in text.splitlines():
+        if line.startswith("kvbridge_staged_bytes_total "):
+            return int(float(line.split()[1]))
+    return 0
+
+
 def aborted(req) -> bool:
     from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
@@ -115,7 +125,7 @@ def run_prefill(args) -> int:
         "metadata_free": s.req_to_metadata_buffer_idx_allocator.available_size(),
     }
     return result(role, ok, succeeded=sorted(succeeded), failed={str(k): v for k, v in failed.items()},
-                  manager=type(w.kv_manager).__module__, leaks=leaks)
+                  manager=type(w.kv_manager).__module__, leaks=leaks, staged_bytes=staged_bytes(w.kv_manager))
 
 
 def run_decode(args) -> int:
@@ -162,7 +172,7 @@ def run_decode(args) -> int:
                   verified_bytes=sum(c["bytes"] for c in checks.values()),
                   mismatched=sum(c["mismatched"] for c in checks.values()), bad={str(k): v for k, v in bad.items()},
                   failed_after_s={str(k): v for k, v in failed_after.items()},
-                  manager=type(w.kv_manager).__module__)
+                  manager=type(w.kv_manager).__module__, staged_bytes=staged_bytes(w.kv_manager))
 
 
 def parse_args(argv=None):

@@ -188,7 +188,8 @@ class World:
 
         self.model_dir = write_model_dir(shape.layout, shape.layers)
         self.model_config = ModelConfig.from_server_args(self.server_args, model_path=self.model_dir)
-        self.engine = harness.init_engine(gpu_id=shape.tp_rank if shape.device != "cpu" else 0)
+        device_index = int(shape.device.split(":")[1]) if ":" in shape.device else 0
+        self.engine = harness.init_engine(gpu_id=device_index)
         self._build_pools()
         self.scheduler = self._scheduler_shell()
         # sglang's own construction of the disaggregation queues (and so of
@@ -414,7 +415,13 @@ class World:
                 buf[slots] = kv_pattern(req.bootstrap_room, layer, kv, range(start, end), self.global_heads,
                                         buf.shape[-1], buf.device.type)
         tokens = torch.tensor([first_token(r.bootstrap_room) for r in batch.reqs], dtype=torch.int64)
-        return GenerationBatchResult(next_token_ids=tokens)
+        copy_done = None
+        if self.shape.device != "cpu":
+            # What the model runner hands back: an event after the forward's
+            # writes, which process_batch_result_disagg_prefill waits on.
+            copy_done = torch.cuda.Event()
+            copy_done.record()
+        return GenerationBatchResult(next_token_ids=tokens, copy_done=copy_done)
 
     def abort(self, room: int) -> None:
         """The router aborts ``room``'s request: sglang's own

@@ -23,7 +23,7 @@ import os
 
 import pytest
 
-from conftest import ENGINES
+from conftest import ENGINES, ON_DEVICE
 
 TORCH_MISSING = importlib.util.find_spec("torch") is None
 if TORCH_MISSING and os.environ.get("KVB_REQUIRE_TORCH"):
@@ -76,6 +76,20 @@ CASES = {
     ("sglang-to-kvbridge", "kill-decode"): {"scenario": "kill-decode"},
 }
 
+#: Staging (SGLANG_DISAGG_STAGING_BUFFER=1, heterogeneous TP): sglang's own
+#: DecodeStagingHandler asserts the KV pool is on an indexed CUDA device, so
+#: these run only with device KV (the GPU machine, KVB_INTEROP_BUFFERS=cuda:0).
+#: A kvbridge decode gets its head counts from sglang only after its manager
+#: exists (set_kv_buffer_tensors), as here.
+STAGING = {"SGLANG_DISAGG_STAGING_BUFFER": "1"}
+DEVICE_CASES = {
+    ("kvbridge-both", "staging-tp1-tp2"): {"decode_tp": 2, "env": STAGING},
+    ("kvbridge-both", "staging-gqa-tp2-tp1"): {"layout": "gqa", "prefill_tp": 2, "env": STAGING},
+    ("sglang-to-kvbridge", "staging-tp1-tp2"): {"decode_tp": 2, "env": STAGING},
+    ("kvbridge-to-sglang", "staging-tp2-tp1"): {"prefill_tp": 2, "env": STAGING},
+}
+NEEDS_CUDA = "sglang's staging handler needs CUDA KV buffers (KVB_INTEROP_BUFFERS=cuda:0, the GPU machine)"
+
 
 def expected_bytes(spec: sched_cluster.Spec, rooms, rank: int) -> int:
     """KV bytes decode rank ``rank`` must hold for ``rooms``."""
@@ -97,11 +111,17 @@ def sched_worker_rooms(spec):
     return sched_worker.rooms(args)
 
 
-@pytest.mark.parametrize("pairing,case", list(CASES), ids=[f"{p}-{c}" for p, c in CASES])
-def test_real_scheduler(pairing, case):
+def _params():
+    out = [pytest.param(p, c, CASES[(p, c)], id=f"{p}-{c}") for p, c in CASES]
+    marks = [] if ON_DEVICE else [pytest.mark.skip(reason=NEEDS_CUDA)]
+    out += [pytest.param(p, c, DEVICE_CASES[(p, c)], id=f"{p}-{c}", marks=marks) for p, c in DEVICE_CASES]
+    return out
+
+
+@pytest.mark.parametrize("pairing,case,fields", _params())
+def test_real_scheduler(pairing, case, fields):
     prefill, decode, boot = PAIRINGS[pairing]
-    spec = sched_cluster.Spec(prefill_backend=prefill, decode_backend=decode, bootstrap_backend=boot,
-                              **CASES[(pairing, case)])
+    spec = sched_cluster.Spec(prefill_backend=prefill, decode_backend=decode, bootstrap_backend=boot, **fields)
     out = sched_cluster.run(spec)
     assert out.ok, out.report() + "\n" + "\n".join(f"== {n}\n{o[-3000:]}" for n, o in out.outputs.items())
     all_rooms = {room for room, _ in sched_worker_rooms(spec)}
@@ -117,6 +137,8 @@ def test_real_scheduler(pairing, case):
             rank = int(name.split("tp")[1])
             assert r["mismatched"] == 0
             assert r["verified_bytes"] == expected_bytes(spec, r["arrived"], rank) > 0
+            if spec.env.get("SGLANG_DISAGG_STAGING_BUFFER") and decode == KB:
+                assert r["staged_bytes"] > 0, r  # the staging path, not per-slice writes
     if spec.scenario == "kill-decode":
         for name, r in out.results.items():
             if name.startswith("prefill"):
