@@ -52,7 +52,6 @@ EOF
 
 export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 export KVB_INTEROP_BUFFERS="${KVB_INTEROP_BUFFERS:-cuda:0}"
-: "${KVBRIDGE_BIN:?KVBRIDGE_BIN must name the kvbridge binary}"
 cd "$here/interop"
 if [ "${1:-}" = "--cluster" ]; then  # one cluster by hand: cluster.py's arguments
   shift
@@ -62,6 +61,22 @@ if [ "${1:-}" = "--bench-rooms" ]; then  # the room-level bench (its buffers: KV
   shift
   exec "$py" bench_rooms.py "$@"
 fi
+if [ "${1:-}" = "--sched" ]; then
+  # sglang's own scheduler classes (tests/test_sched.py) on device pools: the
+  # TP pairings, aborts and a killed decode, and the staging cases (CUDA only).
+  shift
+  s=tests/test_sched.py::test_real_scheduler
+  if [ "$#" = 0 ]; then
+    set -- "$s[kvbridge-both-mha-tp1-tp1]" "$s[sglang-to-kvbridge-mha-tp1-tp2]" \
+      "$s[kvbridge-to-sglang-mha-tp2-tp1]" "$s[kvbridge-both-mla-tp1-tp2]" "$s[kvbridge-both-abort-prefill]" \
+      "$s[sglang-to-kvbridge-abort-decode]" "$s[kvbridge-both-staging-tp1-tp2]" \
+      "$s[kvbridge-both-staging-gqa-tp2-tp1]" "$s[sglang-to-kvbridge-staging-tp1-tp2]" \
+      "$s[kvbridge-to-sglang-staging-tp2-tp1]"
+  fi
+  exec "$py" -m pytest -q -p no:cacheprovider -rs "$@"
+fi
+# The cases below run kvbridge ranks (the binary) too.
+: "${KVBRIDGE_BIN:?KVBRIDGE_BIN must name the kvbridge binary}"
 if [ "${1:-}" = "--backend" ]; then
   # kvbridge's whole sglang backend (KVBRIDGE_SGLANG=backend): TP 2->1 and
   # 1->2 on both sides, a PP prefill, and mixed with sglang's connector (on

@@ -37,20 +37,22 @@ SGLANG = "sglang==0.5.23"
 #: Requirements the GPU machine already has (checked there by device_run.sh
 #: before the suite starts): left out of the wheel folder to keep the
 #: bundle small.
-ON_DEVICE = {"numpy", "transformers", "pillow", "mooncake-transfer-engine-non-cuda"}
+ON_DEVICE = {"numpy", "transformers", "pillow", "mooncake-transfer-engine-non-cuda", "torch"}
 
 #: Extra test tooling.
 EXTRA = ["pytest==9.2.0"]
 
 
 def requirements() -> list:
-    """``requirements.txt`` pins, minus what the GPU machine has."""
+    """``requirements.txt`` and ``requirements-sched.txt`` pins (the
+    real-scheduler suite's), minus what the GPU machine has."""
     out = []
-    with open(os.path.join(HERE, "requirements.txt")) as f:
-        for line in f:
-            line = line.split("#", 1)[0].strip()
-            if line and line.split("==")[0].lower() not in ON_DEVICE and line not in EXTRA:
-                out.append(line)
+    for name in ("requirements.txt", "requirements-sched.txt"):
+        with open(os.path.join(HERE, name)) as f:
+            for line in f:
+                line = line.split("#", 1)[0].strip()
+                if line and line.split("==")[0].lower() not in ON_DEVICE and line not in EXTRA:
+                    out.append(line)
     return out + EXTRA
 
 

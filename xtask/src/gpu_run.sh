@@ -92,6 +92,10 @@ if [ -f "$here/interop/device_run.sh" ]; then
   ipc=(env MOONCAKE_PROTOCOL=nvlink MC_FORCE_TCP=0 SGLANG_MOONCAKE_SEND_AUX_TCP=1)
   STEP_TIMEOUT=420 step interop-backend-ipc-device-tensors "${ipc[@]}" bash "$here/interop/device_run.sh" --backend
   grep -E "passed|failed|skipped" "$logs/interop-backend-ipc-device-tensors.log" 2>/dev/null | tail -n 1 || true
+  # The same backend under sglang's own scheduler classes (tests/test_sched.py):
+  # device KV over CUDA IPC, staging included (it needs CUDA pools).
+  STEP_TIMEOUT=540 step interop-sched-ipc-device-tensors "${ipc[@]}" bash "$here/interop/device_run.sh" --sched
+  grep -E "passed|failed|skipped" "$logs/interop-sched-ipc-device-tensors.log" 2>/dev/null | tail -n 1 || true
   if [ "$bench" = 1 ]; then
     STEP_TIMEOUT=540 step bench-rooms-backend-ipc "${ipc[@]}" bash "$here/interop/device_run.sh" --bench-rooms \
       --backend --rounds 1
