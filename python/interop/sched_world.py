@@ -153,18 +153,29 @@ class Recorder:
         return lambda *a, **k: None
 
 
-def _init_gloo(port: int, shape: Shape) -> None:
-    """One gloo world per role (every TP x PP rank of it): sglang's poll
-    all-reduces run for real across the role's TP ranks."""
-    import datetime
+def _init_process_groups(port: int, shape: Shape) -> None:
+    """sglang's own process groups for this rank: one gloo world per role
+    (every TP x PP rank of it), then ``initialize_model_parallel`` builds
+    the TP, PP and attention groups from the published widths, as a
+    scheduler process does. Stood in for: the GPU communicators (pynccl,
+    custom all-reduce, mscclpp, symmetric memory), which need CUDA and carry
+    no poll; every group keeps its gloo ``cpu_group``."""
+    import functools
 
-    import torch.distributed as dist
+    import sglang.srt.distributed.parallel_state as ps
 
-    if not dist.is_initialized():
-        rank = shape.pp_rank * shape.tp_size + shape.tp_rank
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=shape.tp_size * shape.pp_size,
-                                timeout=datetime.timedelta(seconds=120))
+    if ps.model_parallel_is_initialized():
+        return
+    if not getattr(ps.init_model_parallel_group, "_kvb_cpu", False):
+        group = functools.partial(ps.init_model_parallel_group, use_pynccl=False, use_custom_allreduce=False,
+                                  use_mscclpp=False, use_torch_symm_mem_allreduce=False)
+        group._kvb_cpu = True
+        ps.init_model_parallel_group = group
+    ps.init_distributed_environment(world_size=shape.tp_size * shape.pp_size,
+                                    rank=shape.pp_rank * shape.tp_size + shape.tp_rank,
+                                    distributed_init_method=f"tcp://127.0.0.1:{port}", local_rank=0,
+                                    backend="gloo", timeout=120)
+    ps.initialize_model_parallel(backend="gloo")
 
 
 class World:
@@ -182,8 +193,7 @@ class World:
         self.server_args = harness.publish_server_args(
             mode, bootstrap_port=bootstrap_port, rank=rank, http_port=http_port,
             page_size=shape.page_size, **(server_args_extra or {}))
-        _init_gloo(gloo_port, shape)
-        self._override_groups()
+        _init_process_groups(gloo_port, shape)
         from sglang.srt.configs.model_config import ModelConfig
 
         self.model_dir = write_model_dir(shape.layout, shape.layers)
@@ -198,28 +208,6 @@ class World:
         self.torch = torch
 
     # -- construction ------------------------------------------------------
-
-    def _override_groups(self) -> None:
-        """The attention TP/CP groups sglang's polls all-reduce over: gloo
-        groups of this one process."""
-        import torch.distributed as dist
-        from sglang.srt.runtime_context import get_parallel
-
-        s = self.shape
-        tp_group = cp_group = None
-        # Every rank creates every group, in the same order (torch's rule).
-        for pp in range(s.pp_size):
-            g = dist.new_group([pp * s.tp_size + t for t in range(s.tp_size)], backend="gloo")
-            if pp == s.pp_rank:
-                tp_group = g
-        for r in range(s.tp_size * s.pp_size):
-            g = dist.new_group([r], backend="gloo")
-            if r == s.pp_rank * s.tp_size + s.tp_rank:
-                cp_group = g
-        self.tp_cpu_group, self.cp_cpu_group = tp_group, cp_group
-        get_parallel().override_permanently(
-            attn_tp_group=types.SimpleNamespace(cpu_group=tp_group, world_size=s.tp_size, rank_in_group=s.tp_rank),
-            attn_cp_group=types.SimpleNamespace(cpu_group=cp_group, world_size=1, rank_in_group=0))
 
     def _build_pools(self) -> None:
         import torch
@@ -283,7 +271,8 @@ class World:
             # The real objects.
             server_args=self.server_args, model_config=self.model_config,
             req_to_token_pool=self.req_to_token_pool, token_to_kv_pool_allocator=self.allocator,
-            tree_cache=self.tree_cache, attn_tp_cpu_group=self.tp_cpu_group, attn_cp_cpu_group=self.cp_cpu_group,
+            tree_cache=self.tree_cache, attn_tp_cpu_group=parallel.attn_tp_group.cpu_group,
+            attn_cp_cpu_group=parallel.attn_cp_group.cpu_group,
             pp_group=parallel.pp_group, tp_size=parallel.tp_size,
             running_batch=ScheduleBatch(reqs=[], batch_is_full=False),
             # Sizes a scheduler derives from the model runner.
