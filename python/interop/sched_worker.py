@@ -119,11 +119,14 @@ def run_prefill(args) -> int:
         args.scenario, set())
     concluded = succeeded | set(failed) == set(reqs)
     ok = concluded and set(failed) == expect_failed
-    leaks = {
-        "free_kv_tokens": w.allocator.available_size() + w.tree_cache.evictable_size(),
-        "pool_tokens": w.shape.pool_tokens,
-        "metadata_free": s.req_to_metadata_buffer_idx_allocator.available_size(),
-    }
+    if w.hybrid:  # each hybrid pool's free capacity against its size
+        import sched_hybrid
+
+        leaks = sched_hybrid.leaks(w)
+    else:
+        leaks = {"free_kv_tokens": w.allocator.available_size() + w.tree_cache.evictable_size(),
+                 "pool_tokens": w.shape.pool_tokens}
+    leaks["metadata_free"] = s.req_to_metadata_buffer_idx_allocator.available_size()
     return result(role, ok, succeeded=sorted(succeeded), failed={str(k): v for k, v in failed.items()},
                   manager=type(w.kv_manager).__module__, leaks=leaks, staged_bytes=staged_bytes(w.kv_manager))
 

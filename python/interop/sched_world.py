@@ -46,6 +46,8 @@ from array import array
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
+import sched_hybrid
+
 #: Tiny model configurations (HF ``config.json``), by layout name.
 MODELS = {
     # Llama-shaped MHA: 8 KV heads, head_dim 32.
@@ -60,12 +62,31 @@ MODELS = {
             "qk_nope_head_dim": 32, "v_head_dim": 32, "q_lora_rank": None, "n_routed_experts": 4,
             "num_experts_per_tok": 2, "moe_intermediate_size": 64, "first_k_dense_replace": 4,
             "n_shared_experts": 1, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0},
+    # Qwen3-Next-shaped mamba hybrid (sched_hybrid): gated-delta-net layers
+    # (conv state over q/k/v, temporal state per value head) with every
+    # second layer full attention (GQA, 2 KV heads); Qwen3-Next has every fourth.
+    "mamba": {"_hybrid": "mamba", "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next",
+              "hidden_size": 256, "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 32,
+              "full_attention_interval": 2, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 16,
+              "linear_value_head_dim": 16, "linear_num_key_heads": 4, "linear_num_value_heads": 8,
+              "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+              "shared_expert_intermediate_size": 64},
+    # gpt-oss-shaped sliding-window hybrid (sched_hybrid): sliding and full
+    # attention layers alternate, GQA with 4 KV heads; a 64-token window
+    # (gpt-oss: 128), so a prompt's window is a tail of it.
+    "swa": {"_hybrid": "swa", "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "hidden_size": 256,
+            "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 32, "sliding_window": 64,
+            "layer_types": ["sliding_attention", "full_attention"], "num_local_experts": 4,
+            "num_experts_per_tok": 2},
 }
 
 
 def write_model_dir(layout: str, layers: int) -> str:
     """A directory holding a tiny ``config.json`` for ``layout``."""
-    cfg = dict(MODELS[layout], num_hidden_layers=layers, intermediate_size=512, vocab_size=1000,
+    model = {k: v for k, v in MODELS[layout].items() if not k.startswith("_")}
+    if "layer_types" in model:
+        model["layer_types"] = [model["layer_types"][i % len(model["layer_types"])] for i in range(layers)]
+    cfg = dict(model, num_hidden_layers=layers, intermediate_size=512, vocab_size=1000,
                max_position_embeddings=8192, torch_dtype="bfloat16", rms_norm_eps=1e-6)
     d = tempfile.mkdtemp(prefix=f"kvb-sched-{layout}-")
     with open(os.path.join(d, "config.json"), "w") as f:
@@ -189,23 +210,41 @@ class World:
         import harness
 
         self.mode, self.shape = mode, shape
+        self.hybrid = sched_hybrid.kind(shape.layout)
         rank = harness.RankSpec(shape.tp_size, shape.tp_rank, shape.pp_size, shape.pp_rank)
+        extra = dict(sched_hybrid.server_args_extra(shape.layout, mode, shape) if self.hybrid else {},
+                     **(server_args_extra or {}))
         self.server_args = harness.publish_server_args(
             mode, bootstrap_port=bootstrap_port, rank=rank, http_port=http_port,
-            page_size=shape.page_size, **(server_args_extra or {}))
+            page_size=shape.page_size, **extra)
         _init_process_groups(gloo_port, shape)
         from sglang.srt.configs.model_config import ModelConfig
 
         self.model_dir = write_model_dir(shape.layout, shape.layers)
         self.model_config = ModelConfig.from_server_args(self.server_args, model_path=self.model_dir)
+        if self.hybrid:
+            # What sglang's model_config_of(server_args) builds from the real
+            # model path (the published args name a dummy one): the hybrid
+            # helpers (mamba_cache_chunk_size, ...) read the model from there.
+            self.server_args._model_config = self.model_config
         device_index = int(shape.device.split(":")[1]) if ":" in shape.device else 0
         self.engine = harness.init_engine(gpu_id=device_index)
-        self._build_pools()
+        self.torch = torch
+        if self.hybrid:
+            # sglang's configurator and build_kv_cache (sched_hybrid).
+            self.kv_result, self.tp_worker = sched_hybrid.build(self)
+            self.req_to_token_pool = self.kv_result.req_to_token_pool
+            self.allocator = self.kv_result.token_to_kv_pool_allocator
+            self.kv_pool = self.allocator.get_kvcache()
+            self.tree_cache = self.kv_result.tree_cache
+            self.global_heads = local_kv_heads(self.model_config.get_total_num_kv_heads(), shape.tp_size,
+                                               shape.tp_rank)
+        else:
+            self._build_pools()
         self.scheduler = self._scheduler_shell()
         # sglang's own construction of the disaggregation queues (and so of
         # KVArgs and the backend's manager).
         self.scheduler.init_disaggregation()
-        self.torch = torch
 
     # -- construction ------------------------------------------------------
 
@@ -296,6 +335,8 @@ class World:
             pool_stats_observer=types.SimpleNamespace(
                 get_pool_stats=lambda: types.SimpleNamespace(full_token_usage=0.0)),
         )
+        if self.hybrid:
+            s.__dict__.update(sched_hybrid.scheduler_fields(self))
         self.recorder = recorder
         return s
 
@@ -376,33 +417,41 @@ class World:
         return ready
 
     def kv_buffers(self):
-        """``(global layer, K/V index, uint8 view [slots, heads, head bytes])``
-        of every KV buffer of this stage."""
+        """``(global layer, K/V index, uint8 view [slots, heads, head bytes],
+        is_swa)`` of every KV buffer of this stage (is_swa: a sliding-window
+        layer of a hybrid pool, indexed by SWA slots)."""
+        if self.hybrid:
+            return sched_hybrid.kv_layers(self)
         start, _ = self.layer_range()
         pool = self.kv_pool
         out = []
         if hasattr(pool, "k_buffer"):
             for i, (k, v) in enumerate(zip(pool.k_buffer, pool.v_buffer)):
-                out.append((start + i, 0, k.view(self.torch.uint8)))
-                out.append((start + i, 1, v.view(self.torch.uint8)))
+                out.append((start + i, 0, k.view(self.torch.uint8), False))
+                out.append((start + i, 1, v.view(self.torch.uint8), False))
         else:
             for i, kv in enumerate(pool.kv_buffer):
-                out.append((start + i, 0, kv.view(self.torch.uint8)))
+                out.append((start + i, 0, kv.view(self.torch.uint8), False))
         return out
 
     def forward(self, batch):
         """Stands in for the model forward: writes :func:`kv_pattern` into
         the slots sglang's allocator gave each request's new tokens and
-        "samples" :func:`first_token`."""
+        "samples" :func:`first_token`. Hybrid pools: sliding-window layers at
+        the SWA slots of the same tokens, and the request's mamba state
+        (``sched_hybrid.write_state``)."""
         from sglang.srt.managers.utils import GenerationBatchResult
 
         torch = self.torch
         for req in batch.reqs:
             start, end = req.prefix_len, req.extend_end
             slots = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, start:end].long()
-            for layer, kv, buf in self.kv_buffers():
-                buf[slots] = kv_pattern(req.bootstrap_room, layer, kv, range(start, end), self.global_heads,
-                                        buf.shape[-1], buf.device.type)
+            for layer, kv, buf, is_swa in self.kv_buffers():
+                at = sched_hybrid.swa_slots(self, slots) if is_swa else slots
+                buf[at] = kv_pattern(req.bootstrap_room, layer, kv, range(start, end), self.global_heads,
+                                     buf.shape[-1], buf.device.type)
+            if self.hybrid:
+                sched_hybrid.write_state(self, req)
         tokens = torch.tensor([first_token(r.bootstrap_room) for r in batch.reqs], dtype=torch.int64)
         copy_done = None
         if self.shape.device != "cpu":
@@ -437,15 +486,24 @@ class World:
     def verify(self, req) -> Dict[str, int]:
         """Checks every KV byte of ``req`` on this decode rank against what
         each prefill rank wrote, and the first token from the metadata
-        buffers; returns ``{"bytes": n, "mismatched": m}``."""
+        buffers; returns ``{"bytes": n, "mismatched": m}``. Hybrid pools:
+        sliding-window layers over the window the prefill sends (SWA
+        payload), and every byte of the request's mamba state."""
         n = len(req.origin_input_ids)
         slots = self.req_to_token_pool.req_to_token[req.kv.req_pool_idx, :n].long()
         checked = bad = 0
-        for layer, kv, buf in self.kv_buffers():
-            want = kv_pattern(req.bootstrap_room, layer, kv, range(n), self.global_heads, buf.shape[-1],
+        for layer, kv, buf, is_swa in self.kv_buffers():
+            positions, at = range(n), slots
+            if is_swa:
+                positions = sched_hybrid.swa_window(self, n)
+                at = sched_hybrid.swa_slots(self, slots[positions.start:])
+            want = kv_pattern(req.bootstrap_room, layer, kv, positions, self.global_heads, buf.shape[-1],
                               buf.device.type)
-            got = buf[slots]
+            got = buf[at]
             checked += got.numel()
             bad += int((got != want).sum())
+        if self.hybrid:
+            state = sched_hybrid.verify_state(self, req)
+            checked, bad = checked + state["bytes"], bad + state["mismatched"]
         token_ok = list(req.output_ids[:1]) == [first_token(req.bootstrap_room)]
         return {"bytes": checked, "mismatched": bad, "token_ok": token_ok}
