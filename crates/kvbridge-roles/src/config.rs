@@ -242,6 +242,10 @@ pub struct PrefillConfig {
     pub rank: ParallelRank,
     /// KV cache dtype name reported to the bootstrap server.
     pub kv_cache_dtype: String,
+    /// KV byte-layout tag reported to the bootstrap server (sglang's
+    /// `KVArgs.kv_layout`: a DeepSeek-V4 pool's `pd_kv_layout()`, such as
+    /// `v4,c4:v4,c128:v4`); decodes require their own to be equal.
+    pub kv_layout: Option<String>,
     /// Transfer queues (shards) (`SGLANG_DISAGGREGATION_QUEUE_SIZE`).
     pub queue_size: usize,
     /// Transfer threads in total (`SGLANG_DISAGGREGATION_THREAD_POOL_SIZE`);
@@ -333,6 +337,7 @@ impl Default for PrefillConfig {
             bootstrap_addr: "127.0.0.1:8998".to_owned(),
             rank: ParallelRank::default(),
             kv_cache_dtype: "auto".to_owned(),
+            kv_layout: None,
             queue_size: 4,
             thread_pool_size: None,
             bootstrap_timeout: Duration::from_secs(300),
@@ -441,6 +446,9 @@ pub struct DecodeConfig {
     pub pp_rank: u64,
     /// KV cache dtype name, checked against the prefill's.
     pub kv_cache_dtype: String,
+    /// KV byte-layout tag (sglang's `KVArgs.kv_layout`), checked equal to
+    /// the one the prefill server registered.
+    pub kv_layout: Option<String>,
     /// Health-check interval against each prefill bootstrap server
     /// (`SGLANG_DISAGGREGATION_HEARTBEAT_INTERVAL`).
     #[serde(with = "duration_secs")]
@@ -506,6 +514,7 @@ impl Default for DecodeConfig {
             pp_size: 1,
             pp_rank: 0,
             kv_cache_dtype: "auto".to_owned(),
+            kv_layout: None,
             heartbeat_interval: Duration::from_secs(5),
             heartbeat_max_failures: 2,
             waiting_timeout: Duration::from_secs(300),

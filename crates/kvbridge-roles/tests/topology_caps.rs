@@ -117,7 +117,7 @@ proptest! {
     fn resolve_is_bounded(info in info(), local in local()) {
         LARGEST.with(|l| l.set(0));
         TRACKING.with(|t| t.set(true));
-        let result = std::panic::catch_unwind(|| resolve(&info, &local, "auto"));
+        let result = std::panic::catch_unwind(|| resolve(&info, &local, "auto", None));
         TRACKING.with(|t| t.set(false));
         let largest = LARGEST.with(Cell::get);
         prop_assert!(result.is_ok(), "resolve panicked on {info:?} / {local:?}");
@@ -169,7 +169,7 @@ fn huge_or_zero_sizes_are_refused_with_a_reason() {
         all_cp_ranks: false,
         dcp_size: 1,
     };
-    assert!(resolve(&base, &local, "auto").is_ok());
+    assert!(resolve(&base, &local, "auto", None).is_ok());
     let spoiled: [fn(&mut PrefillServerInfo); 4] = [
         |i| i.pp_size = 1 << 40,
         |i| i.dp_size = 0,
@@ -183,7 +183,7 @@ fn huge_or_zero_sizes_are_refused_with_a_reason() {
     for spoil in spoiled {
         let mut info = base.clone();
         spoil(&mut info);
-        let reason = resolve(&info, &local, "auto").unwrap_err();
+        let reason = resolve(&info, &local, "auto", None).unwrap_err();
         assert!(reason.contains("unusable topology"), "{reason}");
     }
 }

@@ -107,7 +107,7 @@ fn check_pairing(args: &DemoArgs, model: &ModelSpec) -> Result<()> {
             all_cp_ranks: args.all_cp_ranks,
             dcp_size: args.decode_cp,
         };
-        topology::resolve(&info, &local, "auto").map_err(|e| {
+        topology::resolve(&info, &local, "auto", None).map_err(|e| {
             anyhow::anyhow!(
                 "--prefill-tp {} --prefill-pp {} --prefill-cp {} cannot feed --decode-tp {} \
                  --decode-cp {}: {e}",

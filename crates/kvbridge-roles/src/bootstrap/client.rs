@@ -41,7 +41,7 @@ pub fn registration(
         rank_port,
         page_size,
         kv_cache_dtype: Some(config.kv_cache_dtype.clone()),
-        kv_layout: None,
+        kv_layout: config.kv_layout.clone(),
         dsv41_spec_layout: None,
         load_balance_method: Some(config.load_balance_method.clone()),
         enable_dsa_cache_layer_split: Some(false),

@@ -152,7 +152,9 @@ impl BootstrapState {
     }
 
     /// `PUT /route`: a prefill rank registers. Values out of range are a
-    /// 422 and a topology other than the first registration's a 409; an
+    /// 422, a KV layout, DSpark layout or allocation policy other than the
+    /// registered ranks' a 400 and a topology other than the first
+    /// registration's a 409; an
     /// occupied slot with another address is replaced only as `replace`
     /// allows (409 otherwise). Nothing changes unless the answer is 200.
     pub fn put_route(&mut self, reg: RouteRegistration, replace: Replace) -> Answer {
@@ -167,6 +169,17 @@ impl BootstrapState {
             return Answer::Text(
                 400,
                 "DeepSeek-V4.1 DSpark PD layout differs across prefill ranks".to_owned(),
+            );
+        }
+        if self.registered > 0 && self.kv_layout != reg.kv_layout {
+            return Answer::Text(
+                400,
+                format!(
+                    "KV layout differs across prefill ranks: the server has kv_layout={}, this \
+                     rank has kv_layout={}",
+                    self.kv_layout.as_deref().unwrap_or("None"),
+                    reg.kv_layout.as_deref().unwrap_or("None")
+                ),
             );
         }
         if self.registered > 0
@@ -515,6 +528,33 @@ mod tests {
         other.dsv41_spec_layout = Some(serde_json::json!({"block": 4}));
         assert_eq!(s.put_route(other, Replace::Refuse).status(), 400);
         assert_eq!(s.registered_count(), 1);
+    }
+
+    #[test]
+    fn a_kv_layout_other_than_the_registered_ranks_is_rejected_naming_both() {
+        let mut s = BootstrapState::new();
+        let mut first = reg(0, 7000);
+        first.kv_layout = Some("v4,c4:v4,c128:v4".into());
+        assert_eq!(s.put_route(first, Replace::Refuse), Answer::ok());
+        for other_layout in [Some("v41,c4:v41,c128:v41"), None] {
+            let mut other = reg(1, 7001);
+            other.kv_layout = other_layout.map(str::to_owned);
+            let Answer::Text(400, why) = s.put_route(other, Replace::Refuse) else {
+                panic!("a second layout must be refused")
+            };
+            assert!(why.contains("kv_layout=v4,c4:v4,c128:v4"), "{why}");
+            assert!(
+                why.contains(&format!("kv_layout={}", other_layout.unwrap_or("None"))),
+                "{why}"
+            );
+        }
+        let mut same = reg(1, 7001);
+        same.kv_layout = Some("v4,c4:v4,c128:v4".into());
+        assert_eq!(s.put_route(same, Replace::Refuse), Answer::ok());
+        let Answer::Json(info) = s.get_route(&query("-1", "-1", "-1", "-1")) else {
+            panic!("expected server info")
+        };
+        assert_eq!(info["kv_layout"], "v4,c4:v4,c128:v4");
     }
 
     #[test]

@@ -63,7 +63,12 @@ pub(crate) fn ensure_parallel_info(shared: &Shared, addr: &str) -> Fetch<RankMap
         all_cp_ranks: shared.config.all_cp_ranks,
         dcp_size: l.dcp_size,
     };
-    match resolve(&info, &local, &shared.config.kv_cache_dtype) {
+    match resolve(
+        &info,
+        &local,
+        &shared.config.kv_cache_dtype,
+        shared.config.kv_layout.as_deref(),
+    ) {
         Ok(m) => {
             let mut prefills = shared.prefills.lock();
             prefills

@@ -45,15 +45,17 @@ pub struct RankMapping {
     pub prefill_attn_tp_size: u64,
 }
 
-/// Checks the prefill's topology against ours and maps ranks. Every size
-/// the peer reports is checked against
-/// [`kvbridge_wire::bootstrap::MAX_PARALLEL_SIZE`] and
+/// Checks the prefill's topology, KV cache dtype and KV layout tag
+/// (`kv_layout`: both sides' must be equal, absent on both or the same
+/// string) against ours and maps ranks. Every size the peer reports is
+/// checked against [`kvbridge_wire::bootstrap::MAX_PARALLEL_SIZE`] and
 /// [`kvbridge_wire::bootstrap::MAX_TOTAL_RANKS`] before anything is computed
 /// from it, so no list here is longer than `MAX_PARALLEL_SIZE`.
 pub fn resolve(
     info: &PrefillServerInfo,
     local: &LocalTopology,
     kv_cache_dtype: &str,
+    kv_layout: Option<&str>,
 ) -> Result<RankMapping, String> {
     info.validate_sizes()
         .map_err(|e| format!("prefill server reported an unusable topology: {e}"))?;
@@ -72,6 +74,17 @@ pub fn resolve(
         return Err(format!(
             "KV cache dtype mismatch: prefill server has kv_cache_dtype={dtype}, but decode server \
              has kv_cache_dtype={kv_cache_dtype}."
+        ));
+    }
+    if info.kv_layout.as_deref() != kv_layout {
+        // Stricter than sglang, which skips the check when either side has
+        // no tag: a compressed pool facing a plain one is a mismatch too.
+        return Err(format!(
+            "KV layout mismatch: prefill server has kv_layout={}, but decode server has \
+             kv_layout={}. Both servers must use the same --dsv4-attn-backend and \
+             SGLANG_DSV4_KV_LAYOUT.",
+            info.kv_layout.as_deref().unwrap_or("None"),
+            kv_layout.unwrap_or("None")
         ));
     }
     let (p, d) = (info.attn_tp_size, local.attn_tp_size);
@@ -209,7 +222,7 @@ mod tests {
 
     #[test]
     fn equal_tp() {
-        let m = resolve(&info(2, 1), &local(2, 1, false), "auto").unwrap();
+        let m = resolve(&info(2, 1), &local(2, 1, false), "auto", None).unwrap();
         assert_eq!(
             (
                 m.target_tp_ranks,
@@ -222,18 +235,18 @@ mod tests {
 
     #[test]
     fn decode_wider_than_prefill() {
-        let m = resolve(&info(2, 1), &local(4, 3, false), "auto").unwrap();
+        let m = resolve(&info(2, 1), &local(4, 3, false), "auto", None).unwrap();
         assert_eq!((m.target_tp_ranks, m.required_dst_info_num), (vec![1], 2));
     }
 
     #[test]
     fn prefill_wider_than_decode() {
-        let m = resolve(&info(4, 1), &local(2, 1, false), "auto").unwrap();
+        let m = resolve(&info(4, 1), &local(2, 1, false), "auto", None).unwrap();
         assert_eq!(
             (m.target_tp_ranks.clone(), m.required_prefill_response_num),
             (vec![2, 3], 2)
         );
-        let m = resolve(&info(4, 1), &local(2, 1, true), "auto").unwrap();
+        let m = resolve(&info(4, 1), &local(2, 1, true), "auto", None).unwrap();
         assert_eq!(
             (m.target_tp_rank, m.required_prefill_response_num),
             (Some(2), 1)
@@ -242,7 +255,7 @@ mod tests {
 
     #[test]
     fn prefill_pp_stages() {
-        let m = resolve(&info(1, 2), &local(1, 0, false), "auto").unwrap();
+        let m = resolve(&info(1, 2), &local(1, 0, false), "auto", None).unwrap();
         assert_eq!(
             (m.target_pp_ranks, m.required_prefill_response_num),
             (vec![0, 1], 2)
@@ -254,16 +267,33 @@ mod tests {
         let mut l = local(1, 0, false);
         l.page_size = 32;
         assert!(
-            resolve(&info(1, 1), &l, "auto")
+            resolve(&info(1, 1), &l, "auto", None)
                 .unwrap_err()
                 .contains("Page size mismatch")
         );
         assert!(
-            resolve(&info(1, 1), &local(1, 0, false), "fp8")
+            resolve(&info(1, 1), &local(1, 0, false), "fp8", None)
                 .unwrap_err()
                 .contains("dtype")
         );
-        assert!(resolve(&info(3, 1), &local(2, 0, false), "auto").is_err());
+        assert!(resolve(&info(3, 1), &local(2, 0, false), "auto", None).is_err());
+    }
+
+    #[test]
+    fn kv_layouts_must_be_equal_and_a_mismatch_names_both() {
+        let v4 = "v4,c4:v4,c128:v4";
+        let mut i = info(1, 1);
+        i.kv_layout = Some(v4.into());
+        let l = local(1, 0, true);
+        assert!(resolve(&i, &l, "auto", Some(v4)).is_ok());
+        let e = resolve(&i, &l, "auto", Some("v41,c4:v41,c128:v41")).unwrap_err();
+        assert!(e.contains("kv_layout=v4,c4:v4,c128:v4"), "{e}");
+        assert!(e.contains("kv_layout=v41,c4:v41,c128:v41"), "{e}");
+        // A tag on one side only is a mismatch too.
+        let e = resolve(&i, &l, "auto", None).unwrap_err();
+        assert!(e.contains("decode server has kv_layout=None"), "{e}");
+        let e = resolve(&info(1, 1), &l, "auto", Some(v4)).unwrap_err();
+        assert!(e.contains("prefill server has kv_layout=None"), "{e}");
     }
 
     #[test]
@@ -274,12 +304,12 @@ mod tests {
             all_cp_ranks: true,
             ..local(1, 0, false)
         };
-        let m = resolve(&i, &all, "auto").unwrap();
+        let m = resolve(&i, &all, "auto", None).unwrap();
         assert_eq!(
             (m.target_cp_ranks, m.required_prefill_response_num),
             (vec![0, 1, 2, 3], 4)
         );
-        let m = resolve(&i, &local(1, 0, false), "auto").unwrap();
+        let m = resolve(&i, &local(1, 0, false), "auto", None).unwrap();
         assert_eq!(
             (m.target_cp_ranks, m.required_prefill_response_num),
             (vec![0], 1)
@@ -293,17 +323,17 @@ mod tests {
             ..local(2, 0, mla)
         };
         assert!(
-            resolve(&info(1, 1), &dcp(false), "auto")
+            resolve(&info(1, 1), &dcp(false), "auto", None)
                 .unwrap_err()
                 .contains("MLA")
         );
         let mut i = info(1, 1);
         i.attn_cp_size = 2;
         assert!(
-            resolve(&i, &dcp(true), "auto")
+            resolve(&i, &dcp(true), "auto", None)
                 .unwrap_err()
                 .contains("attn_cp_size=2")
         );
-        assert!(resolve(&info(1, 1), &dcp(true), "auto").is_ok());
+        assert!(resolve(&info(1, 1), &dcp(true), "auto", None).is_ok());
     }
 }
