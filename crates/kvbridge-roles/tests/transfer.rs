@@ -350,3 +350,34 @@ fn hisparse_device_destinations_are_refused_not_ignored() {
     prefill.teardown();
     bs.shutdown();
 }
+
+/// A decode whose pool has no compression ratios, handed HiSparse device
+/// pages (`send_metadata_hisparse`), fails the room naming why before it
+/// tells any prefill rank, instead of sending pages nobody can place.
+#[test]
+fn a_decode_without_compression_refuses_hisparse_device_pages() {
+    let bs = bootstrap();
+    let p_pools = Pools::new(1, 8, 1024, 2, 64);
+    let d_pools = Pools::new(1, 8, 1024, 2, 64);
+    let prefill = start_prefill(
+        prefill_config(bs.local_addr(), 1, 0),
+        p_pools.kv_args(16, 1, 0, 8),
+        tcp_engine(),
+    );
+    let decode = start_decode(decode_config(1), d_pools.kv_args(16, 1, 0, 8), tcp_engine());
+    let room = 0x4152;
+    let mut rx = decode.receiver(&bs.local_addr().to_string(), room);
+    assert_eq!(rx.init(0), KvPoll::WaitingForInput);
+    assert_eq!(
+        rx.send_metadata_hisparse(&[3, 4], &[7, 8], 1, &[], None),
+        KvPoll::Failed
+    );
+    let e = rx.failure_exception();
+    assert!(e.reason.contains("dst_device_kv_indices"), "{e}");
+    assert!(e.reason.contains("mla_compression_ratios"), "{e}");
+    assert_eq!(decode.metrics().failures_for("unsupported_destination"), 1);
+    rx.clear();
+    prefill.teardown();
+    decode.teardown();
+    bs.shutdown();
+}

@@ -30,7 +30,8 @@ impl KvReceiver {
     /// [`KvReceiver::send_metadata`] for a HiSparse decode of a
     /// compressed-MLA pool: `host_kv_indices` are the pages of its C4 KV
     /// buffers (host memory), `device_kv_indices` the request's pages in
-    /// every other KV buffer.
+    /// every other KV buffer. On a pool without compression ratios the room
+    /// fails, naming the reason: no prefill could place those pages.
     pub fn send_metadata_hisparse(
         &mut self,
         host_kv_indices: &[i32],
@@ -57,6 +58,17 @@ impl KvReceiver {
         decode_prefix_len: Option<u64>,
     ) -> KvPoll {
         let _span = tracing::debug_span!("room", room = self.room, side = "decode").entered();
+        if device_kv_indices.is_some()
+            && self.shared.kv_args.layout.mla_compression_ratios.is_none()
+        {
+            self.shared.metrics.failure("unsupported_destination");
+            return self.fail(format!(
+                "room {}: HiSparse device destinations (dst_device_kv_indices) need a \
+                 compressed-MLA (DeepSeek-V4) KV pool, but this decode's pool has no \
+                 mla_compression_ratios",
+                self.room
+            ));
+        }
         let Some(infos) = self.infos.clone() else {
             return self.fail(format!(
                 "Could not fetch prefill parallel info from bootstrap_addr: {}",
