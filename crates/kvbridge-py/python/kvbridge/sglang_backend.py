@@ -124,9 +124,36 @@ def _refusals(mode: DisaggregationMode, kv_args: KVArgs) -> List[str]:
         out.append("--enable-trace: per-request connector traces are not emitted by kvbridge's roles")
     if getattr(kv_args, "rust_http_port", None) is not None:
         out.append("a Rust HTTP server bootstrap registry (rust_http_port): not supported")
-    kinds = getattr(kv_args, "kv_data_mem_kinds", None)
-    if kinds and any(k != "VRAM" for k in kinds):
-        out.append("KV in host memory on decode (HiSparse, kv_data_mem_kinds): not supported")
+    if mode == DisaggregationMode.DECODE and _hisparse_enabled():
+        out.extend(_hisparse_refusals(kv_args, parallel))
+    return out
+
+
+def _hisparse_enabled() -> bool:
+    """Whether this server runs HiSparse (``--enable-hisparse``), read where
+    sglang's scheduler reads it (``get_memory().enable_hisparse``). sglang
+    0.5.23 marks it in no ``KVArgs`` field outside NIXL: a HiSparse decode's
+    ``kv_data_ptrs`` simply start with its host pool's buffers."""
+    return bool(getattr(get_memory(), "enable_hisparse", False))
+
+
+def _hisparse_refusals(kv_args: KVArgs, parallel) -> List[str]:
+    """What a HiSparse decode asks that the roles cannot do. sglang sends
+    device pages (``device_kv_indices``) beside the host pages for a
+    DeepSeek-V4 pool (every KV buffer after the C4 KV group) or when a
+    draft model's KV is appended; the roles place them only in a
+    compressed-MLA pool, and not through the DCP relayout."""
+    compressed = getattr(kv_args, "mla_compression_ratios", None) is not None
+    draft = int(getattr(kv_args, "num_draft_entries", 0) or 0) > 0
+    out = []
+    if draft and not compressed:
+        out.append("HiSparse (--enable-hisparse) with a draft model on a KV pool without compression ratios "
+                   "(sglang sends the draft KV's device pages, device_kv_indices, which kvbridge's "
+                   "roles place only in a compressed-MLA, DeepSeek-V4, pool)")
+    dcp = getattr(parallel, "attn_dcp_size", 1) or 1
+    if (draft or compressed) and dcp > 1:
+        out.append(f"HiSparse (--enable-hisparse) with decode context parallelism (attn_dcp_size={dcp}): HiSparse "
+                   "device pages cannot take the DCP relayout")
     return out
 
 
@@ -274,7 +301,7 @@ class _StagingContext:
 #: either engine-level, listed in _ENGINE_LEVEL, or refused as unknown).
 _KV_ARGS_FIELDS = (
     "engine_rank", "kv_data_ptrs", "kv_data_lens", "kv_item_lens", "kv_layer_ids",
-    "kv_cache_dtype_str", "kv_layout", "host_kv_data_ptrs", "aux_data_ptrs", "aux_data_lens",
+    "kv_cache_dtype_str", "kv_layout", "aux_data_ptrs", "aux_data_lens",
     "aux_item_lens", "state_types", "state_data_ptrs", "state_data_lens", "state_item_lens",
     "state_layer_ids", "state_dim_per_tensor", "state_slice_outer_counts", "state_conv_shard_groups",
     "is_hybrid_mla_backend", "swa_kv_cache_layout", "kv_head_num", "total_kv_head_num", "page_size",
@@ -284,7 +311,15 @@ _KV_ARGS_FIELDS = (
 #: KVArgs attributes that concern the engine or other backends, not the roles.
 _ENGINE_LEVEL = frozenset({
     "ib_device", "gpu_id", "rust_http_port", "kv_data_mem_kinds", "kv_buf_groups", "hidden_kv_layers",
-    "draft_kv_layers", "host_kv_data_lens", "host_kv_item_lens", "host_state_data_ptrs",
+    "draft_kv_layers",
+})
+#: Decode host destinations (``--disaggregation-decode-host-receive-threshold``
+#: < 1), which the roles do not receive into. They are not handed to the
+#: roles: the manager says ``supports_host_destination = False``, so sglang
+#: refuses the setting itself right after creating the manager (as it does
+#: for its own connectors) and never sends a room to host pages.
+_HOST_DESTINATIONS = frozenset({
+    "host_kv_data_ptrs", "host_kv_data_lens", "host_kv_item_lens", "host_state_data_ptrs",
     "host_state_data_lens", "host_state_item_lens",
 })
 
@@ -296,7 +331,7 @@ def role_spec(kv_args: KVArgs, is_mla_backend: bool) -> str:
     Rust side refuses it by name."""
     fields = {}
     for name in set(_KV_ARGS_FIELDS) | set(vars(kv_args)):
-        if name in _ENGINE_LEVEL:
+        if name in _ENGINE_LEVEL or name in _HOST_DESTINATIONS:
             continue
         value = getattr(kv_args, name, None)
         if value is None:
@@ -673,6 +708,8 @@ class KVReceiver(_RoomEnds, BaseKVReceiver):
     """One request's decode side (``MooncakeKVReceiver``'s signature)."""
 
     require_staging = False
+    #: sglang never sends a room to host pages (``KVTransferDestination.HOST``).
+    supports_host_destination = False
 
     def __init__(self, mgr: KVManager, bootstrap_addr: str, bootstrap_room: Optional[int] = None):
         if bootstrap_room is None:
@@ -700,12 +737,21 @@ class KVReceiver(_RoomEnds, BaseKVReceiver):
         state_indices: Optional[List] = None,
         decode_prefix_len: Optional[int] = None,
         destination: KVTransferDestination = KVTransferDestination.DEVICE,
+        device_kv_indices=None,
     ):
+        """Tells the room's prefill ranks where its KV goes. A HiSparse
+        decode passes ``device_kv_indices`` too (sglang's
+        ``DecodePreallocQueue``): ``kv_indices`` are then the host pages of
+        the C4 KV buffers and ``device_kv_indices`` the pages of every other
+        KV buffer; on a pool without compression ratios the room fails,
+        naming why."""
         if destination != KVTransferDestination.DEVICE:
             raise ValueError("the kvbridge backend receives into device KV only")
         if aux_index is None:
             raise ValueError("send_metadata needs the request's aux (metadata buffer) index")
-        if self._rust.send_metadata(kv_indices, aux_index, state_indices, decode_prefix_len) == KVPoll.Failed:
+        state = self._rust.send_metadata(kv_indices, aux_index, state_indices, decode_prefix_len,
+                                         device_kv_indices)
+        if state == KVPoll.Failed:
             self.conclude_state = KVPoll.Failed
 
     def poll(self) -> int:

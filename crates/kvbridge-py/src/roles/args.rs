@@ -5,9 +5,8 @@
 //! Python.
 //!
 //! **Never:** guesses a field sglang did not set, drops a buffer silently,
-//! or accepts a feature the Rust roles do not move (host destinations,
-//! compressed-MLA layouts, a KV layout tag): those are refused with the
-//! reason, at start.
+//! or accepts a feature the Rust roles do not move (decode host
+//! destinations): those are refused with the reason, at start.
 
 use kvbridge_plan::{PrefillLayout, StateComponent, StateType};
 use kvbridge_roles::{ConfigError, KvArgs};
@@ -31,9 +30,12 @@ pub struct SglangKvArgs {
     pub kv_layer_ids: Vec<i64>,
     /// KV cache dtype name (checked against the peer's).
     pub kv_cache_dtype_str: Option<String>,
-    /// KV byte-layout tag (only some pools have one).
+    /// KV byte-layout tag (a DeepSeek-V4 pool's `pd_kv_layout()`, such as
+    /// `v4,c4:v4,c128:v4`; absent for other pools): the role reports it to
+    /// the bootstrap server (prefill) or requires the prefill's to be
+    /// equal (decode), see [`RoleSpec::kv_layout_with`].
     pub kv_layout: Option<String>,
-    /// Decode host-receive buffers (HiCache); refused.
+    /// Decode host-receive buffers (HiCache host receive); refused.
     pub host_kv_data_ptrs: Option<Vec<u64>>,
     /// Aux (metadata) buffer addresses.
     pub aux_data_ptrs: Vec<u64>,
@@ -75,7 +77,9 @@ pub struct SglangKvArgs {
     pub prefill_start_layer: Option<u64>,
     /// End (exclusive) of this PP stage's layers.
     pub prefill_end_layer: Option<u64>,
-    /// Compressed-MLA ratios (DeepSeek V4); refused.
+    /// Compressed-MLA ratio of every layer of the model (DeepSeek V4: 0
+    /// uncompressed, 4 or 128; 1 and 2 for V4.1's low ratios): the KV
+    /// buffers are grouped by ratio instead of by layer.
     pub mla_compression_ratios: Option<Vec<u64>>,
     /// Trailing KV buffers of the draft model.
     pub num_draft_entries: u64,
@@ -153,6 +157,9 @@ impl RoleSpec {
             .map_err(|e| ConfigError::Setting(format!("role description: {e}")))
     }
 }
+
+/// The compression ratios sglang's compressed-MLA pools use (0: none).
+const COMPRESSION_RATIOS: [u64; 5] = [0, 1, 2, 4, 128];
 
 fn layout_err(msg: impl Into<String>) -> ConfigError {
     ConfigError::Layout(msg.into())
@@ -298,8 +305,7 @@ impl RoleSpec {
                 states,
                 max_transfer_batch_indices: self.max_transfer_batch_indices,
                 enable_unified_memory: self.enable_unified_memory,
-                // Refused above (`refuse_unsupported`).
-                mla_compression_ratios: None,
+                mla_compression_ratios: self.compression_ratios()?,
             },
             kv_data_lens: a.kv_data_lens.clone(),
             aux_data_lens: a.aux_data_lens.clone(),
@@ -316,25 +322,76 @@ impl RoleSpec {
         Ok(kv_args)
     }
 
-    /// What the Rust roles do not move yet, refused by name.
+    /// What the Rust roles do not move, refused by name.
     fn refuse_unsupported(&self) -> Result<(), ConfigError> {
-        let a = &self.kv_args;
-        let refuse = |what: &str| {
-            Err(ConfigError::Setting(format!(
-                "{what} is not supported by the kvbridge backend; run sglang's own Mooncake \
-                 connector for it (unset KVBRIDGE_SGLANG)"
-            )))
-        };
-        if a.host_kv_data_ptrs.as_ref().is_some_and(|v| !v.is_empty()) {
-            return refuse("decode host KV destinations (host_kv_data_ptrs)");
-        }
-        if a.mla_compression_ratios.is_some() {
-            return refuse("compressed-MLA pools (mla_compression_ratios)");
-        }
-        if let Some(layout) = &a.kv_layout {
-            return refuse(&format!("a KV layout tag ({layout:?})"));
+        if self
+            .kv_args
+            .host_kv_data_ptrs
+            .as_ref()
+            .is_some_and(|v| !v.is_empty())
+        {
+            // sglang 0.5.23's own connectors cannot either: it refuses the
+            // setting when the manager says supports_host_destination=False.
+            return Err(ConfigError::Setting(
+                "decode host KV destinations (KVArgs.host_kv_data_ptrs, \
+                 --disaggregation-decode-host-receive-threshold < 1) are not supported by the \
+                 kvbridge roles"
+                    .into(),
+            ));
         }
         Ok(())
+    }
+
+    /// `mla_compression_ratios` for the planner layout, checked: an MLA
+    /// pool, one ratio per model layer, each one sglang's pools use.
+    fn compression_ratios(&self) -> Result<Option<Vec<u64>>, ConfigError> {
+        let Some(ratios) = &self.kv_args.mla_compression_ratios else {
+            return Ok(None);
+        };
+        if !self.is_mla_backend {
+            return Err(layout_err(
+                "mla_compression_ratios (a compressed-MLA pool) needs an MLA backend \
+                 (is_mla_backend)",
+            ));
+        }
+        if ratios.is_empty() {
+            return Err(layout_err(
+                "mla_compression_ratios is empty (one ratio per model layer expected)",
+            ));
+        }
+        if let Some((layer, ratio)) = ratios
+            .iter()
+            .enumerate()
+            .find(|(_, r)| !COMPRESSION_RATIOS.contains(r))
+        {
+            return Err(layout_err(format!(
+                "mla_compression_ratios: layer {layer} has ratio {ratio}; sglang's compressed \
+                 pools use {COMPRESSION_RATIOS:?}"
+            )));
+        }
+        if let Some(end) = self.kv_args.prefill_end_layer
+            && end > ratios.len() as u64
+        {
+            return Err(layout_err(format!(
+                "prefill_end_layer {end} is past the {} layers of mla_compression_ratios",
+                ratios.len()
+            )));
+        }
+        Ok(Some(ratios.clone()))
+    }
+
+    /// The KV layout tag the role runs with: `KVArgs.kv_layout`, or the
+    /// one the role configuration names; both set and different is refused.
+    pub fn kv_layout_with(
+        &self,
+        configured: Option<String>,
+    ) -> Result<Option<String>, ConfigError> {
+        match (configured, &self.kv_args.kv_layout) {
+            (Some(c), Some(k)) if c != *k => Err(ConfigError::Setting(format!(
+                "KVArgs.kv_layout is {k:?} but the role configuration says kv_layout={c:?}"
+            ))),
+            (configured, from_kv_args) => Ok(configured.or_else(|| from_kv_args.clone())),
+        }
     }
 
     /// The state components, every per-component list checked.
@@ -518,18 +575,87 @@ mod tests {
     fn unsupported_features_are_refused_by_name() {
         let mut s = mha();
         s.kv_args.host_kv_data_ptrs = Some(vec![1]);
-        assert!(refused(&s).contains("host KV"), "{}", refused(&s));
-        let mut s = mha();
-        s.kv_args.mla_compression_ratios = Some(vec![0, 4]);
-        assert!(refused(&s).contains("compressed-MLA"), "{}", refused(&s));
-        let mut s = mha();
-        s.kv_args.kv_layout = Some("nhd".into());
-        assert!(refused(&s).contains("layout"), "{}", refused(&s));
+        assert!(refused(&s).contains("host_kv_data_ptrs"), "{}", refused(&s));
+        // An empty list names no host buffer.
+        s.kv_args.host_kv_data_ptrs = Some(vec![]);
+        assert!(s.to_kv_args(Side::Decode).is_ok());
         // Prefill context parallelism is supported: a CP rank is accepted.
         let mut s = mha();
         s.parallel.attn_cp_size = 2;
         s.parallel.attn_cp_rank = 1;
         assert!(s.to_kv_args(Side::Prefill).is_ok());
+    }
+
+    /// A DeepSeek-V4 rank as sglang describes it: MLA, no layer ids, one
+    /// compression ratio per model layer, its layout tag.
+    fn v4() -> RoleSpec {
+        let mut s = mha();
+        s.is_mla_backend = true;
+        s.kv_args.kv_head_num = None;
+        s.kv_args.total_kv_head_num = None;
+        s.kv_args.mla_compression_ratios = Some(vec![0, 4, 128, 4]);
+        s.kv_args.prefill_end_layer = Some(4);
+        s.kv_args.kv_layout = Some("v4,c4:v4,c128:v4".into());
+        s
+    }
+
+    #[test]
+    fn compressed_mla_ratios_reach_the_planner_layout() {
+        let kv = v4().to_kv_args(Side::Prefill).unwrap();
+        assert_eq!(kv.layout.mla_compression_ratios, Some(vec![0, 4, 128, 4]));
+        let kv = v4().to_kv_args(Side::Decode).unwrap();
+        assert_eq!(kv.layout.mla_compression_ratios, Some(vec![0, 4, 128, 4]));
+        assert_eq!(
+            mha()
+                .to_kv_args(Side::Prefill)
+                .unwrap()
+                .layout
+                .mla_compression_ratios,
+            None
+        );
+    }
+
+    #[test]
+    fn compression_ratios_sglang_cannot_have_are_refused() {
+        let mut s = v4();
+        s.is_mla_backend = false;
+        s.kv_args.kv_head_num = Some(1);
+        assert!(refused(&s).contains("is_mla_backend"), "{}", refused(&s));
+        let mut s = v4();
+        s.kv_args.mla_compression_ratios = Some(vec![]);
+        assert!(refused(&s).contains("empty"), "{}", refused(&s));
+        let mut s = v4();
+        s.kv_args.mla_compression_ratios = Some(vec![0, 4, 8, 4]);
+        assert!(
+            refused(&s).contains("layer 2 has ratio 8"),
+            "{}",
+            refused(&s)
+        );
+        let mut s = v4();
+        s.kv_args.prefill_end_layer = Some(6);
+        assert!(
+            refused(&s).contains("prefill_end_layer 6"),
+            "{}",
+            refused(&s)
+        );
+    }
+
+    #[test]
+    fn the_kv_layout_tag_comes_from_kv_args_and_must_agree_with_the_configuration() {
+        let s = v4();
+        let tag = Some("v4,c4:v4,c128:v4".to_owned());
+        assert_eq!(s.kv_layout_with(None).unwrap(), tag);
+        assert_eq!(s.kv_layout_with(tag.clone()).unwrap(), tag);
+        let e = s
+            .kv_layout_with(Some("v41,c4:v41,c128:v41".into()))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("v4,c4:v4,c128:v4") && e.contains("v41,c4:v41,c128:v41"),
+            "{e}"
+        );
+        assert_eq!(mha().kv_layout_with(None).unwrap(), None);
+        assert_eq!(mha().kv_layout_with(tag.clone()).unwrap(), tag);
     }
 
     #[test]

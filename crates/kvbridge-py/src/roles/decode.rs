@@ -42,8 +42,14 @@ impl PyDecodeManager {
         spec: &str,
         config: &str,
     ) -> PyResult<Self> {
-        let (kv_args, secret) = role_inputs(spec, super::args::Side::Decode)?;
-        let config = super::config::decode_config(config, secret).map_err(config_error)?;
+        let inputs = role_inputs(spec, super::args::Side::Decode)?;
+        let mut config =
+            super::config::decode_config(config, inputs.secret).map_err(config_error)?;
+        config.kv_layout = inputs
+            .spec
+            .kv_layout_with(config.kv_layout.take())
+            .map_err(config_error)?;
+        let kv_args = inputs.kv_args;
         let engine = engine.get().shared_engine()?;
         let manager = py
             .detach(|| {
@@ -191,7 +197,16 @@ impl PyKvReceiver {
     /// Tells every prefill rank where the room's KV goes: `kv_indices` (a
     /// 1-D int32 array, read in place), the aux row and per-component state
     /// indices (zmq sends, GIL released). Returns the room's state.
-    #[pyo3(signature = (kv_indices, aux_index, state_indices = None, decode_prefix_len = None))]
+    ///
+    /// A HiSparse decode of a compressed-MLA pool also passes
+    /// `device_kv_indices`: then `kv_indices` are the host pages of its C4
+    /// KV buffers and `device_kv_indices` its pages in every other KV
+    /// buffer. On a pool without compression ratios the room fails, with
+    /// the reason.
+    #[pyo3(signature = (
+        kv_indices, aux_index, state_indices = None, decode_prefix_len = None,
+        device_kv_indices = None
+    ))]
     fn send_metadata(
         &self,
         py: Python<'_>,
@@ -199,12 +214,23 @@ impl PyKvReceiver {
         aux_index: u64,
         state_indices: Option<&Bound<'_, PyAny>>,
         decode_prefix_len: Option<u64>,
+        device_kv_indices: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<i32> {
         let indices = Indices::extract(kv_indices, "kv_indices")?;
         let pages = indices.as_i32()?;
+        let device = device_kv_indices
+            .map(|d| Indices::extract(d, "device_kv_indices"))
+            .transpose()?;
+        let device_pages = device.as_ref().map(Indices::as_i32).transpose()?;
         let states = state_lists_i32(state_indices)?;
         Ok(poll_code(py.detach(|| {
-            lock(&self.inner).send_metadata(&pages, aux_index, &states, decode_prefix_len)
+            let mut rx = lock(&self.inner);
+            match &device_pages {
+                None => rx.send_metadata(&pages, aux_index, &states, decode_prefix_len),
+                Some(device) => {
+                    rx.send_metadata_hisparse(&pages, device, aux_index, &states, decode_prefix_len)
+                }
+            }
         })))
     }
 

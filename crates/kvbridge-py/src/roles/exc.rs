@@ -26,16 +26,30 @@ pyo3::create_exception!(
     "A chunk was refused (send before init, more pages than announced, no aux index, manager stopped)."
 );
 
-/// What both managers start from: the role description's `KvArgs` for
-/// `side` and the cluster secret from the environment, as Python
-/// exceptions on failure.
-pub fn role_inputs(spec: &str, side: Side) -> Result<(KvArgs, Option<ClusterSecret>), PyErr> {
-    let kv_args = RoleSpec::from_json(spec)
-        .and_then(|s| s.to_kv_args(side))
-        .map_err(config_error)?;
+/// What both managers start from, read from the role description and
+/// the environment.
+#[derive(Debug)]
+pub struct RoleInputs {
+    /// The role description, as parsed.
+    pub spec: RoleSpec,
+    /// Its `KvArgs` for the role's side.
+    pub kv_args: KvArgs,
+    /// The cluster secret from the environment.
+    pub secret: Option<ClusterSecret>,
+}
+
+/// The role description's `KvArgs` for `side` and the cluster secret from
+/// the environment, as Python exceptions on failure.
+pub fn role_inputs(spec: &str, side: Side) -> Result<RoleInputs, PyErr> {
+    let spec = RoleSpec::from_json(spec).map_err(config_error)?;
+    let kv_args = spec.to_kv_args(side).map_err(config_error)?;
     let secret = ClusterSecret::from_env()
         .map_err(|e| RoleStartError::new_err(format!("loading the cluster secret: {e}")))?;
-    Ok((kv_args, secret))
+    Ok(RoleInputs {
+        spec,
+        kv_args,
+        secret,
+    })
 }
 
 /// A configuration or layout error as `KvArgsError`.

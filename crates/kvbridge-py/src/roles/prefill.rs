@@ -53,8 +53,14 @@ impl PyPrefillManager {
         spec: &str,
         config: &str,
     ) -> PyResult<Self> {
-        let (kv_args, secret) = role_inputs(spec, super::args::Side::Prefill)?;
-        let config = super::config::prefill_config(config, secret).map_err(config_error)?;
+        let inputs = role_inputs(spec, super::args::Side::Prefill)?;
+        let mut config =
+            super::config::prefill_config(config, inputs.secret).map_err(config_error)?;
+        config.kv_layout = inputs
+            .spec
+            .kv_layout_with(config.kv_layout.take())
+            .map_err(config_error)?;
+        let kv_args = inputs.kv_args;
         let engine = engine.get().shared_engine()?;
         let kv_item_lens_sum = kv_args.layout.kv_item_lens.iter().sum();
         let manager = py
