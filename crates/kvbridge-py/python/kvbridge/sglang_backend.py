@@ -497,6 +497,7 @@ class KVManager(BaseKVManager):
         self._receivers: Dict[int, "KVReceiver"] = {}
         self._pp: Optional[_PipelineConsensus] = None
         self._executor: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        self._early_sends: Optional[concurrent.futures.ThreadPoolExecutor] = None
         if disaggregation_mode == DisaggregationMode.PREFILL:
             self._rust = _kvbridge.PrefillManager(engine, spec, config)
             # Under context parallelism sglang's scheduler reads these.
@@ -557,6 +558,15 @@ class KVManager(BaseKVManager):
             )
         return self._executor
 
+    def _early_send_executor(self) -> concurrent.futures.ThreadPoolExecutor:
+        """The prefill's one thread that waits for early-send events and then
+        hands the chunks to the Rust sender, in the order they were sent."""
+        if self._early_sends is None:
+            self._early_sends = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="kvb-early-send"
+            )
+        return self._early_sends
+
     def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
         """One non-blocking attempt to resolve a prefill server (decode)."""
         return self._rust.try_ensure_parallel_info(bootstrap_addr)
@@ -603,9 +613,10 @@ class KVManager(BaseKVManager):
 
     def teardown(self) -> None:
         """Stops the role's threads and deregisters its memory."""
-        if self._executor is not None:
-            self._executor.shutdown(wait=False, cancel_futures=True)
-            self._executor = None
+        for pool in (self._executor, self._early_sends):
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
+        self._executor = self._early_sends = None
         if self._pp is not None:
             self._pp.close()
             self._pp = None
@@ -631,6 +642,10 @@ class _RoomEnds:
 class KVSender(_RoomEnds, BaseKVSender):
     """One request's prefill side (``MooncakeKVSender``'s signature)."""
 
+    #: ``send`` takes no ``indices_event``: sglang then hands it index arrays
+    #: already on the host.
+    supports_host_tensor_indices = False
+
     def __init__(
         self,
         mgr: KVManager,
@@ -642,6 +657,12 @@ class KVSender(_RoomEnds, BaseKVSender):
         self.bootstrap_server_url = bootstrap_addr
         self.bootstrap_room = bootstrap_room
         self.conclude_state: Optional[int] = None
+        # Set by sglang's scheduler before an early send of a cached prefix
+        # (maybe_send_cached_prefix_chunk, overlap scheduling): a CUDA event
+        # on the forward stream that may still be writing those pages.
+        self._early_send_wait_event = None
+        # The room's last chunk queued behind such an event, if any.
+        self._behind: Optional[concurrent.futures.Future] = None
         # With several DP ranks and no router hint the Rust sender registers
         # the room's DP rank (or checks the bootstrap-room rule), as sglang's.
         self._rust = mgr._rust.sender(bootstrap_room, bool(req_has_disagg_prefill_dp_rank))
@@ -651,7 +672,34 @@ class KVSender(_RoomEnds, BaseKVSender):
         self._rust.init(num_kv_indices, aux_index)
 
     def send(self, kv_indices, state_indices: Optional[List] = None, num_kv_tokens: Optional[int] = None):
-        self._rust.send(kv_indices, state_indices, num_kv_tokens)
+        """Queues the next chunk. A chunk with an early-send event (which
+        belongs to it alone) is handed to the Rust sender only once the
+        event completed, from the manager's early-send thread, so the
+        scheduler thread does not wait; the room's later chunks follow it on
+        that thread until it went, so none overtakes it."""
+        wait_event, self._early_send_wait_event = self._early_send_wait_event, None
+        behind = self._behind
+        if wait_event is None and (behind is None or behind.done()):
+            self._behind = None
+            self._rust.send(kv_indices, state_indices, num_kv_tokens)
+            return
+        self._behind = self.kv_mgr._early_send_executor().submit(
+            self._send_after, wait_event, kv_indices, state_indices, num_kv_tokens
+        )
+
+    def _send_after(self, wait_event, kv_indices, state_indices, num_kv_tokens) -> None:
+        """On the early-send thread: waits for the event (torch releases the
+        GIL meanwhile), then hands the chunk over; a chunk refused here
+        fails the room with the reason, as no caller is left to raise to."""
+        try:
+            if wait_event is not None:
+                wait_event.synchronize()
+            self._rust.send(kv_indices, state_indices, num_kv_tokens)
+        except Exception as e:  # noqa: BLE001 - the room must not wait for a chunk that never went
+            logger.error("kvbridge: room %d: a chunk queued behind an early-send event failed: %s",
+                         self.bootstrap_room, e)
+            self._rust.fail(f"Request {self.bootstrap_room}: a chunk queued behind an early-send event "
+                            f"failed: {e}")
 
     def should_send_kv_chunk(self, num_pages: int, last_chunk: bool) -> bool:
         # An empty last chunk still concludes the room (and carries aux/state).
