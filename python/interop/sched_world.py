@@ -14,6 +14,10 @@ The loops then call sglang's queue and mixin methods
 (``pop_bootstrapped``, ``process_batch_result_disagg_prefill``,
 ``process_disagg_prefill_inflight_queue``, ``pop_preallocated``,
 ``pop_transferred``, ``release_aborted_prefill_waiting_req``, ...).
+Hybrid layouts (``MODELS["mamba"]``, ``MODELS["swa"]``) get their pools,
+tree cache and the scheduler's hybrid fields from sglang's
+``KVCacheConfigurator`` and ``build_kv_cache`` instead (``sched_hybrid``,
+whose docstring lists what it stands in for).
 
 What is stood in for, and why (also in README.md, "The real scheduler"):
 
