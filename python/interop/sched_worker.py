@@ -18,7 +18,6 @@ the first token carried in sglang's metadata buffers. Each rank prints one
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
@@ -26,6 +25,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness  # noqa: E402
+from pd_worker import log, result, staged_bytes  # noqa: E402  (one copy of the RESULT protocol)
 
 #: What each scenario does.
 SCENARIOS = {
@@ -42,15 +42,6 @@ def rooms(args):
     return [(1000 + i, args.tokens + (i * 37) % (2 * args.shape.page_size + 5)) for i in range(args.rooms)]
 
 
-def log(role: str, *parts) -> None:
-    print(f"[{role} {time.monotonic():.3f}]", *parts, flush=True)
-
-
-def result(role: str, ok: bool, **fields) -> int:
-    print("RESULT " + json.dumps({"role": role, "ok": ok, **fields}), flush=True)
-    return 0 if ok else 1
-
-
 def run_bootstrap(args) -> int:
     from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
 
@@ -60,16 +51,6 @@ def run_bootstrap(args) -> int:
     alive = server.is_alive if hasattr(server, "is_alive") else server.thread.is_alive
     while alive():
         time.sleep(0.5)
-    return 0
-
-
-def staged_bytes(mgr) -> int:
-    """kvbridge's staged-bytes counter (gathered on a prefill, scattered on
-    a decode); 0 for sglang's connector."""
-    text = mgr.render_metrics() if hasattr(mgr, "render_metrics") else ""
-    for line in text.splitlines():
-        if line.startswith("kvbridge_staged_bytes_total "):
-            return int(float(line.split()[1]))
     return 0
 
 
