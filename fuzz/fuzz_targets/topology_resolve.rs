@@ -7,7 +7,8 @@
 //! rank, PP size, PP rank, page size; a flags byte; a dtype byte), a mode
 //! byte, then the prefill server's info. Flags: bit 0 MLA, 1 hybrid MLA,
 //! 2 all CP ranks, 3 take the prefill's page size, 4 take its PP size,
-//! 5 small local sizes (mod 17). Mode bit 0 clear: the info is raw JSON;
+//! 5 small local sizes (mod 17). Mode bit 1: the decode's `kv_layout`
+//! tag is the prefill's own (else none). Mode bit 0 clear: the info is raw JSON;
 //! set: it is built from 41 more bytes (four sizes, a page size, flags:
 //! bit 0 small sizes, 1 page size present, 2 dtype present, 3 follow the
 //! room, 4 DSA layer split, 5 KV cache sharding), printed as JSON and
@@ -93,7 +94,12 @@ fuzz_target!(|data: &[u8]| {
         0 => info.kv_cache_dtype.as_deref().unwrap_or("auto"),
         i => DTYPES[i - 1],
     };
-    let Ok(m) = resolve(&info, &local, dtype) else {
+    let layout = if mode & 2 != 0 {
+        info.kv_layout.clone()
+    } else {
+        None
+    };
+    let Ok(m) = resolve(&info, &local, dtype, layout.as_deref()) else {
         return;
     };
     assert!(m.target_tp_ranks.len() <= ABSURD);
