@@ -347,6 +347,52 @@ pub enum PlanError {
         /// The component's type.
         state_type: StateType,
     },
+    /// SWA head slicing (different TP sizes) with pipeline parallelism: the
+    /// SWA pool has no layer ids and restarts at layer 0 on every stage.
+    #[error(
+        "PD disaggregation does not support different TP sizes for non-MLA SWA state with \
+         pipeline parallelism (prefill pp_size={pp_size})"
+    )]
+    SwaHeadSlicePipeline {
+        /// Prefill PP size.
+        pp_size: u64,
+    },
+    /// SWA head slicing needs NHD pages (`[page_size, heads, head_dim]`).
+    #[error("head-sliced SWA transfer needs the NHD KV cache layout, got {layout}")]
+    SwaHeadSliceLayout {
+        /// The SWA sub-pool's layout (`swa_kv_cache_layout`).
+        layout: String,
+    },
+    /// SWA head slicing needs per-layer K and V buffers on both sides.
+    #[error(
+        "head-sliced SWA transfer needs matching per-layer K/V buffers: prefill has {src} \
+         entries, decode has {dst}"
+    )]
+    SwaHeadSliceEntries {
+        /// Prefill SWA buffers.
+        src: usize,
+        /// Decode SWA buffers.
+        dst: usize,
+    },
+    /// SWA head slicing: an item size is not `page_size` tokens of whole heads.
+    #[error(
+        "SWA item lengths (prefill={src_item}, decode={dst_item}) do not split into \
+         {src_heads} and {dst_heads} heads of {total_heads} total with page_size={page_size}"
+    )]
+    SwaHeadSliceItemLens {
+        /// Prefill bytes per page.
+        src_item: u64,
+        /// Decode bytes per page.
+        dst_item: u64,
+        /// Prefill heads per rank.
+        src_heads: u64,
+        /// Decode heads per rank.
+        dst_heads: u64,
+        /// Model's KV heads.
+        total_heads: u64,
+        /// Tokens per page.
+        page_size: u64,
+    },
     /// Replicated QSA: decode buffer and size lists differ in length.
     #[error(
         "replicated {state_type} destination metadata is inconsistent: ptrs={ptrs} lens={lens}"

@@ -215,6 +215,10 @@ pub struct PrefillLayout {
     /// the whole model (0, 4 or 128); KV buffers are the C4 KV, C4 indexer
     /// and C128 KV groups of this stage's layers. `None`: not compressed.
     pub mla_compression_ratios: Option<Vec<u64>>,
+    /// Page layout of the SWA sub-pool (`nhd`, `hnd`, `vectorized_5d`; sglang's
+    /// `swa_kv_cache_layout`). Set: SWA state is head-sliced between different
+    /// TP sizes (NHD only); `None`: such a pairing is refused.
+    pub swa_kv_cache_layout: Option<String>,
 }
 
 impl Default for PrefillLayout {
@@ -242,6 +246,7 @@ impl Default for PrefillLayout {
             max_transfer_batch_indices: 0,
             enable_unified_memory: false,
             mla_compression_ratios: None,
+            swa_kv_cache_layout: None,
         }
     }
 }

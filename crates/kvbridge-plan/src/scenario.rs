@@ -316,6 +316,8 @@ impl Scenario {
                 enable_unified_memory: self.enable_unified_memory,
                 // Not representable in a scenario (the contract's scope).
                 mla_compression_ratios: None,
+                // Not in the contract: SWA across TP sizes stays refused there.
+                swa_kv_cache_layout: None,
             },
             registration: PeerRegistration {
                 dst_kv_ptrs: self.dst_kv_ptrs.clone(),

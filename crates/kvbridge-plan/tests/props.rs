@@ -536,6 +536,9 @@ proptest! {
             aux_data_ptrs: aux_ptrs, aux_item_lens: aux_lens, states: Vec::new(),
             max_transfer_batch_indices: batch, enable_unified_memory: unified,
             mla_compression_ratios: None,
+            // Half the layouts name their SWA page layout (head slicing
+            // between TP sizes), half do not (refused).
+            swa_kv_cache_layout: (rank % 2 == 0).then(|| "nhd".to_owned()),
         };
         let mut reg = PeerRegistration {
             dst_kv_ptrs: dst_ptrs, dst_aux_ptrs: dst_aux, dst_tp_rank: drank, dst_attn_tp_size: d,

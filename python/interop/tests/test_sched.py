@@ -98,16 +98,10 @@ HYBRID_CASES = {
     ("kvbridge-to-sglang", "swa-tp1-tp1"): {"layout": "swa"},
     ("kvbridge-both", "swa-tp1-tp2"): {"layout": "swa", "decode_tp": 2},
     ("kvbridge-to-sglang", "swa-tp2-tp1"): {"layout": "swa", "prefill_tp": 2},
+    ("kvbridge-both", "swa-tp2-tp1"): {"layout": "swa", "prefill_tp": 2},
+    ("kvbridge-to-sglang", "swa-tp1-tp2"): {"layout": "swa", "decode_tp": 2},
+    ("sglang-to-kvbridge", "swa-tp1-tp2"): {"layout": "swa", "decode_tp": 2},
 }
-#: kvbridge bug: a kvbridge prefill refuses SWA state across different
-#: attention TP sizes (kvbridge-plan state/paged.rs, PagedStateTpMismatch:
-#: "PD disaggregation does not support different TP sizes for non-MLA swa
-#: state"), where sglang 0.5.23's Mooncake sender head-slices it
-#: (_send_swa_state_slice; sglang on both sides passes this layout here).
-SWA_TP_BUG = ("kvbridge bug: a kvbridge prefill rejects the decode's registration with 'PD disaggregation does not "
-              "support different TP sizes for non-MLA swa state' (kvbridge-plan state/paged.rs); sglang 0.5.23 "
-              "head-slices SWA state (_send_swa_state_slice)")
-HYBRID_XFAIL = {("kvbridge-both", "swa-tp1-tp2"), ("kvbridge-to-sglang", "swa-tp2-tp1")}
 
 #: Staging (SGLANG_DISAGG_STAGING_BUFFER=1, heterogeneous TP): sglang's own
 #: DecodeStagingHandler asserts the KV pool is on an indexed CUDA device, so
@@ -151,9 +145,7 @@ def _params():
     out = [pytest.param(p, c, CASES[(p, c)], id=f"{p}-{c}") for p, c in CASES]
     marks = [] if ON_DEVICE else [pytest.mark.skip(reason=NEEDS_CUDA)]
     out += [pytest.param(p, c, DEVICE_CASES[(p, c)], id=f"{p}-{c}", marks=marks) for p, c in DEVICE_CASES]
-    out += [pytest.param(p, c, HYBRID_CASES[(p, c)], id=f"{p}-{c}",
-                         marks=[pytest.mark.xfail(reason=SWA_TP_BUG, strict=True)] if (p, c) in HYBRID_XFAIL else [])
-            for p, c in HYBRID_CASES]
+    out += [pytest.param(p, c, HYBRID_CASES[(p, c)], id=f"{p}-{c}") for p, c in HYBRID_CASES]
     return out
 
 

@@ -306,6 +306,7 @@ impl RoleSpec {
                 max_transfer_batch_indices: self.max_transfer_batch_indices,
                 enable_unified_memory: self.enable_unified_memory,
                 mla_compression_ratios: self.compression_ratios()?,
+                swa_kv_cache_layout: a.swa_kv_cache_layout.clone(),
             },
             kv_data_lens: a.kv_data_lens.clone(),
             aux_data_lens: a.aux_data_lens.clone(),

@@ -258,6 +258,12 @@ impl RankPools {
                 aux_item_lens: self.model.aux_item_lens.clone(),
                 states: self.states.iter().map(StatePool::component).collect(),
                 mla_compression_ratios: self.model.compressed.as_ref().map(|c| c.ratios.clone()),
+                // sglang's SWA sub-pool layout: NHD pages, as the pattern writes them.
+                swa_kv_cache_layout: self
+                    .states
+                    .iter()
+                    .any(StatePool::is_swa)
+                    .then(|| "nhd".to_owned()),
                 ..PrefillLayout::default()
             },
             kv_data_lens: self.kv.iter().map(|b| b.mem.len() as u64).collect(),

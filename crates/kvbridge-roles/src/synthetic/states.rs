@@ -253,6 +253,11 @@ impl StatePool {
         })
     }
 
+    /// Whether this is an SWA sub-pool (its pages are NHD: tokens, heads, bytes).
+    pub(super) fn is_swa(&self) -> bool {
+        self.state_type == StateType::Swa
+    }
+
     /// The component as this rank registers it.
     pub(super) fn component(&self) -> StateComponent {
         let bufs = &self.buffers;
