@@ -39,7 +39,7 @@ SCENARIOS = {
 
 def rooms(args):
     """``(room, tokens)`` of every request; lengths vary around --tokens."""
-    return [(1000 + i, args.tokens + (i * 37) % (2 * args.shape.page_size + 5)) for i in range(args.rooms)]
+    return [(1000 + i, args.tokens + (i * 13) % (2 * args.shape.page_size + 5)) for i in range(args.rooms)]
 
 
 def run_bootstrap(args) -> int:
