@@ -107,18 +107,34 @@ fn run_inner(args: &DemoArgs) -> Result<Summary> {
     if args.netns && args.rogue {
         bail!("--rogue attacks loopback ranks; it does not run with --netns");
     }
-    let dir = std::env::temp_dir().join(format!("kvbridge-demo-{}", std::process::id()));
+    let dir = private_dir()?;
     let mut site = Site::start(args, secret.clone())?;
     let result = plan(args, site.bootstrap_addr()).and_then(|plan| {
-        std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
-        let mut children = Children::new(dir.clone(), secret);
+        let mut children = Children::new(dir.path().to_path_buf(), secret);
         let mut plan = plan;
         site.place(&mut plan, &mut children)?;
         orchestrate(args, &mut plan, children, &mut site)
     });
-    let _ = std::fs::remove_dir_all(&dir);
+    drop(dir);
     site.shutdown();
     result
+}
+
+/// A fresh folder for the rank configs (they carry the cluster secret): an
+/// unpredictable name, created new (never an existing path or a planted
+/// link), mode 0700, removed when dropped.
+fn private_dir() -> Result<tempfile::TempDir> {
+    use std::os::unix::fs::PermissionsExt;
+    tempfile::Builder::new()
+        .prefix("kvbridge-demo-")
+        .permissions(std::fs::Permissions::from_mode(0o700))
+        .tempdir()
+        .with_context(|| {
+            format!(
+                "creating a private folder for the rank configs in {}",
+                std::env::temp_dir().display()
+            )
+        })
 }
 
 fn orchestrate(
@@ -437,4 +453,24 @@ fn restart_decode0(
     children.wait_ready(&[id], deadline)?;
     decode_ids[0] = id;
     Ok(())
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)] // tests unwrap what they construct
+mod tests {
+    use std::os::unix::fs::PermissionsExt;
+
+    #[test]
+    fn rank_config_folder_is_fresh_private_and_removed() {
+        let a = super::private_dir().unwrap();
+        let b = super::private_dir().unwrap();
+        assert_ne!(a.path(), b.path());
+        let name = a.path().file_name().unwrap().to_string_lossy().into_owned();
+        assert_ne!(name, format!("kvbridge-demo-{}", std::process::id()));
+        let mode = std::fs::metadata(a.path()).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o700);
+        let path = a.path().to_path_buf();
+        drop(a);
+        assert!(!path.exists());
+    }
 }
