@@ -5,14 +5,88 @@
 //! removed on drop, and namespaces left by a run that was killed are
 //! removed by the next one.
 //!
+//! Who owns what: each run holds an exclusive lock on an owner file
+//! (`/run/kvbridge-netns/<tag>`) for as long as it lives. The kernel drops
+//! the lock when the process dies, however it dies, and the lock means the
+//! same in every PID namespace, so a run judges another run's leftovers by
+//! that lock, never by a process id (which names another process, or none,
+//! in another PID namespace). Names without an owner file are left alone.
+//!
 //! Needs root and `ip` (iproute2).
 
+use std::fs::{File, OpenOptions, TryLockError};
+use std::path::PathBuf;
 use std::process::Command;
 
 use anyhow::{Context, Result, bail};
 
 /// The prefix of every name this module creates.
 const PREFIX: &str = "kvbns";
+
+/// Where the owner files live (shared by every PID namespace that shares
+/// `/run`, as `ip netns` itself needs).
+const OWNERS: &str = "/run/kvbridge-netns";
+
+/// A run's claim on its tag: the locked owner file, unlocked and removed
+/// on drop (or unlocked by the kernel if the run is killed).
+#[derive(Debug)]
+struct Owner {
+    path: PathBuf,
+    _file: File,
+}
+
+impl Owner {
+    /// Claims `tag`; fails if a live run (in any PID namespace) holds it.
+    fn claim(tag: &str) -> Result<Self> {
+        std::fs::create_dir_all(OWNERS).with_context(|| format!("creating {OWNERS}"))?;
+        let path = PathBuf::from(OWNERS).join(tag);
+        let file = OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&path)
+            .with_context(|| format!("opening {}", path.display()))?;
+        match file.try_lock() {
+            Ok(()) => Ok(Self { path, _file: file }),
+            Err(TryLockError::WouldBlock) => bail!(
+                "network namespace names {tag}* belong to a live run in another PID namespace \
+                 (its owner file {} is locked); run again",
+                path.display()
+            ),
+            Err(TryLockError::Error(e)) => {
+                Err(e).with_context(|| format!("locking {}", path.display()))
+            }
+        }
+    }
+}
+
+impl Drop for Owner {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+/// What is known of the run that made names tagged `tag`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Owned {
+    /// Its owner file is locked: the run is alive.
+    Live,
+    /// Its owner file is unlocked: the run is gone.
+    Gone,
+    /// No owner file: not ours to judge (another tool, an older kvbridge).
+    Unknown,
+}
+
+fn owned(tag: &str) -> Owned {
+    let path = PathBuf::from(OWNERS).join(tag);
+    let Ok(file) = File::open(&path) else {
+        return Owned::Unknown;
+    };
+    match file.try_lock() {
+        Ok(()) => Owned::Gone,
+        Err(_) => Owned::Live,
+    }
+}
 
 /// One host: a namespace, its address, its interface inside.
 #[derive(Debug, Clone)]
@@ -32,6 +106,8 @@ pub struct Hosts {
     bridge: String,
     /// The hosts, in creation order.
     pub hosts: Vec<Host>,
+    /// The claim on this run's names (released after the drop below).
+    _owner: Owner,
 }
 
 /// Runs `ip args...`; the error names the command and what `ip` said.
@@ -50,29 +126,22 @@ fn ip(args: &[&str]) -> Result<()> {
     Ok(())
 }
 
-/// Whether process `pid` is alive.
-fn alive(pid: u32) -> bool {
-    std::path::Path::new(&format!("/proc/{pid}")).exists()
-}
-
-/// Removes namespaces, bridges and veths of earlier runs whose process is
-/// gone (a run killed with SIGKILL cannot clean up after itself).
+/// Removes namespaces, bridges and veths of earlier runs that are gone (a
+/// run killed with SIGKILL cannot clean up after itself). Names whose run
+/// is alive, or whose owner is unknown, are left, the latter with one line.
 fn remove_stale() {
     let listed = Command::new("ip").args(["-o", "link", "show"]).output();
     let netns = Command::new("ip").args(["netns", "list"]).output();
-    let owner = |name: &str| -> Option<u32> {
+    let tag_of = |name: &str| -> Option<String> {
         let rest = name.strip_prefix(PREFIX)?;
-        rest.split(|c: char| !c.is_ascii_digit())
-            .next()?
-            .parse()
-            .ok()
+        let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
+        (!digits.is_empty()).then(|| format!("{PREFIX}{digits}"))
     };
+    let mut names = Vec::new();
     if let Ok(out) = netns {
         for line in String::from_utf8_lossy(&out.stdout).lines() {
             let name = line.split_whitespace().next().unwrap_or("");
-            if owner(name).is_some_and(|pid| !alive(pid)) {
-                let _ = ip(&["netns", "del", name]);
-            }
+            names.push((true, name.to_owned()));
         }
     }
     if let Ok(out) = listed {
@@ -80,10 +149,37 @@ fn remove_stale() {
             // "7: kvbns123b: <...>" or "8: kvbns123v0@if2: <...>"
             let name = line.split(':').nth(1).unwrap_or("").trim();
             let name = name.split('@').next().unwrap_or("");
-            if owner(name).is_some_and(|pid| !alive(pid)) {
-                let _ = ip(&["link", "del", name]);
-            }
+            names.push((false, name.to_owned()));
         }
+    }
+    let mut gone = Vec::new();
+    let mut unknown = Vec::new();
+    for (is_ns, name) in names {
+        let Some(tag) = tag_of(&name) else { continue };
+        match owned(&tag) {
+            Owned::Live => {}
+            Owned::Gone => {
+                let _ = if is_ns {
+                    ip(&["netns", "del", &name])
+                } else {
+                    ip(&["link", "del", &name])
+                };
+                gone.push(tag);
+            }
+            Owned::Unknown => unknown.push(name),
+        }
+    }
+    gone.sort();
+    gone.dedup();
+    for tag in gone {
+        let _ = std::fs::remove_file(PathBuf::from(OWNERS).join(tag));
+    }
+    if !unknown.is_empty() {
+        tracing::warn!(
+            names = ?unknown,
+            "leaving network namespaces/links with no owner file in {OWNERS} (not known to be \
+             stale); remove them with `ip netns del` / `ip link del` if no run uses them"
+        );
     }
 }
 
@@ -94,9 +190,10 @@ impl Hosts {
         if n == 0 || n > 200 {
             bail!("--netns needs 1 to 200 hosts, not {n}");
         }
-        remove_stale();
         let pid = std::process::id();
         let tag = format!("{PREFIX}{pid}");
+        let owner = Owner::claim(&tag)?;
+        remove_stale();
         let bridge = format!("{tag}b");
         if bridge.len() > 15 {
             bail!("interface name {bridge} too long");
@@ -105,6 +202,7 @@ impl Hosts {
         let mut hosts = Hosts {
             bridge: bridge.clone(),
             hosts: Vec::new(),
+            _owner: owner,
         };
         ip(&["link", "add", &bridge, "type", "bridge"])?;
         ip(&["link", "set", &bridge, "up"])?;
