@@ -123,7 +123,7 @@ impl ClusterSecret {
     /// A 32-byte key for one purpose, independent of every other purpose's
     /// key: HMAC-SHA256(secret, "kvbridge/1 key " + label).
     pub fn derive(&self, label: &str) -> [u8; 32] {
-        self.tag(&[b"kvbridge/1 key ", label.as_bytes()])
+        derive_key(&self.0, label)
     }
 
     /// HMAC-SHA256 of the concatenated `parts` under the secret.
@@ -145,6 +145,16 @@ impl ClusterSecret {
         }
         m.verify_slice(tag).is_ok()
     }
+}
+
+/// [`ClusterSecret::derive`] of raw secret bytes (an engine config holds
+/// the secret as text).
+pub fn derive_key(secret: &[u8], label: &str) -> [u8; 32] {
+    let mut m = <Hmac<Sha256> as Mac>::new_from_slice(secret)
+        .unwrap_or_else(|_| unreachable!("HMAC takes any key length"));
+    m.update(b"kvbridge/1 key ");
+    m.update(label.as_bytes());
+    m.finalize().into_bytes().into()
 }
 
 /// Lower-case hex of `bytes`.

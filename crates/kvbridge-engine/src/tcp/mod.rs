@@ -156,13 +156,22 @@ pub struct TcpEngine {
 /// Smallest request a batch is cut into when spread over connections.
 const MIN_REQUEST_BYTES: u64 = 256 << 10;
 
+/// Purpose label of the engine handshake's key (the TCP and CUDA IPC engines).
+const HANDSHAKE_KEY: &str = "engine-handshake";
+
+/// The engine handshake's HMAC key: derived for this channel alone, never
+/// the raw secret (docs/security.md: each channel derives its own key).
+fn handshake_key(secret: &str) -> Vec<u8> {
+    crate::secret::derive_key(secret.as_bytes(), HANDSHAKE_KEY).to_vec()
+}
+
 impl TcpEngine {
     /// Bind the listening port and start serving.
     pub fn new(cfg: EngineConfig) -> std::io::Result<Self> {
         let listener = TcpListener::bind((cfg.listen_host.as_str(), cfg.port))?;
         let local = listener.local_addr()?;
         let session = session::session_id(&cfg, local.port())?;
-        let secret = cfg.secret.as_ref().map(|s| s.as_bytes().to_vec());
+        let secret = cfg.secret.as_deref().map(handshake_key);
         let inner = Arc::new(Inner {
             cfg,
             session,
@@ -512,5 +521,28 @@ impl TcpEngine {
         // If the lanes are gone the item is dropped, which fails the batch.
         let _ = peer.tx.send(first);
         Ok(Some(handle))
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)] // tests unwrap what they construct
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_handshake_key_is_derived_never_the_raw_secret() {
+        let text = "a-cluster-secret-of-some-length";
+        let engine = TcpEngine::new(EngineConfig {
+            port: 0,
+            secret: Some(text.into()),
+            ..EngineConfig::default()
+        })
+        .unwrap();
+        let key = engine.inner.secret.clone().unwrap();
+        assert_ne!(key, text.as_bytes());
+        let secret = crate::ClusterSecret::from_text(text, "test").unwrap();
+        assert_eq!(key, secret.derive(HANDSHAKE_KEY));
+        // The UCX side channel's key is another one.
+        assert_ne!(key, secret.derive("ucx-side-channel"));
     }
 }

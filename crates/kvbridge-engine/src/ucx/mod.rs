@@ -36,6 +36,10 @@ use kvbridge_mem::{MemError, Region, RegionRegistry};
 use parking_lot::{Mutex, RwLock};
 
 pub use api::UcxError;
+
+/// Purpose label of the side channel's handshake key (derived from the
+/// cluster secret; never the raw secret).
+pub(crate) const HANDSHAKE_KEY_LABEL: &str = "ucx-side-channel";
 use progress::{BatchCmd, Cmd, Put, Wake};
 use side::{Ask, PeerInfo, Published, RemoteRegion};
 
@@ -183,7 +187,11 @@ impl UcxEngine {
                 return Err(UcxError::ProgressDied);
             }
         };
-        let secret = cfg.secret.as_ref().map(|s| s.as_bytes().to_vec());
+        // This channel's own key, never the raw secret.
+        let secret = cfg
+            .secret
+            .as_deref()
+            .map(|s| crate::secret::derive_key(s.as_bytes(), HANDSHAKE_KEY_LABEL).to_vec());
         let incarnation = rand::random::<u64>() | 1;
         let published = Arc::new(Published {
             secret: secret.clone(),

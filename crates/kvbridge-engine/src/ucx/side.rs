@@ -105,6 +105,7 @@ impl PeerInfo {
 /// What the side-channel server answers with; shared with the engine.
 #[derive(Debug)]
 pub(crate) struct Published {
+    /// The handshake key (derived from the cluster secret), if any.
     pub secret: Option<Vec<u8>>,
     pub incarnation: u64,
     pub worker: Vec<u8>,
