@@ -121,7 +121,7 @@ fn serve(args: &IpcArgs) -> Result<()> {
     // before it is dropped; it is only read (VERIFY) between transfers.
     unsafe { engine.batch_register(&[buf.region()]) }?;
     let mut host = vec![0u8; len];
-    let control = args.peer.control()?;
+    let control = args.peer.control(None)?;
     child::serve(
         control,
         engine.session_id(),
@@ -289,7 +289,7 @@ fn initiate(args: &IpcArgs) -> Result<()> {
     if args.runs == 0 || args.inflight == 0 || args.passes == 0 {
         bail!("--runs, --inflight and --passes must be positive");
     }
-    let mut target = args.peer.target(args.bytes, || spawn_target(args))?;
+    let mut target = args.peer.target(args.bytes, None, || spawn_target(args))?;
     let tuning = args.tuning();
     let engine = IpcEngine::new(engine_config(&args.peer)?, tuning)?;
     let len = usize::try_from(args.bytes)?;

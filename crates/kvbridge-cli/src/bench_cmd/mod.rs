@@ -5,6 +5,7 @@ use std::process::ExitCode;
 use clap::{Args, Subcommand};
 
 mod child;
+mod control_auth;
 #[cfg(feature = "cuda")]
 mod ipc;
 #[cfg(feature = "cuda")]
@@ -106,19 +107,22 @@ impl PeerArgs {
         serve || self.listen.is_some()
     }
 
-    /// Where the target takes commands from.
-    fn control(&self) -> anyhow::Result<child::Control> {
-        child::Control::new(self.listen.as_deref())
+    /// Where the target takes commands from; over `--listen`, initiators
+    /// must prove `secret` (the bench's `--auth` secret).
+    fn control(&self, secret: Option<&str>) -> anyhow::Result<child::Control> {
+        child::Control::new(self.listen.as_deref(), secret)
     }
 
-    /// The initiator's target: the `--connect` one, else `spawn()`ed.
+    /// The initiator's target: the `--connect` one (proving `secret`), else
+    /// `spawn()`ed.
     fn target(
         &self,
         bytes: u64,
+        secret: Option<&str>,
         spawn: impl FnOnce() -> anyhow::Result<child::Target>,
     ) -> anyhow::Result<child::Target> {
         match &self.connect {
-            Some(addr) => child::Target::connect(addr, bytes),
+            Some(addr) => child::Target::connect(addr, bytes, secret),
             None => spawn(),
         }
     }

@@ -149,7 +149,12 @@ pub(super) fn buffer(bytes: u64) -> Result<HostBuffer> {
 
 fn serve(args: &TcpArgs) -> Result<()> {
     let engine = TcpEngine::new(args.engine_config()?).context("starting the tcp engine")?;
-    serve_buffer(&engine, args.bytes, args.peer.control()?)?;
+    serve_buffer(
+        &engine,
+        args.bytes,
+        args.peer
+            .control(super::bench_secret(args.auth).as_deref())?,
+    )?;
     let s = engine.stats();
     tracing::info!(bytes_received = s.bytes_received, "bench target done");
     Ok(())
@@ -208,7 +213,10 @@ fn initiate(args: &TcpArgs) -> Result<()> {
             bail!("block size {size} must be in 1..=--bytes ({})", args.bytes);
         }
     }
-    let mut target = args.peer.target(args.bytes, || spawn_target(args))?;
+    let secret = super::bench_secret(args.auth);
+    let mut target = args
+        .peer
+        .target(args.bytes, secret.as_deref(), || spawn_target(args))?;
     let engine = TcpEngine::new(args.engine_config()?).context("starting the tcp engine")?;
     let mut src = buffer(args.bytes)?;
     let base = src.addr();

@@ -88,7 +88,12 @@ pub fn run(args: UcxArgs) -> Result<()> {
 }
 
 fn serve(args: &UcxArgs) -> Result<()> {
-    serve_buffer(&args.engine()?, args.bytes, args.peer.control()?)
+    serve_buffer(
+        &args.engine()?,
+        args.bytes,
+        args.peer
+            .control(super::bench_secret(args.auth).as_deref())?,
+    )
 }
 
 /// Spawns the target of `args` (`bench ucx --serve`).
@@ -143,7 +148,10 @@ fn initiate(args: &UcxArgs) -> Result<()> {
             bail!("--scatter needs block sizes that are multiples of 8");
         }
     }
-    let mut target = args.peer.target(args.bytes, || spawn_target(args))?;
+    let secret = super::bench_secret(args.auth);
+    let mut target = args
+        .peer
+        .target(args.bytes, secret.as_deref(), || spawn_target(args))?;
     let engine = args.engine()?;
     let mut src = buffer(args.bytes)?;
     let base = src.addr();
