@@ -414,9 +414,12 @@ def setup_process(engine_module: Optional[str] = None, backend: str = "mooncake"
         kvbridge_hook.install(engine_module)
 
 
-def publish_server_args(mode: str, *, bootstrap_port: int, rank: RankSpec, http_port: int, **extra):
+def publish_server_args(mode: str, *, bootstrap_port: int, rank: RankSpec, http_port: int,
+                        dp_rank: Optional[int] = None, **extra):
     """Builds ``ServerArgs`` as a launcher would and publishes it as this
-    process's runtime context, as sglang's scheduler process does."""
+    process's runtime context, as sglang's scheduler process does
+    (``dp_rank``: the spawn DP rank a DP controller passes, e.g. the
+    attention-DP rank)."""
     from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish, spawn_world_rank
     from sglang.srt.server_args import ServerArgs
 
@@ -437,7 +440,7 @@ def publish_server_args(mode: str, *, bootstrap_port: int, rank: RankSpec, http_
         role="scheduler",
         ranks=SpawnRanks(
             world_rank=spawn_world_rank(sa, tp_rank=rank.tp_rank, pp_rank=rank.pp_rank),
-            dp_rank=None,
+            dp_rank=dp_rank,
             gpu_id=rank.tp_rank,
         ),
     )

@@ -38,6 +38,10 @@ class Spec:
     layers: int = 2
     prefill_tp: int = 1
     prefill_pp: int = 1
+    #: Attention-DP groups / CP ranks within the prefill's TP ranks (sched_parallel).
+    prefill_attn_dp: int = 1
+    prefill_attn_cp: int = 1
+    load_balance_method: str = "follow_bootstrap_room"
     decode_tp: int = 1
     rooms: int = 6
     tokens: int = 100
@@ -82,7 +86,9 @@ def run(spec: Spec) -> Outcome:
                 procs[f"prefill-tp{tp}-pp{pp}"] = _start(
                     [python, WORKER, "prefill", *common, "--backend", spec.prefill_backend,
                      "--tp", str(spec.prefill_tp), str(tp), "--pp", str(spec.prefill_pp), str(pp),
-                     "--gloo-port", str(gloo["prefill"]), "--http-port", str(free_port())], env)
+                     "--gloo-port", str(gloo["prefill"]), "--http-port", str(free_port()),
+                     "--attn-dp", str(spec.prefill_attn_dp), "--attn-cp", str(spec.prefill_attn_cp),
+                     "--load-balance-method", spec.load_balance_method], env)
         for tp in range(spec.decode_tp):
             procs[f"decode-tp{tp}"] = _start(
                 [python, WORKER, "decode", *common, "--backend", spec.decode_backend,

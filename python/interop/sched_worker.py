@@ -21,10 +21,12 @@ import argparse
 import logging
 import os
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness  # noqa: E402
+import sched_parallel  # noqa: E402
 from pd_worker import log, result, staged_bytes  # noqa: E402  (one copy of the RESULT protocol)
 
 #: What each scenario does.
@@ -63,8 +65,9 @@ def aborted(req) -> bool:
 def world(mode: str, args):
     import sched_world
 
+    extra = sched_parallel.server_args_extra(args) if mode == "prefill" else {}
     return sched_world.World(mode, args.shape, bootstrap_port=args.bootstrap_port, http_port=args.http_port,
-                             gloo_port=args.gloo_port)
+                             gloo_port=args.gloo_port, server_args_extra=extra)
 
 
 def run_prefill(args) -> int:
@@ -72,14 +75,24 @@ def run_prefill(args) -> int:
     w = world("prefill", args)
     log(role, f"manager {type(w.kv_manager).__module__}.{type(w.kv_manager).__name__}")
     reqs = {}
-    for room, tokens in rooms(args):
+    for room, tokens in sched_parallel.routed(args, rooms(args)):  # attention DP: this group's
         reqs[room] = w.make_req(room, tokens)
         w.prefill_add(reqs[room])
-    first = min(reqs)
+    first = min(room for room, _ in rooms(args))
     s = w.scheduler
     succeeded, failed = set(), {}
     aborted_sent = False
     deadline = time.monotonic() + args.timeout
+    if args.shape.pp_size > 1:
+        # sglang's own PP prefill loop (sched_parallel); what concluded was streamed.
+        assert args.scenario in ("ok", "abort-decode"), args.scenario
+        rdv = os.path.join(tempfile.gettempdir(), f"kvb-sched-pp-{args.gloo_port}")  # one per cluster run
+        sched_parallel.run_pp_prefill(w, set(reqs), deadline, rdv)
+        for req in w.recorder.streamed:
+            if aborted(req):
+                failed[req.bootstrap_room] = str(req.finished_reason.message)
+            else:
+                succeeded.add(req.bootstrap_room)
     while len(succeeded) + len(failed) < len(reqs) and time.monotonic() < deadline:
         if args.scenario == "abort-prefill" and not aborted_sent:
             # The router aborts the request before it ran (bootstrap queue).
@@ -97,7 +110,7 @@ def run_prefill(args) -> int:
                 failed[req.bootstrap_room] = str(req.finished_reason.message)
         time.sleep(0.002)
     expect_failed = {"abort-decode": {first}, "abort-prefill": {first}, "kill-decode": set(reqs)}.get(
-        args.scenario, set())
+        args.scenario, set()) & set(reqs)
     concluded = succeeded | set(failed) == set(reqs)
     ok = concluded and set(failed) == expect_failed
     if w.hybrid:  # each hybrid pool's free capacity against its size
@@ -175,6 +188,10 @@ def parse_args(argv=None):
     p.add_argument("--pp", type=int, nargs=2, default=(1, 0), metavar=("SIZE", "RANK"))
     p.add_argument("--rooms", type=int, default=6)
     p.add_argument("--tokens", type=int, default=100)
+    p.add_argument("--attn-dp", type=int, default=1, help="prefill attention-DP groups in --tp (sched_parallel)")
+    p.add_argument("--attn-cp", type=int, default=1, help="prefill attention-CP ranks in --tp (sched_parallel)")
+    p.add_argument("--load-balance-method", default="follow_bootstrap_room",
+                   choices=["follow_bootstrap_room", "round_robin"])
     p.add_argument("--scenario", choices=sorted(SCENARIOS), default="ok")
     p.add_argument("--device", default=os.environ.get("KVB_INTEROP_BUFFERS", "cpu"))
     p.add_argument("--timeout", type=float, default=60.0)

@@ -259,6 +259,7 @@ class World:
         from sglang.srt.mem_cache.cache_init_params import CacheInitParams
         from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool
         from sglang.srt.mem_cache.radix_cache import RadixCache
+        from sglang.srt.runtime_context import get_parallel
 
         s, mc = self.shape, self.model_config
         start, end = self.layer_range()
@@ -271,7 +272,10 @@ class World:
             self.global_heads = [0]
         else:
             total = mc.get_total_num_kv_heads()
-            self.global_heads = local_kv_heads(total, s.tp_size, s.tp_rank)
+            # The attention-TP group's heads (the TP rank's unless attention
+            # DP/CP split the TP group, sched_parallel).
+            attn = get_parallel()
+            self.global_heads = local_kv_heads(total, attn.attn_tp_size, attn.attn_tp_rank)
             self.kv_pool = MHATokenToKVPool(
                 s.pool_tokens, s.page_size, torch.bfloat16, head_num=len(self.global_heads),
                 head_dim=mc.head_dim, layer_num=layer_num, device=s.device, enable_memory_saver=False,
