@@ -44,6 +44,7 @@ from __future__ import annotations
 import types
 from typing import Dict, List, Tuple
 
+import sched_dsv4
 import sched_world
 
 #: Tags of the state byte patterns (``kv_pattern``'s K/V argument).
@@ -51,12 +52,14 @@ CONV, TEMPORAL = 2, 3
 
 
 def kind(layout: str) -> str:
-    """"mamba", "swa" or "" (not a hybrid layout)."""
+    """"mamba", "swa", "dsv4" (``sched_dsv4``) or "" (not a hybrid layout)."""
     return sched_world.MODELS[layout].get("_hybrid", "")
 
 
 def server_args_extra(layout: str, mode: str, shape) -> dict:
     """Server args sglang's sizer would have resolved for these pools."""
+    if kind(layout) == "dsv4":
+        return sched_dsv4.server_args_extra(mode, shape)
     extra = {}
     if kind(layout) == "mamba":
         # Mamba slots: a main one and the ping-pong tracking ones per request.
@@ -101,23 +104,29 @@ def build(world):
     from sglang.srt.mem_cache.kv_cache_builder import build_kv_cache
     from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator
     from sglang.srt.model_executor.model_runner_components.layer_setup import resolve_layer_indices
+    from sglang.srt.model_executor.model_runner_components.load_model_utils import resolve_sliding_window_size
     from sglang.srt.runtime_context import get_parallel
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
     s, mc = world.shape, world.model_config
+    dsv4 = kind(s.layout) == "dsv4"
     start, end = world.layer_range()
     model = types.SimpleNamespace(start_layer=start, end_layer=end)  # the loaded model's layer range
     layer_info = resolve_layer_indices(model=model, model_config=mc, is_draft_worker=False)
-    window = sliding_window(mc) if mc.is_hybrid_swa else None
+    # DeepSeek-V4's model class has no window of its own: sglang's resolution
+    # takes the config's; gpt-oss's get_attention_sliding_window_size.
+    window = resolve_sliding_window_size(model, mc) if dsv4 else sliding_window(mc) if mc.is_hybrid_swa else None
+    # DeepSeek-V4: the fp8 KV sglang resolves "auto" to (sched_dsv4).
+    dtype, dtype_str = (torch.float8_e4m3fn, "fp8_e4m3") if dsv4 else (torch.bfloat16, "auto")
     configurator = KVCacheConfigurator(
         device=s.device, gpu_id=0, attn_dp_size=1, pp_size=s.pp_size, pp_group=get_parallel().pp_group,
-        model=model, model_config=mc, server_args=world.server_args, kv_cache_dtype=torch.bfloat16,
-        kv_cache_dtype_str="auto", model_dtype=torch.bfloat16, page_size=s.page_size, sliding_window_size=window,
+        model=model, model_config=mc, server_args=world.server_args, kv_cache_dtype=dtype,
+        kv_cache_dtype_str=dtype_str, model_dtype=torch.bfloat16, page_size=s.page_size, sliding_window_size=window,
         spec_algorithm=SpeculativeAlgorithm.NONE, is_draft_worker=False, post_capture_kv_active=False,
         spec_aux_config=None, is_hybrid_swa=mc.is_hybrid_swa, is_hybrid_swa_compress=False,
         use_mla_backend=False, layer_info=layer_info, forward_stream=None, req_to_token_pool=None,
         token_to_kv_pool_allocator=None, memory_pool_config=None)
-    sizes = pool_sizes(s, mc.is_hybrid_swa)
+    sizes = sched_dsv4.pool_sizes(configurator, s) if dsv4 else pool_sizes(s, mc.is_hybrid_swa)
     pools = configurator._init_pools(sizes=sizes, req_to_token_pool=None, token_to_kv_pool_allocator=None)
     # The model runner's fields after its pools exist (ModelRunner stand-in).
     runner = types.SimpleNamespace(
@@ -125,7 +134,7 @@ def build(world):
         token_to_kv_pool_allocator=pools.token_to_kv_pool_allocator, is_hybrid_swa=mc.is_hybrid_swa,
         sliding_window_size=window, full_max_total_num_tokens=sizes.full_max_total_num_tokens,
         swa_max_total_num_tokens=sizes.swa_max_total_num_tokens or s.pool_tokens,
-        effective_logical_max_total_num_tokens=s.pool_tokens, kv_cache_dtype_str="auto",
+        effective_logical_max_total_num_tokens=s.pool_tokens, kv_cache_dtype_str=dtype_str,
         mtp_draft_device_pools=(), mtp_draft_mamba_pools=(), spec_algorithm=SpeculativeAlgorithm.NONE,
         forward_stream=None, model=model)
     tp_worker = object.__new__(TpModelWorker)
@@ -156,6 +165,8 @@ def kv_layers(world) -> List[Tuple[int, int, object, bool]]:
     torch, pool = world.torch, world.kv_pool
     mc = world.model_config
     start, end = world.layer_range()
+    if kind(world.shape.layout) == "dsv4":
+        return []  # whole items of sglang's transfer buffers instead (sched_dsv4)
     if kind(world.shape.layout) == "swa":
         swa = set(mc.swa_attention_layer_ids)
         layers = [(layer, layer in swa) for layer in range(start, end)]
@@ -227,7 +238,9 @@ def _state_pattern(world, room: int, layer: int, tag: int, rows: List[int], row_
 def write_state(world, req) -> None:
     """The forward's state writes for ``req`` beyond full-attention KV: the
     mamba state at its slot (written whole, as the last chunk's forward
-    leaves it)."""
+    leaves it); DeepSeek-V4's every transfer item (``sched_dsv4.write``)."""
+    if kind(world.shape.layout) == "dsv4":
+        return sched_dsv4.write(world, req)
     if kind(world.shape.layout) != "mamba":
         return
     slot = mamba_slot(world, req)
@@ -237,7 +250,10 @@ def write_state(world, req) -> None:
 
 def verify_state(world, req) -> Dict[str, int]:
     """Every mamba state byte of ``req`` on this decode rank against the
-    pattern; ``{"bytes", "mismatched"}``."""
+    pattern (DeepSeek-V4: every item sglang sent, ``sched_dsv4.verify``);
+    ``{"bytes", "mismatched"}``."""
+    if kind(world.shape.layout) == "dsv4":
+        return sched_dsv4.verify(world, req)
     if kind(world.shape.layout) != "mamba":
         return {"bytes": 0, "mismatched": 0}
     slot = mamba_slot(world, req)
@@ -256,7 +272,7 @@ def leaks(world) -> Dict[str, int]:
     out = {"free_kv_tokens": alloc.full_available_size() + tree.full_evictable_size()
            if hasattr(alloc, "full_available_size") else alloc.available_size() + tree.full_evictable_size(),
            "pool_tokens": world.shape.pool_tokens}
-    if kind(world.shape.layout) == "swa":
+    if kind(world.shape.layout) in ("swa", "dsv4"):
         out["swa_free_tokens"] = alloc.swa_available_size() + tree.swa_evictable_size()
         out["swa_pool_tokens"] = alloc.size_swa
     else:
@@ -271,6 +287,8 @@ def leaks(world) -> Dict[str, int]:
 def expected_bytes(layout: str, layers: int, decode_tp: int, rank: int, tokens: int) -> int:
     """KV and state bytes one room of ``tokens`` leaves on decode rank
     ``rank`` of ``decode_tp`` (bf16 KV, bf16 conv and fp32 temporal state)."""
+    if kind(layout) == "dsv4":
+        return sched_dsv4.expected_bytes(layers, tokens)  # replicated on every rank (MLA)
     m = sched_world.MODELS[layout]
     heads = len(sched_world.local_kv_heads(m["num_key_value_heads"], decode_tp, rank))
     per_token_layer = 2 * heads * m["head_dim"] * 2

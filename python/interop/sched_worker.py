@@ -122,7 +122,8 @@ def run_prefill(args) -> int:
                  "pool_tokens": w.shape.pool_tokens}
     leaks["metadata_free"] = s.req_to_metadata_buffer_idx_allocator.available_size()
     return result(role, ok, succeeded=sorted(succeeded), failed={str(k): v for k, v in failed.items()},
-                  manager=type(w.kv_manager).__module__, leaks=leaks, staged_bytes=staged_bytes(w.kv_manager))
+                  manager=type(w.kv_manager).__module__, leaks=leaks, staged_bytes=staged_bytes(w.kv_manager),
+                  kv_args=w.layout_args())
 
 
 def run_decode(args) -> int:
@@ -169,7 +170,8 @@ def run_decode(args) -> int:
                   verified_bytes=sum(c["bytes"] for c in checks.values()),
                   mismatched=sum(c["mismatched"] for c in checks.values()), bad={str(k): v for k, v in bad.items()},
                   failed_after_s={str(k): v for k, v in failed_after.items()},
-                  manager=type(w.kv_manager).__module__, staged_bytes=staged_bytes(w.kv_manager))
+                  manager=type(w.kv_manager).__module__, staged_bytes=staged_bytes(w.kv_manager),
+                  kv_args=w.layout_args())
 
 
 def parse_args(argv=None):
@@ -183,7 +185,7 @@ def parse_args(argv=None):
     p.add_argument("--backend", choices=["mooncake", "kvbridge"], default="kvbridge")
     p.add_argument("--layout", choices=sorted(sched_world.MODELS), default="mha")
     p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--page-size", type=int, default=None, help="default: the layout's (16; DeepSeek-V4 256)")
     p.add_argument("--tp", type=int, nargs=2, default=(1, 0), metavar=("SIZE", "RANK"))
     p.add_argument("--pp", type=int, nargs=2, default=(1, 0), metavar=("SIZE", "RANK"))
     p.add_argument("--rooms", type=int, default=6)
@@ -196,9 +198,11 @@ def parse_args(argv=None):
     p.add_argument("--device", default=os.environ.get("KVB_INTEROP_BUFFERS", "cpu"))
     p.add_argument("--timeout", type=float, default=60.0)
     args = p.parse_args(argv)
-    args.shape = sched_world.Shape(layout=args.layout, layers=args.layers, page_size=args.page_size,
-                                   tp_size=args.tp[0], tp_rank=args.tp[1], pp_size=args.pp[0], pp_rank=args.pp[1],
-                                   device=args.device)
+    fields = sched_world.layout_shape(args.layout)
+    if args.page_size is not None:
+        fields["page_size"] = args.page_size
+    args.shape = sched_world.Shape(layout=args.layout, layers=args.layers, tp_size=args.tp[0], tp_rank=args.tp[1],
+                                   pp_size=args.pp[0], pp_rank=args.pp[1], device=args.device, **fields)
     return args
 
 

@@ -14,10 +14,11 @@ The loops then call sglang's queue and mixin methods
 (``pop_bootstrapped``, ``process_batch_result_disagg_prefill``,
 ``process_disagg_prefill_inflight_queue``, ``pop_preallocated``,
 ``pop_transferred``, ``release_aborted_prefill_waiting_req``, ...).
-Hybrid layouts (``MODELS["mamba"]``, ``MODELS["swa"]``) get their pools,
-tree cache and the scheduler's hybrid fields from sglang's
-``KVCacheConfigurator`` and ``build_kv_cache`` instead (``sched_hybrid``,
-whose docstring lists what it stands in for).
+Hybrid layouts (``MODELS["mamba"]``, ``MODELS["swa"]``, ``MODELS["dsv4"]``)
+get their pools, tree cache and the scheduler's hybrid fields from sglang's
+``KVCacheConfigurator`` and ``build_kv_cache`` instead (``sched_hybrid``
+and, for DeepSeek-V4's compressed MLA, ``sched_dsv4``, whose docstrings
+list what they stand in for).
 
 What is stood in for, and why (also in README.md, "The real scheduler"):
 
@@ -82,20 +83,40 @@ MODELS = {
             "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 32, "sliding_window": 64,
             "layer_types": ["sliding_attention", "full_attention"], "num_local_experts": 4,
             "num_experts_per_tok": 2},
+    # DeepSeek-V4-shaped compressed MLA (sched_dsv4): every layer keeps a
+    # 128-token sliding window of the 512-dim latent (448 nope + 64 rope);
+    # compress_ratios per layer (cycled): none, C4 (with its indexer), C128.
+    # V4's own head sizes (the FlashMLA V4 page layout asserts 584 bytes a
+    # token); sglang's V4 pools need 256-token pages.
+    "dsv4": {"_hybrid": "dsv4", "_page_size": 256, "_pool_tokens": 8192, "architectures": ["DeepseekV4ForCausalLM"],
+             "model_type": "deepseek_v4", "hidden_size": 256, "num_attention_heads": 8, "num_key_value_heads": 1,
+             "head_dim": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 448, "v_head_dim": 512,
+             "kv_lora_rank": 512, "q_lora_rank": 64, "sliding_window": 128, "index_head_dim": 128,
+             "index_n_heads": 4, "index_topk": 64, "compress_ratios": [0, 4, 128, 4], "n_routed_experts": 4,
+             "num_experts_per_tok": 2, "moe_intermediate_size": 64, "n_shared_experts": 1, "n_group": 1,
+             "topk_group": 1, "routed_scaling_factor": 1.0},
 }
 
 
 def write_model_dir(layout: str, layers: int) -> str:
     """A directory holding a tiny ``config.json`` for ``layout``."""
     model = {k: v for k, v in MODELS[layout].items() if not k.startswith("_")}
-    if "layer_types" in model:
-        model["layer_types"] = [model["layer_types"][i % len(model["layer_types"])] for i in range(layers)]
+    for per_layer in ("layer_types", "compress_ratios"):
+        if per_layer in model:
+            model[per_layer] = [model[per_layer][i % len(model[per_layer])] for i in range(layers)]
     cfg = dict(model, num_hidden_layers=layers, intermediate_size=512, vocab_size=1000,
                max_position_embeddings=8192, torch_dtype="bfloat16", rms_norm_eps=1e-6)
     d = tempfile.mkdtemp(prefix=f"kvb-sched-{layout}-")
     with open(os.path.join(d, "config.json"), "w") as f:
         json.dump(cfg, f)
     return d
+
+
+def layout_shape(layout: str) -> dict:
+    """Shape fields a layout needs other than the defaults (page size,
+    pool tokens)."""
+    m = MODELS[layout]
+    return {k: m["_" + k] for k in ("page_size", "pool_tokens") if "_" + k in m}
 
 
 @dataclass
@@ -364,6 +385,14 @@ class World:
         return Req(rid=f"room-{room}", origin_input_text="", origin_input_ids=ids, sampling_params=params,
                    bootstrap_host=bootstrap_host, bootstrap_port=self.server_args.disaggregation_bootstrap_port,
                    bootstrap_room=room, disagg_mode=mode, eos_token_ids=set(), vocab_size=1000)
+
+    def layout_args(self) -> dict:
+        """What sglang's ``_init_kv_manager`` put in ``KVArgs`` to name the
+        pool's layout (the manager's own copy)."""
+        a = self.kv_manager.kv_args
+        return {"kv_layout": getattr(a, "kv_layout", None),
+                "mla_compression_ratios": getattr(a, "mla_compression_ratios", None),
+                "state_types": [getattr(t, "value", t) for t in getattr(a, "state_types", None) or []]}
 
     @property
     def kv_manager(self):
