@@ -103,6 +103,23 @@ HYBRID_CASES = {
     ("sglang-to-kvbridge", "swa-tp1-tp2"): {"layout": "swa", "decode_tp": 2},
 }
 
+#: DeepSeek-V4 compressed MLA (sched_dsv4: sglang's DSV4PoolConfigurator
+#: sizing, DeepSeekV4TokenToKVPool, SWATokenToKVPoolAllocator; 4 layers
+#: with compression ratios 0, 4, 128, 4; 256-token pages): KVArgs carry
+#: mla_compression_ratios and the kv_layout tag "v4,c4:v4,c128:v4", KV
+#: [C4 KV, C4 indexer, C128 KV], state SWA [SWA KV, C4 compressor and
+#: indexer states] and c128_state. The decode checks every byte of every
+#: item sglang sent: all KV pages, the SWA pages of the window (two pages
+#: or, past 384 tokens, the last one), the C128 state page (none at 384
+#: tokens, a multiple of 128). MLA: replicated across TP on both sides.
+DSV4 = {"layout": "dsv4", "layers": 4, "tokens": 371}
+DSV4_KV_ARGS = {"kv_layout": "v4,c4:v4,c128:v4", "mla_compression_ratios": [0, 4, 128, 4],
+                "state_types": ["swa", "c128_state"]}
+DSV4_CASES = {
+    (pairing, f"dsv4-tp{p}-tp{d}"): dict(DSV4, prefill_tp=p, decode_tp=d)
+    for pairing in ("kvbridge-both", "sglang-to-kvbridge", "kvbridge-to-sglang") for p, d in ((1, 1), (2, 1), (1, 2))
+}
+
 #: Prefill parallelism beyond TP (sched_parallel): PP through sglang's own
 #: event_loop_pp_disagg_prefill (bootstrap polls relayed by pp_sync_polls,
 #: the release consensus around the ring); attention DP (the decode finds
@@ -170,7 +187,7 @@ def sched_worker_rooms(spec):
     import sched_worker
 
     args = type("A", (), {"rooms": spec.rooms, "tokens": spec.tokens,
-                          "shape": sched_world.Shape(page_size=16)})()
+                          "shape": sched_world.Shape(**sched_world.layout_shape(spec.layout))})()
     return sched_worker.rooms(args)
 
 
@@ -181,6 +198,7 @@ def _params():
     out += [pytest.param(p, c, HYBRID_CASES[(p, c)], id=f"{p}-{c}") for p, c in HYBRID_CASES]
     out += [pytest.param(p, c, f, id=f"{p}-{c}", marks=[pytest.mark.xfail(strict=True, reason=PARALLEL_XFAIL[(p, c)])]
                          if (p, c) in PARALLEL_XFAIL else []) for (p, c), f in PARALLEL_CASES.items()]
+    out += [pytest.param(p, c, DSV4_CASES[(p, c)], id=f"{p}-{c}") for p, c in DSV4_CASES]
     return out
 
 
@@ -197,6 +215,9 @@ def test_real_scheduler(pairing, case, fields):
         want = {prefill if name.startswith("prefill") else decode}
         assert {"kvbridge" if "kvbridge" in r.get("manager", "kvbridge") else "mooncake"} == want or \
             spec.scenario == "kill-decode"
+        if spec.layout == "dsv4":
+            # What sglang's _init_kv_manager put in KVArgs, on either backend.
+            assert r["kv_args"] == DSV4_KV_ARGS, r
         if name.startswith("prefill"):
             # Every page and metadata slot came back (no room leaked them).
             assert r["leaks"]["free_kv_tokens"] == r["leaks"]["pool_tokens"], r
