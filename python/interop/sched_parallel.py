@@ -109,10 +109,13 @@ def run_pp_prefill(w, rooms: set, deadline: float, rdv: str) -> None:
     pp = s.pp_group
     results: Dict[int, object] = {}
     os.makedirs(rdv, exist_ok=True)
+    mine = os.path.join(rdv, f"stage{pp.rank_in_group}")
+    if os.path.exists(mine):  # an earlier run's (ports are reused); no stage concludes before all run
+        os.remove(mine)
 
     def all_concluded() -> bool:
         if rooms <= {r.bootstrap_room for r in w.recorder.streamed}:
-            open(os.path.join(rdv, f"stage{pp.rank_in_group}"), "w").close()
+            open(mine, "w").close()
         return all(os.path.exists(os.path.join(rdv, f"stage{k}")) for k in range(pp.world_size))
 
     def ingest_requests(stop_at_pause: bool = False) -> List:

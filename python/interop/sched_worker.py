@@ -86,7 +86,7 @@ def run_prefill(args) -> int:
     if args.shape.pp_size > 1:
         # sglang's own PP prefill loop (sched_parallel); what concluded was streamed.
         assert args.scenario in ("ok", "abort-decode"), args.scenario
-        rdv = os.path.join(tempfile.gettempdir(), f"kvb-sched-pp-{args.gloo_port}")  # one per cluster run
+        rdv = os.path.join(tempfile.gettempdir(), f"kvb-sched-pp-{args.bootstrap_port}-{args.gloo_port}")
         sched_parallel.run_pp_prefill(w, set(reqs), deadline, rdv)
         for req in w.recorder.streamed:
             if aborted(req):
