@@ -287,7 +287,14 @@ impl RouteRegistration {
         rank("attn_cp_rank", self.attn_cp_rank, cp)?;
         rank("attn_dp_rank", self.attn_dp_rank, dp)?;
         rank("pp_rank", self.pp_rank, pp)?;
-        rank("system_dp_rank", self.system_dp_rank, sys)?;
+        // With system DP 1, sglang's server ignores the system DP rank (the
+        // DP group is the attention DP rank), and sglang 0.5.23's DP
+        // controller sends the attention DP rank there: bound it by that.
+        rank(
+            "system_dp_rank",
+            self.system_dp_rank,
+            if sys == 1 { dp } else { sys },
+        )?;
         total_ranks([self.dp_group().1, cp, tp, pp])?;
         size("page_size", self.page_size, MAX_PAGE_SIZE)?;
         if self.rank_port == 0 {
@@ -562,7 +569,13 @@ mod tests {
                 |r| r.attn_tp_rank = 2,
                 "attn_tp_rank=2 is not below its size 2",
             ),
-            (|r| r.system_dp_rank = 1, "system_dp_rank=1"),
+            (
+                |r| {
+                    r.system_dp_size = 2;
+                    r.system_dp_rank = 2;
+                },
+                "system_dp_rank=2",
+            ),
             (|r| r.rank_port = 0, "rank_port must not be 0"),
             (|r| r.page_size = 0, "page_size"),
             (|r| r.rank_ip = "evil host/x".into(), "rank_ip"),
@@ -585,6 +598,14 @@ mod tests {
             let e = r.validate().unwrap_err().to_string();
             assert!(e.contains(what), "{e} lacks {what}");
         }
+        // Attention DP as sglang 0.5.23's DP controller registers it:
+        // system DP size 1, the attention DP rank as the system DP rank.
+        let mut r = good();
+        (r.attn_dp_size, r.attn_dp_rank, r.system_dp_rank) = (2, 1, 1);
+        assert_eq!(r.validate(), Ok(()));
+        assert_eq!(r.dp_group(), (1, 2));
+        r.system_dp_rank = 2;
+        assert!(r.validate().is_err());
         let mut r = good();
         r.rank_ip = "[::1]".into();
         assert_eq!(r.validate(), Ok(()));

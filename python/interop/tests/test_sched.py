@@ -135,7 +135,7 @@ PARALLEL_CASES = {
     ("kvbridge-both", "pp2-abort-decode"): {"prefill_pp": 2, "scenario": "abort-decode"},
     ("sglang-to-kvbridge", "pp2-tp1"): {"prefill_pp": 2},
     ("kvbridge-to-sglang", "pp2-tp1"): {"prefill_pp": 2},
-    ("kvbridge-both", "attn-dp2"): dict(DP2, timeout=15.0),  # PARALLEL_XFAIL: fails fast
+    ("kvbridge-both", "attn-dp2"): DP2,
     ("kvbridge-both", "attn-dp2-sglang-bootstrap"): dict(DP2, bootstrap_backend=MC),
     ("kvbridge-both", "attn-dp2-round-robin-sglang-bootstrap"): dict(DP2, bootstrap_backend=MC, **RR),
     ("sglang-to-kvbridge", "attn-dp2-round-robin"): dict(DP2, **RR),
@@ -144,13 +144,6 @@ PARALLEL_CASES = {
     ("kvbridge-both", "attn-cp2-all-ranks"): dict(CP2, env={"SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER": "1"}),
     ("sglang-to-kvbridge", "attn-cp2"): CP2,
     ("kvbridge-to-sglang", "attn-cp2"): CP2,
-}
-#: Known kvbridge bugs, strict xfails.
-PARALLEL_XFAIL = {
-    ("kvbridge-both", "attn-dp2"): "kvbridge's bootstrap server refuses sglang 0.5.23's attention-DP registration: "
-    "system_dp_size=1 with system_dp_rank=attn_dp_rank (the DP controller's spawn dp_rank), 422 'system_dp_rank=1 is "
-    "not below its size 1' (RouteRegistration::validate, kvbridge-wire/src/bootstrap.rs); sglang's server ignores "
-    "system_dp_rank when system_dp_size is 1",
 }
 
 #: Staging (SGLANG_DISAGG_STAGING_BUFFER=1, heterogeneous TP): sglang's own
@@ -196,8 +189,7 @@ def _params():
     marks = [] if ON_DEVICE else [pytest.mark.skip(reason=NEEDS_CUDA)]
     out += [pytest.param(p, c, DEVICE_CASES[(p, c)], id=f"{p}-{c}", marks=marks) for p, c in DEVICE_CASES]
     out += [pytest.param(p, c, HYBRID_CASES[(p, c)], id=f"{p}-{c}") for p, c in HYBRID_CASES]
-    out += [pytest.param(p, c, f, id=f"{p}-{c}", marks=[pytest.mark.xfail(strict=True, reason=PARALLEL_XFAIL[(p, c)])]
-                         if (p, c) in PARALLEL_XFAIL else []) for (p, c), f in PARALLEL_CASES.items()]
+    out += [pytest.param(p, c, f, id=f"{p}-{c}") for (p, c), f in PARALLEL_CASES.items()]
     out += [pytest.param(p, c, DSV4_CASES[(p, c)], id=f"{p}-{c}") for p, c in DSV4_CASES]
     return out
 
