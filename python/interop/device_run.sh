@@ -72,7 +72,8 @@ if [ "${1:-}" = "--sched" ]; then
       "$s[sglang-to-kvbridge-abort-decode]" "$s[kvbridge-both-staging-tp1-tp2]" \
       "$s[kvbridge-both-staging-gqa-tp2-tp1]" "$s[sglang-to-kvbridge-staging-tp1-tp2]" \
       "$s[kvbridge-to-sglang-staging-tp2-tp1]" "$s[kvbridge-both-swa-tp1-tp2]" \
-      "$s[kvbridge-to-sglang-swa-tp2-tp1]" "$s[kvbridge-to-sglang-mamba-tp1-tp2]"
+      "$s[kvbridge-to-sglang-swa-tp2-tp1]" "$s[kvbridge-to-sglang-mamba-tp1-tp2]" \
+      "$s[kvbridge-both-dsv4-tp1-tp2]" "$s[kvbridge-both-pp2-tp1]" "$s[kvbridge-both-attn-dp2]"
   fi
   exec "$py" -m pytest -q -p no:cacheprovider -rs "$@"
 fi
