@@ -3,6 +3,7 @@
 # tensors): packed by gpu_pack.py next to this script; run by the GPU
 # bundle's run.sh. Usage: bash device_run.sh [pytest args and test ids...]
 #                        bash device_run.sh --backend      (kvbridge's sglang backend: its selection)
+#                        bash device_run.sh --sched | --sched-staging   (sglang's scheduler)
 #                        bash device_run.sh --cluster [cluster.py args...]
 #                        bash device_run.sh --bench-rooms [bench_rooms.py args...]
 # MOONCAKE_PROTOCOL picks the engine's transport (nvlink: CUDA IPC; set
@@ -61,20 +62,37 @@ if [ "${1:-}" = "--bench-rooms" ]; then  # the room-level bench (its buffers: KV
   shift
   exec "$py" bench_rooms.py "$@"
 fi
-if [ "${1:-}" = "--sched" ]; then
-  # sglang's own scheduler classes (tests/test_sched.py) on device pools: the
-  # TP pairings, aborts and a killed decode, and the staging cases (CUDA only).
+if [ "${1:-}" = "--sched-staging" ]; then
+  # The staging cases: one on CUDA IPC (the decode keeps no ring; sglang's
+  # handler gets an empty one), the others with MC_FORCE_TCP=1 (the ring in device
+  # memory, gathered and scattered on the GPU).
   shift
   s=tests/test_sched.py::test_real_scheduler
-  if [ "$#" = 0 ]; then
-    set -- "$s[kvbridge-both-mha-tp1-tp1]" "$s[sglang-to-kvbridge-mha-tp1-tp2]" \
-      "$s[kvbridge-to-sglang-mha-tp2-tp1]" "$s[kvbridge-both-mla-tp1-tp2]" "$s[kvbridge-both-abort-prefill]" \
-      "$s[sglang-to-kvbridge-abort-decode]" "$s[kvbridge-both-staging-tp1-tp2]" \
-      "$s[kvbridge-both-staging-gqa-tp2-tp1]" "$s[sglang-to-kvbridge-staging-tp1-tp2]" \
-      "$s[kvbridge-to-sglang-staging-tp2-tp1]" "$s[kvbridge-both-swa-tp1-tp2]" \
-      "$s[kvbridge-to-sglang-swa-tp2-tp1]" "$s[kvbridge-to-sglang-mamba-tp1-tp2]" \
-      "$s[kvbridge-both-dsv4-tp1-tp2]" "$s[kvbridge-both-pp2-tp1]" "$s[kvbridge-both-attn-dp2]"
-  fi
+  rc=0
+  "$py" -m pytest -q -p no:cacheprovider -rs "${@:-$s[kvbridge-both-staging-tp1-tp2]}" || rc=$?
+  [ "$#" = 0 ] && set -- "$s[kvbridge-both-staging-gqa-tp2-tp1]" "$s[sglang-to-kvbridge-staging-tp1-tp2]" \
+    "$s[kvbridge-to-sglang-staging-tp2-tp1]"
+  MC_FORCE_TCP=1 "$py" -m pytest -q -p no:cacheprovider -rs "$@" || rc=$?
+  exit "$rc"
+fi
+if [ "${1:-}" = "--sched-hybrid" ]; then
+  # Hybrid pools, DeepSeek-V4, prefill PP and attention DP on device pools.
+  shift
+  s=tests/test_sched.py::test_real_scheduler
+  [ "$#" = 0 ] && set -- "$s[kvbridge-both-swa-tp1-tp2]" "$s[kvbridge-to-sglang-swa-tp2-tp1]" \
+    "$s[kvbridge-to-sglang-mamba-tp1-tp2]" "$s[kvbridge-both-dsv4-tp1-tp2]" "$s[kvbridge-both-pp2-tp1]" \
+    "$s[kvbridge-both-attn-dp2]"
+  exec "$py" -m pytest -q -p no:cacheprovider -rs "$@"
+fi
+if [ "${1:-}" = "--sched" ]; then
+  # sglang's own scheduler classes (tests/test_sched.py) on device pools: the
+  # TP pairings, MLA and aborts by either side (about a minute a case there,
+  # hence three selections, each within one 10-minute device call).
+  shift
+  s=tests/test_sched.py::test_real_scheduler
+  [ "$#" = 0 ] && set -- "$s[kvbridge-both-mha-tp1-tp1]" "$s[sglang-to-kvbridge-mha-tp1-tp2]" \
+    "$s[kvbridge-to-sglang-mha-tp2-tp1]" "$s[kvbridge-both-mla-tp1-tp2]" "$s[kvbridge-both-abort-prefill]" \
+    "$s[sglang-to-kvbridge-abort-decode]"
   exec "$py" -m pytest -q -p no:cacheprovider -rs "$@"
 fi
 # The cases below run kvbridge ranks (the binary) too.

@@ -17,4 +17,7 @@ pip=("$venv/bin/pip" install -q --disable-pip-version-check)
 (. "$venv/bin/activate" && maturin develop -q -m crates/kvbridge-py/Cargo.toml)
 # In CI the suite must run, not skip for want of torch.
 export KVB_REQUIRE_TORCH=1
+# The Python package's own suite again, now with sglang importable: its
+# backend tests (skipped in the plain venv) run against sglang's classes.
+"$venv/bin/python" -m pytest -q -p no:cacheprovider crates/kvbridge-py/tests
 exec "$venv/bin/python" -m pytest -q -p no:cacheprovider python/interop/tests/test_sched.py "$@"

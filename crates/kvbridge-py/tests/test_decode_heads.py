@@ -116,3 +116,47 @@ def test_set_kv_buffer_tensors_hands_the_heads_to_the_decode():
     mgr.disaggregation_mode = DisaggregationMode.PREFILL
     mgr.set_kv_buffer_tensors([], [], 16)
     assert mgr._rust.heads == [(4, 8)]
+
+
+@pytest.mark.parametrize("intra", [False, True])
+def test_sglang_staging_handler_accepts_the_decode(pools, monkeypatch, intra):
+    """sglang's decode scheduler builds its ``DecodeStagingHandler`` from the
+    manager whenever SGLANG_DISAGG_STAGING_BUFFER is set, and refuses one
+    without an allocator. On CUDA IPC (intra-node) the role keeps no ring:
+    the manager must still offer one, empty (the H100 run found this)."""
+    backend = _backend()
+    import torch
+    from sglang.srt.disaggregation.common.staging_handler import DecodeStagingHandler
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+
+    if intra:
+        monkeypatch.setenv("MC_INTRANODE_NVLINK", "1")
+    else:
+        monkeypatch.delenv("MC_INTRANODE_NVLINK", raising=False)
+        monkeypatch.delenv("MC_INTRA_NVLINK", raising=False)
+    kv, aux = pools
+    m = _kvbridge.DecodeManager(start_engine(), spec(kv, aux), decode_config(True))
+    try:
+        assert (m.staging_ring() is None) == intra
+        allocator = backend._staging_allocator(m, DisaggregationMode.DECODE, True)
+        assert allocator is not None
+        assert allocator.get_total_size() == (0 if intra else m.staging_ring()[1])
+        assert backend._staging_allocator(m, DisaggregationMode.PREFILL, True) is None
+        # sglang's own factory over the manager's shape (a device-tagged
+        # buffer stands in for the CUDA tensor; nothing touches its memory).
+        kv_manager = types.SimpleNamespace(
+            _staging_ctx=backend._StagingContext(allocator),
+            kv_buffer_tensors={"k_buffers": [types.SimpleNamespace(device=torch.device("cuda", 0))]},
+            attn_tp_size=2,
+            kv_args=types.SimpleNamespace(kv_head_num=1, total_kv_head_num=2),
+        )
+        handler = DecodeStagingHandler.create(kv_manager, scheduler=None, tp_rank=0)
+        assert handler.staging_allocator is allocator and handler.total_kv_heads == 2
+    finally:
+        m.teardown()
+    # Staging off: no allocator, as sglang's own manager has none then.
+    m = _kvbridge.DecodeManager(start_engine(), spec(kv, aux), decode_config(False))
+    try:
+        assert backend._staging_allocator(m, DisaggregationMode.DECODE, False) is None
+    finally:
+        m.teardown()

@@ -288,6 +288,21 @@ class _StagingRing:
         return self.total_size
 
 
+def _staging_allocator(rust, mode, staging_enabled: bool) -> Optional[_StagingRing]:
+    """The allocator sglang's decode scheduler finds on the manager: the
+    decode role's ring, or an empty one when staging is on but the role
+    keeps none (CUDA IPC copies head slices device to device; MLA never
+    gets here, sglang turns staging off for it). sglang creates its staging
+    handler whenever ``SGLANG_DISAGG_STAGING_BUFFER`` is set and refuses a
+    manager without an allocator; no kvbridge receiver ever asks it to stage."""
+    if mode != DisaggregationMode.DECODE:
+        return None
+    ring = rust.staging_ring()
+    if ring is None and staging_enabled:
+        ring = (0, 0)
+    return _StagingRing(*ring) if ring is not None else None
+
+
 class _StagingContext:
     """sglang's ``DecodeStagingContext`` shape over kvbridge's ring."""
 
@@ -514,8 +529,8 @@ class KVManager(BaseKVManager):
         self.rank_port = self._rust.rank_port
         self.attn_tp_size = get_parallel().attn_tp_size
         self.kv_buffer_tensors = None
-        ring = self._rust.staging_ring() if disaggregation_mode == DisaggregationMode.DECODE else None
-        self._staging_ctx = _StagingContext(_StagingRing(*ring) if ring else None)
+        self._staging_ctx = _StagingContext(
+            _staging_allocator(self._rust, disaggregation_mode, settings["staging"]["enabled"]))
         self._staging_handler = None
         logger.info("kvbridge %s manager on %s:%d (engine %s%s)", disaggregation_mode.value, self.local_ip,
                     self.rank_port, self._rust.session_id, ", staging" if settings["staging"]["enabled"] else "")
