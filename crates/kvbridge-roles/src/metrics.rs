@@ -154,6 +154,13 @@ impl Metrics {
             .inc();
     }
 
+    /// Counts `n` dropped peer messages of `kind`.
+    pub fn dropped_n(&self, kind: &str, n: u64) {
+        self.dropped_messages
+            .get_or_create(&Self::label("kind", kind))
+            .inc_by(n);
+    }
+
     /// Failures counted for `reason`.
     pub fn failures_for(&self, reason: &str) -> u64 {
         self.failures

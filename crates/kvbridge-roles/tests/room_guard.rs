@@ -349,3 +349,71 @@ fn one_decode_session_cannot_fill_the_prefills_room_table() {
     drop(pools);
     bs.shutdown();
 }
+
+/// A flood of transfer requests for rooms no sender ever claims (open mode:
+/// anyone can send them) fills the pending-room cap only until the
+/// bootstrap timeout: past it the cap is freed for honest rooms, while a
+/// room whose sender exists keeps its destination.
+#[test]
+fn unclaimed_rooms_expire_from_the_pending_cap() {
+    let bs = bootstrap();
+    let model = tiny_model(false, 2);
+    let pools = kvbridge_roles::synthetic::RankPools::new(model, SINGLE_RANK, 16, 8).unwrap();
+    let mut config = prefill_config(bs.local_addr(), 1, 0);
+    config.max_rooms = 4;
+    config.bootstrap_timeout = Duration::from_millis(1500);
+    let prefill = start_prefill(config, pools.kv_args(), tcp_engine());
+    let (_ctx, sock) = rogue_socket(prefill.rank_port());
+    let request = |room: u64, session: String| kvbridge_wire::Transfer {
+        room,
+        endpoint: "127.0.0.1".into(),
+        dst_port: 9,
+        mooncake_session_id: session.into(),
+        pages: Some(kvbridge_wire::TransferPages {
+            dst_kv_indices: kvbridge_wire::PackedArray::from(vec![1i32]),
+            dst_aux_index: 0,
+            ..kvbridge_wire::TransferPages::default()
+        }),
+        required_dst_info_num: 2, // never complete: the sender keeps waiting
+        decode_prefix_len: Some(0),
+    };
+    // Room 1 has a sender (the scheduler reached it); rooms 2-4 are junk,
+    // each from its own session; room 5 finds the cap full.
+    let mut sender = prefill.sender(1);
+    sender.init(16, Some(1));
+    for room in 1..=5 {
+        send_frames(
+            &sock,
+            &request(room, format!("127.0.0.1:{}", 100 + room)).encode(),
+        );
+    }
+    let metrics = prefill.metrics().clone();
+    wait_until("the fifth room refused", || {
+        metrics.dropped_for("transfer_over_limit") == 1
+    });
+    assert_eq!(metrics.dropped_for("transfer_expired"), 0);
+    // Past the timeout the junk expires; the claimed room stays.
+    std::thread::sleep(Duration::from_millis(1700));
+    send_frames(&sock, &request(6, "127.0.0.1:106".into()).encode());
+    wait_until("the unclaimed rooms expired", || {
+        metrics.dropped_for("transfer_expired") == 3
+    });
+    // Room 6 got in (the cap had room), and room 1 still holds its slot:
+    // 2 rooms pending, so 2 more fit and a third is refused.
+    for room in 7..=9 {
+        send_frames(
+            &sock,
+            &request(room, format!("127.0.0.1:{}", 100 + room)).encode(),
+        );
+    }
+    wait_until("the cap full again", || {
+        metrics.dropped_for("transfer_over_limit") == 2
+    });
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(metrics.dropped_for("transfer_expired"), 3);
+    assert_eq!(metrics.dropped_for("transfer_over_limit"), 2);
+    drop(sender);
+    prefill.teardown();
+    drop(pools);
+    bs.shutdown();
+}

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use kvbridge_plan::{PreparedPeer, StagingSource, TransferRequest};
 use kvbridge_wire::{Abort, KvPoll, Limits, Register, StagingRsp, ToPrefill, Transfer, Watermark};
@@ -200,6 +200,22 @@ fn on_transfer(shared: &Shared, t: &Transfer<'_>) {
         return;
     }
     let mut rooms = shared.rooms.lock();
+    if !rooms.infos.contains_key(&room) && rooms.infos.len() >= shared.config.max_rooms {
+        // Full: first drop rooms no sender claimed within the bootstrap
+        // timeout (a flood of requests for rooms that never come must not
+        // hold the cap for good).
+        let expired = rooms.expire_unclaimed(shared.config.bootstrap_timeout, Instant::now());
+        if !expired.is_empty() {
+            shared
+                .metrics
+                .dropped_n("transfer_expired", expired.len() as u64);
+            tracing::warn!(
+                rooms = expired.len(),
+                timeout = ?shared.config.bootstrap_timeout,
+                "dropping transfer requests for rooms no sender claimed within the bootstrap timeout"
+            );
+        }
+    }
     if !rooms.infos.contains_key(&room) && rooms.infos.len() >= shared.config.max_rooms {
         drop(rooms);
         shared.metrics.dropped("transfer_over_limit");

@@ -2,7 +2,7 @@
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use kvbridge_plan::{PreparedPeer, TransferRequest};
 
@@ -100,6 +100,11 @@ pub(crate) struct RoomsState {
     pub infos: HashMap<u64, Vec<Arc<TransferInfo>>>,
     /// Rooms with a destination at each decode session.
     pub rooms_per_session: HashMap<String, usize>,
+    /// When each room in `infos` got its first destination (to expire
+    /// rooms no sender ever claims).
+    pub pending_since: HashMap<u64, Instant>,
+    /// When [`RoomsState::expire_unclaimed`] last swept.
+    pub last_expiry: Option<Instant>,
     /// Chunks dequeued and not yet finished, per room.
     pub outstanding: HashMap<u64, usize>,
     /// Abort ACKs waiting for the room to drain.
@@ -221,6 +226,7 @@ impl RoomsState {
     /// Records `info` as the room's destination at its session (replacing
     /// that session's earlier one); returns the room's destinations.
     pub fn add_info(&mut self, room: u64, info: Arc<TransferInfo>) -> &[Arc<TransferInfo>] {
+        self.pending_since.entry(room).or_insert_with(Instant::now);
         let infos = self.infos.entry(room).or_default();
         let before = infos.len();
         infos.retain(|i| i.session != info.session);
@@ -247,6 +253,7 @@ impl RoomsState {
     /// Drops the room's destinations (and whom its failure was told).
     pub fn remove_infos(&mut self, room: u64) {
         self.failed_told.remove(&room);
+        self.pending_since.remove(&room);
         for info in self.infos.remove(&room).into_iter().flatten() {
             if let Some(n) = self.rooms_per_session.get_mut(&info.session) {
                 *n = n.saturating_sub(1);
@@ -256,7 +263,36 @@ impl RoomsState {
             }
         }
     }
+
+    /// Drops the destinations of rooms that no sender claimed within `ttl`
+    /// of their first request (junk, or abandoned: their decode gave up by
+    /// then, as a sender gives up on its decode); sweeps at most once a
+    /// second. Returns the rooms dropped.
+    pub fn expire_unclaimed(&mut self, ttl: Duration, now: Instant) -> Vec<u64> {
+        if self
+            .last_expiry
+            .is_some_and(|t| now.duration_since(t) < EXPIRY_SWEEP)
+        {
+            return Vec::new();
+        }
+        self.last_expiry = Some(now);
+        let stale: Vec<u64> = self
+            .pending_since
+            .iter()
+            .filter(|(room, since)| {
+                now.duration_since(**since) >= ttl && !self.table.contains(**room)
+            })
+            .map(|(room, _)| *room)
+            .collect();
+        for room in &stale {
+            self.remove_infos(*room);
+        }
+        stale
+    }
 }
+
+/// How often [`RoomsState::expire_unclaimed`] may sweep.
+const EXPIRY_SWEEP: Duration = Duration::from_secs(1);
 
 /// How many cleared rooms are remembered (oldest forgotten first).
 pub(crate) const CONCLUDED_ROOMS_KEPT: usize = 4096;
