@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use kvbridge_engine::ClusterSecret;
 use kvbridge_roles::bootstrap::auth::{WriteAuth, unix_now};
-use kvbridge_roles::bootstrap::client::register_with_bootstrap;
+use kvbridge_roles::bootstrap::client::{Refresh, refresh_registration, register_with_bootstrap};
 use kvbridge_roles::bootstrap::{
     BootstrapConfig, BootstrapLimits, BootstrapServer, DEFAULT_MAX_BODY_BYTES,
 };
@@ -409,4 +409,44 @@ fn a_zoned_ipv6_rank_ip_is_kept_verbatim() {
     assert_eq!(rank["rank_ip"], "fe80::1%eth0", "{text}");
     assert_eq!(rank["rank_port"], 17000);
     bs.shutdown();
+}
+
+/// A signed registration of another endpoint replayed into this rank's
+/// slot (captured at another bootstrap server of the cluster, or before a
+/// restart: this server never saw its nonce) is taken back by the prefill's
+/// refresh, which checks that the slot names it rather than trusting any 200.
+#[test]
+fn the_prefill_refresh_takes_a_replayed_slot_back() {
+    let key = secret("bootstrap-guard-secret-4");
+    let bs = server(Some(key.clone()));
+    let addr = bs.local_addr();
+    let config = prefill_config(addr, Some(key.clone()));
+    let stopped = AtomicBool::new(false);
+    register_with_bootstrap(&config, 16, 17000, "127.0.0.1:17001", &stopped).unwrap();
+    assert_eq!(
+        refresh_registration(&config, 16, 17000, "127.0.0.1:17001"),
+        Ok(Refresh::Present)
+    );
+    // The replay: another endpoint's signed registration for the same slot.
+    let body = serde_json::to_vec(&reg(17500)).unwrap();
+    let h = signed(&WriteAuth::new(&key), "PUT", "/route", &body, unix_now());
+    assert_eq!(call(addr, "PUT", "/route", &body, &h).0, 200);
+    assert!(route_of(addr).1.contains("\"rank_port\":17500"));
+    assert_eq!(
+        refresh_registration(&config, 16, 17000, "127.0.0.1:17001"),
+        Ok(Refresh::Reclaimed)
+    );
+    let (status, route) = route_of(addr);
+    assert_eq!(status, 200);
+    assert!(route.contains("\"rank_port\":17000"), "{route}");
+    // A new incarnation of the same endpoint (another engine session) is
+    // not this rank either.
+    assert_eq!(
+        refresh_registration(&config, 16, 17000, "127.0.0.1:17002"),
+        Ok(Refresh::Reclaimed)
+    );
+    assert_eq!(
+        refresh_registration(&config, 16, 17000, "127.0.0.1:17002"),
+        Ok(Refresh::Present)
+    );
 }

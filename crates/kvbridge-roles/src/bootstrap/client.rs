@@ -5,7 +5,7 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use kvbridge_wire::bootstrap::RouteRegistration;
+use kvbridge_wire::bootstrap::{PrefillRankInfo, RouteRegistration};
 
 use super::auth::WriteAuth;
 use crate::config::PrefillConfig;
@@ -109,6 +109,9 @@ pub enum Refresh {
     Present,
     /// The entry was gone (a restarted server) and is registered again.
     Registered,
+    /// The slot named another rank (a replayed or stale registration) and
+    /// this rank took it back.
+    Reclaimed,
 }
 
 /// Checks that the bootstrap server still knows this rank (`GET /route`
@@ -127,19 +130,48 @@ pub fn refresh_registration(
         config.bootstrap_addr, r.attn_dp_rank, r.attn_cp_rank, r.attn_tp_rank, r.pp_rank
     );
     let agent = crate::http::agent(ATTEMPT_TIMEOUT);
+    let ours = registration(config, page_size, rank_port, engine_session);
+    let mut reclaim = false;
     match agent.get(&url).call() {
-        Ok(resp) if resp.status() == 200 => return Ok(Refresh::Present),
+        Ok(mut resp) if resp.status() == 200 => {
+            // A 200 is ours only if the slot names this rank: a replayed
+            // or stale registration of another endpoint is taken back.
+            let held = resp
+                .body_mut()
+                .with_config()
+                .limit(ROUTE_ANSWER_LIMIT)
+                .read_to_vec()
+                .ok()
+                .and_then(|b| serde_json::from_slice::<PrefillRankInfo>(&b).ok());
+            match held {
+                Some(h) if names_rank(&h, &ours) => return Ok(Refresh::Present),
+                Some(h) => {
+                    tracing::warn!(
+                        slot = %format_args!("{}:{}", h.rank_ip, h.rank_port),
+                        held_session = h.engine_session.as_deref().unwrap_or("-"),
+                        ours = %format_args!("{}:{}", ours.rank_ip, ours.rank_port),
+                        "the bootstrap server's slot for this rank names another endpoint; registering again"
+                    );
+                }
+                None => tracing::warn!(
+                    %url,
+                    "the bootstrap server answered this rank's slot with no rank info; registering again"
+                ),
+            }
+            reclaim = true;
+        }
         // Not found, or not ready (a restarted server has nobody yet).
         Ok(_) => {}
         Err(e) => return Err(format!("{url}: {e}")),
     }
-    let body = serde_json::to_vec(&registration(config, page_size, rank_port, engine_session))
-        .map_err(|e| format!("cannot encode the registration: {e}"))?;
+    let body =
+        serde_json::to_vec(&ours).map_err(|e| format!("cannot encode the registration: {e}"))?;
     let put = format!("http://{}/route", config.bootstrap_addr);
     let auth = config.secret.as_ref().map(WriteAuth::new);
     let request = agent.put(&put).content_type("application/json");
     let request = signed(request, auth.as_ref(), "PUT", "/route", &body);
     match request.send(&body[..]) {
+        Ok(resp) if resp.status() == 200 && reclaim => Ok(Refresh::Reclaimed),
         Ok(resp) if resp.status() == 200 => Ok(Refresh::Registered),
         Ok(resp) => {
             let (status, text) = refusal(resp);
@@ -147,6 +179,20 @@ pub fn refresh_registration(
         }
         Err(e) => Err(format!("{put}: {e}")),
     }
+}
+
+/// The most of a `GET /route` answer for one rank that is read.
+const ROUTE_ANSWER_LIMIT: u64 = 64 * 1024;
+
+/// Whether a slot's answer names the rank `ours` registers: its endpoint,
+/// and its engine session when both published one.
+fn names_rank(held: &PrefillRankInfo, ours: &RouteRegistration) -> bool {
+    held.rank_ip == ours.rank_ip
+        && held.rank_port == ours.rank_port
+        && match (&held.engine_session, &ours.engine_session) {
+            (Some(h), Some(o)) => h == o,
+            _ => true,
+        }
 }
 
 /// `POST /register_dp_rank`: tells the bootstrap server that this prefill's

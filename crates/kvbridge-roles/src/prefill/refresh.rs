@@ -1,7 +1,8 @@
 //! Keeps this rank's bootstrap registration alive: every
 //! `bootstrap_refresh` it checks that the bootstrap server still holds it
 //! and registers again when it does not, so that a restarted server can
-//! send decodes here again. Says once when the server becomes unreachable
+//! send decodes here again, or when the slot names another endpoint (a
+//! replayed or stale registration), so that it cannot stay hijacked. Says once when the server becomes unreachable
 //! and once when it is back.
 
 use crate::bootstrap::client::{Refresh, refresh_registration};
@@ -20,6 +21,13 @@ pub(crate) fn run(shared: &Shared, rank_port: u16) {
                 if std::mem::take(&mut unreachable) {
                     tracing::info!(addr = %shared.config.bootstrap_addr, "bootstrap server reachable again");
                 }
+            }
+            Ok(Refresh::Reclaimed) => {
+                unreachable = false;
+                tracing::warn!(
+                    addr = %shared.config.bootstrap_addr,
+                    "took this rank's bootstrap slot back from another endpoint's registration"
+                );
             }
             Ok(Refresh::Registered) => {
                 unreachable = false;
