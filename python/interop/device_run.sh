@@ -62,39 +62,45 @@ if [ "${1:-}" = "--bench-rooms" ]; then  # the room-level bench (its buffers: KV
   shift
   exec "$py" bench_rooms.py "$@"
 fi
-if [ "${1:-}" = "--sched-staging" ]; then
-  # The staging cases: one on CUDA IPC (the decode keeps no ring; sglang's
-  # handler gets an empty one), the others with MC_FORCE_TCP=1 (the ring in device
-  # memory, gathered and scattered on the GPU).
-  shift
-  s=tests/test_sched.py::test_real_scheduler
-  rc=0
-  "$py" -m pytest -q -p no:cacheprovider -rs "${@:-$s[kvbridge-both-staging-tp1-tp2]}" || rc=$?
-  [ "$#" = 0 ] && set -- "$s[kvbridge-both-staging-gqa-tp2-tp1]" "$s[sglang-to-kvbridge-staging-tp1-tp2]" \
-    "$s[kvbridge-to-sglang-staging-tp2-tp1]"
-  MC_FORCE_TCP=1 "$py" -m pytest -q -p no:cacheprovider -rs "$@" || rc=$?
-  exit "$rc"
-fi
-if [ "${1:-}" = "--sched-hybrid" ]; then
-  # Hybrid pools, DeepSeek-V4, prefill PP and attention DP on device pools.
-  shift
-  s=tests/test_sched.py::test_real_scheduler
-  [ "$#" = 0 ] && set -- "$s[kvbridge-both-swa-tp1-tp2]" "$s[kvbridge-to-sglang-swa-tp2-tp1]" \
-    "$s[kvbridge-to-sglang-mamba-tp1-tp2]" "$s[kvbridge-both-dsv4-tp1-tp2]" "$s[kvbridge-both-pp2-tp1]" \
-    "$s[kvbridge-both-attn-dp2]"
-  exec "$py" -m pytest -q -p no:cacheprovider -rs "$@"
-fi
-if [ "${1:-}" = "--sched" ]; then
-  # sglang's own scheduler classes (tests/test_sched.py) on device pools: the
-  # TP pairings, MLA and aborts by either side (about a minute a case there,
-  # hence three selections, each within one 10-minute device call).
-  shift
-  s=tests/test_sched.py::test_real_scheduler
-  [ "$#" = 0 ] && set -- "$s[kvbridge-both-mha-tp1-tp1]" "$s[sglang-to-kvbridge-mha-tp1-tp2]" \
-    "$s[kvbridge-to-sglang-mha-tp2-tp1]" "$s[kvbridge-both-mla-tp1-tp2]" "$s[kvbridge-both-abort-prefill]" \
-    "$s[sglang-to-kvbridge-abort-decode]"
-  exec "$py" -m pytest -q -p no:cacheprovider -rs "$@"
-fi
+s=tests/test_sched.py::test_real_scheduler
+# pytest over sglang's own scheduler classes (tests/test_sched.py) on device
+# pools: the case ids among the arguments, else those in `defaults`;
+# options pass through (give them as --opt=value).
+sched_pytest() {
+  local a
+  for a in "$@"; do
+    case "$a" in -*) ;; *) "$py" -m pytest -q -p no:cacheprovider -rs "$@"; return ;; esac
+  done
+  "$py" -m pytest -q -p no:cacheprovider -rs "$@" "${defaults[@]}"
+}
+# About a minute a case there: three selections, each within one 10-minute
+# device call.
+case "${1:-}" in
+  --sched)  # the TP pairings, MLA, and aborts by either side
+    shift
+    defaults=("$s[kvbridge-both-mha-tp1-tp1]" "$s[sglang-to-kvbridge-mha-tp1-tp2]"
+      "$s[kvbridge-to-sglang-mha-tp2-tp1]" "$s[kvbridge-both-mla-tp1-tp2]" "$s[kvbridge-both-abort-prefill]"
+      "$s[sglang-to-kvbridge-abort-decode]")
+    sched_pytest "$@"; exit $? ;;
+  --sched-hybrid)  # hybrid pools, DeepSeek-V4, prefill PP and attention DP
+    shift
+    defaults=("$s[kvbridge-both-swa-tp1-tp2]" "$s[kvbridge-to-sglang-swa-tp2-tp1]"
+      "$s[kvbridge-to-sglang-mamba-tp1-tp2]" "$s[kvbridge-both-dsv4-tp1-tp2]" "$s[kvbridge-both-pp2-tp1]"
+      "$s[kvbridge-both-attn-dp2]")
+    sched_pytest "$@"; exit $? ;;
+  --sched-staging)
+    # One staging case on CUDA IPC (the decode keeps no ring; sglang's
+    # handler gets an empty one), three with MC_FORCE_TCP=1 (the ring in
+    # device memory, gathered and scattered on the GPU).
+    shift
+    rc=0
+    defaults=("$s[kvbridge-both-staging-tp1-tp2]")
+    sched_pytest "$@" || rc=$?
+    defaults=("$s[kvbridge-both-staging-gqa-tp2-tp1]" "$s[sglang-to-kvbridge-staging-tp1-tp2]"
+      "$s[kvbridge-to-sglang-staging-tp2-tp1]")
+    (export MC_FORCE_TCP=1; sched_pytest "$@") || rc=$?
+    exit "$rc" ;;
+esac
 # The cases below run kvbridge ranks (the binary) too.
 : "${KVBRIDGE_BIN:?KVBRIDGE_BIN must name the kvbridge binary}"
 if [ "${1:-}" = "--backend" ]; then

@@ -309,6 +309,24 @@ fn aborts_naming_a_peer_that_never_reads_do_not_stall_the_prefill_inbox() {
     cluster.shutdown();
 }
 
+/// A transfer request for one page of `room` from decode `session`, which
+/// names `required` destinations for the room.
+fn transfer_request(room: u64, session: String, required: u64) -> kvbridge_wire::Transfer<'static> {
+    kvbridge_wire::Transfer {
+        room,
+        endpoint: "127.0.0.1".into(),
+        dst_port: 9,
+        mooncake_session_id: session.into(),
+        pages: Some(kvbridge_wire::TransferPages {
+            dst_kv_indices: kvbridge_wire::PackedArray::from(vec![1i32]),
+            dst_aux_index: 0,
+            ..kvbridge_wire::TransferPages::default()
+        }),
+        required_dst_info_num: required,
+        decode_prefix_len: Some(0),
+    }
+}
+
 #[test]
 fn one_decode_session_cannot_fill_the_prefills_room_table() {
     let bs = bootstrap();
@@ -319,19 +337,7 @@ fn one_decode_session_cannot_fill_the_prefills_room_table() {
     config.max_rooms_per_session = 3;
     let prefill = start_prefill(config, pools.kv_args(), tcp_engine());
     let (_ctx, sock) = rogue_socket(prefill.rank_port());
-    let request = |room: u64, session: &'static str| kvbridge_wire::Transfer {
-        room,
-        endpoint: "127.0.0.1".into(),
-        dst_port: 9,
-        mooncake_session_id: session.into(),
-        pages: Some(kvbridge_wire::TransferPages {
-            dst_kv_indices: kvbridge_wire::PackedArray::from(vec![1i32]),
-            dst_aux_index: 0,
-            ..kvbridge_wire::TransferPages::default()
-        }),
-        required_dst_info_num: 1,
-        decode_prefix_len: Some(0),
-    };
+    let request = |room: u64, session: &str| transfer_request(room, session.into(), 1);
     // Five rooms from one session (the cap is 3), a repeat of one of its
     // rooms (no new room), and one room from another session.
     for room in 1..=5 {
@@ -364,19 +370,8 @@ fn unclaimed_rooms_expire_from_the_pending_cap() {
     config.bootstrap_timeout = Duration::from_millis(1500);
     let prefill = start_prefill(config, pools.kv_args(), tcp_engine());
     let (_ctx, sock) = rogue_socket(prefill.rank_port());
-    let request = |room: u64, session: String| kvbridge_wire::Transfer {
-        room,
-        endpoint: "127.0.0.1".into(),
-        dst_port: 9,
-        mooncake_session_id: session.into(),
-        pages: Some(kvbridge_wire::TransferPages {
-            dst_kv_indices: kvbridge_wire::PackedArray::from(vec![1i32]),
-            dst_aux_index: 0,
-            ..kvbridge_wire::TransferPages::default()
-        }),
-        required_dst_info_num: 2, // never complete: the sender keeps waiting
-        decode_prefix_len: Some(0),
-    };
+    // Two destinations required, one ever sent: room 1's sender keeps waiting.
+    let request = |room: u64, session: String| transfer_request(room, session, 2);
     // Room 1 has a sender (the scheduler reached it); rooms 2-4 are junk,
     // each from its own session; room 5 finds the cap full.
     let mut sender = prefill.sender(1);
