@@ -74,6 +74,10 @@ pub struct UcxStats {
     pub served: u64,
     /// Side-channel clients refused at authentication.
     pub auth_failures: u64,
+    /// Side-channel connections being answered now.
+    pub side_open: u64,
+    /// Side-channel connections closed at once (too many open).
+    pub side_refused: u64,
 }
 
 #[derive(Debug, Default)]
@@ -202,6 +206,8 @@ impl UcxEngine {
             io_timeout: cfg.connect_timeout(),
             served: AtomicU64::new(0),
             auth_failures: AtomicU64::new(0),
+            open: Default::default(),
+            refused: AtomicU64::new(0),
         });
         let l2 = listener
             .try_clone()
@@ -262,6 +268,8 @@ impl UcxEngine {
             handshakes: s.handshakes.load(Ordering::Relaxed),
             served: self.published.served.load(Ordering::Relaxed),
             auth_failures: self.published.auth_failures.load(Ordering::Relaxed),
+            side_open: self.published.open.load(Ordering::Relaxed) as u64,
+            side_refused: self.published.refused.load(Ordering::Relaxed),
         }
     }
 

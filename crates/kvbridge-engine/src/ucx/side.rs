@@ -23,14 +23,16 @@
 use std::collections::BTreeMap;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::os::fd::AsRawFd;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::time::Duration;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
 
 use parking_lot::RwLock;
 
 use crate::session::auth;
 use crate::session::handshake::{self, Proto};
+use crate::session::io;
 use crate::session::wire::{CHALLENGE_LEN, HELLO_LEN, Hello, NONCE_LEN as NONCE, u32_at, u64_at};
 use crate::{ErrorKind, TransferError};
 
@@ -114,51 +116,103 @@ pub(crate) struct Published {
     pub io_timeout: Duration,
     pub served: AtomicU64,
     pub auth_failures: AtomicU64,
+    /// Connections being answered now.
+    pub open: AtomicUsize,
+    /// Connections closed at once because [`MAX_SIDE_CONNECTIONS`] were open.
+    pub refused: AtomicU64,
+}
+
+/// Most side-channel connections answered at once (each on its own
+/// thread); more are closed at once. A question takes one round trip, so
+/// honest peers hold a slot for milliseconds.
+pub(crate) const MAX_SIDE_CONNECTIONS: usize = 64;
+
+/// Gives a connection's slot back when its handler ends.
+struct Slot<'a>(&'a AtomicUsize);
+
+impl Drop for Slot<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 /// Accept side-channel connections until `published.shutdown` is set.
+/// At most [`MAX_SIDE_CONNECTIONS`] are answered at once, each within
+/// `io_timeout` in all; more are closed at once (logged once per episode).
 pub(crate) fn accept_loop(published: Arc<Published>, listener: TcpListener) {
+    let mut refusing = false;
     for conn in listener.incoming() {
         if published.shutdown.load(Ordering::Acquire) {
             break;
         }
-        let Ok(stream) = conn else { continue };
+        let Ok(stream) = conn else {
+            // Out of descriptors or memory: the connection stays queued;
+            // back off rather than spin on it.
+            std::thread::sleep(ACCEPT_BACKOFF);
+            continue;
+        };
+        let open = published.open.load(Ordering::Acquire);
+        if open >= MAX_SIDE_CONNECTIONS {
+            published.refused.fetch_add(1, Ordering::Relaxed);
+            if !std::mem::replace(&mut refusing, true) {
+                tracing::warn!(
+                    peer = ?stream.peer_addr().ok(),
+                    max = MAX_SIDE_CONNECTIONS,
+                    "ucx side channel: connection limit reached; closing new connections at once"
+                );
+            }
+            drop(stream);
+            continue;
+        }
+        if std::mem::take(&mut refusing) {
+            tracing::info!("ucx side channel: below its connection limit again");
+        }
+        published.open.fetch_add(1, Ordering::AcqRel);
         let p = published.clone();
         let spawned = std::thread::Builder::new()
             .name("kvb-ucx-side".into())
             .spawn(move || {
+                let _slot = Slot(&p.open);
                 if let Err(e) = serve(&p, stream) {
                     tracing::debug!(error = %e, "ucx side channel: connection dropped");
                 }
             });
         if let Err(e) = spawned {
+            published.open.fetch_sub(1, Ordering::AcqRel);
             tracing::warn!(error = %e, "ucx side channel: cannot spawn a handler");
         }
     }
 }
 
+/// Back-off of the accept loop when `accept` fails.
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
+
 /// Answer one side-channel connection.
-fn serve(p: &Published, mut s: TcpStream) -> std::io::Result<()> {
+fn serve(p: &Published, s: TcpStream) -> std::io::Result<()> {
     s.set_nodelay(true)?;
-    s.set_read_timeout(Some(p.io_timeout))?;
-    s.set_write_timeout(Some(p.io_timeout))?;
+    // The whole exchange within `io_timeout`: a peer trickling bytes holds
+    // its slot no longer than one that sends nothing.
+    let stop = || p.shutdown.load(Ordering::Acquire);
+    let mut budget = io::Budget::new(Instant::now() + p.io_timeout, p.io_timeout, &stop);
+    let fd = s.as_raw_fd();
+    let send = |buf: &[u8], budget: &mut io::Budget<'_>| io::write_all_by(fd, buf, budget);
     let mut hello = [0u8; HELLO_LEN];
-    s.read_exact(&mut hello)?;
+    io::read_exact_by(fd, &mut hello, &mut budget)?;
     let Some((_, flags, client_nonce)) = Hello::decode_prefix_as(MAGIC, &hello) else {
         return Err(std::io::Error::other("not a kvbridge ucx client"));
     };
     let secret = p.secret.as_deref();
     let ch = handshake::challenge(SIDE, secret, p.incarnation, flags, &client_nonce);
-    s.write_all(&ch.encode_as(MAGIC))?;
+    send(&ch.encode_as(MAGIC), &mut budget)?;
     let mut resp = [0u8; RESPONSE_LEN];
-    s.read_exact(&mut resp)?;
+    io::read_exact_by(fd, &mut resp, &mut budget)?;
     let client_proof: [u8; NONCE] = arr(&resp);
     if let Some(sec) = secret
         && !handshake::verify(sec, &ch, &client_nonce, None, &client_proof)
     {
         p.auth_failures.fetch_add(1, Ordering::Relaxed);
         tracing::warn!(peer = ?s.peer_addr().ok(), "ucx side channel: client failed authentication");
-        s.write_all(&verdict(VERDICT_AUTH, 0))?;
+        send(&verdict(VERDICT_AUTH, 0), &mut budget)?;
         return Ok(());
     }
     let op = u32_at(&resp, NONCE);
@@ -166,16 +220,16 @@ fn serve(p: &Published, mut s: TcpStream) -> std::io::Result<()> {
         1 => info_body(p),
         2 => Vec::new(),
         _ => {
-            s.write_all(&verdict(VERDICT_BAD, 0))?;
+            send(&verdict(VERDICT_BAD, 0), &mut budget)?;
             return Ok(());
         }
     };
     let Ok(n) = u32::try_from(body.len()) else {
-        s.write_all(&verdict(VERDICT_BAD, 0))?;
+        send(&verdict(VERDICT_BAD, 0), &mut budget)?;
         return Ok(());
     };
-    s.write_all(&verdict(VERDICT_OK, n))?;
-    s.write_all(&body)?;
+    send(&verdict(VERDICT_OK, n), &mut budget)?;
+    send(&body, &mut budget)?;
     p.served.fetch_add(1, Ordering::Relaxed);
     Ok(())
 }
@@ -358,6 +412,8 @@ mod tests {
             io_timeout: Duration::from_secs(2),
             served: AtomicU64::new(0),
             auth_failures: AtomicU64::new(0),
+            open: AtomicUsize::new(0),
+            refused: AtomicU64::new(0),
         });
         let p2 = p.clone();
         std::thread::spawn(move || accept_loop(p2, l));
@@ -442,5 +498,68 @@ mod tests {
         let mut overflow = good.clone();
         overflow[10..18].copy_from_slice(&u64::MAX.to_le_bytes());
         assert!(decode_info(&overflow).is_none());
+    }
+
+    fn wait_for(what: &str, cond: impl Fn() -> bool) {
+        let until = std::time::Instant::now() + Duration::from_secs(10);
+        while !cond() {
+            assert!(
+                std::time::Instant::now() < until,
+                "timed out waiting: {what}"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// Strangers that open connections and send nothing (or trickle a
+    /// byte at a time) hold at most MAX_SIDE_CONNECTIONS handler threads,
+    /// each for at most io_timeout in all; past that an honest client is
+    /// answered again.
+    #[test]
+    fn idle_and_trickling_strangers_cannot_pile_up_handlers() {
+        let (p, a) = server(Some("s3cret"));
+        let idle: Vec<TcpStream> = (0..MAX_SIDE_CONNECTIONS + 40)
+            .map(|_| TcpStream::connect(a).unwrap())
+            .collect();
+        wait_for("the extra connections refused", || {
+            p.refused.load(Ordering::Relaxed) >= 40
+        });
+        assert_eq!(p.open.load(Ordering::Relaxed), MAX_SIDE_CONNECTIONS);
+        drop(idle);
+        wait_for("the idle strangers' slots given back", || {
+            p.open.load(Ordering::Relaxed) == 0
+        });
+        // A trickler: one byte of its hello every 300 ms, under the 2 s
+        // no-progress limit, yet cut off by the 2 s deadline for the whole.
+        let mut trickler = TcpStream::connect(a).unwrap();
+        let started = std::time::Instant::now();
+        let trickle = std::thread::spawn(move || {
+            // 40 hello bytes at 300 ms: 12 s if nobody cut it off.
+            for _ in 0..HELLO_LEN {
+                if trickler.write_all(&MAGIC[..1]).is_err() {
+                    return true;
+                }
+                std::thread::sleep(Duration::from_millis(300));
+            }
+            false
+        });
+        wait_for("the trickler accepted", || {
+            p.open.load(Ordering::Relaxed) == 1
+        });
+        wait_for("the trickler's slot given back", || {
+            p.open.load(Ordering::Relaxed) == 0
+        });
+        assert!(
+            started.elapsed() < Duration::from_secs(6),
+            "a trickling stranger held its slot {:?}",
+            started.elapsed()
+        );
+        assert!(
+            trickle.join().unwrap(),
+            "the server never closed the trickler"
+        );
+        let (inc, info) = query("s", a, Some(b"s3cret"), T, Ask::Info).unwrap();
+        assert_eq!(inc, 77);
+        assert!(info.is_some());
     }
 }
