@@ -37,6 +37,19 @@ struct Room {
 }
 
 fn open(c: &mut Cluster, id: u64, src: Vec<i32>, dst: Vec<i32>, aux: u64) -> Room {
+    open_expecting(c, id, src, dst, aux, KvPoll::WaitingForInput)
+}
+
+/// As [`open`]; each sender must reach at least `least` before the room is
+/// handed back (`Failed` for a room the decode may refuse at once).
+fn open_expecting(
+    c: &mut Cluster,
+    id: u64,
+    src: Vec<i32>,
+    dst: Vec<i32>,
+    aux: u64,
+    least: KvPoll,
+) -> Room {
     let addr = c.bootstrap.local_addr().to_string();
     let mut rx = Vec::new();
     for (m, _) in &c.decode {
@@ -53,7 +66,8 @@ fn open(c: &mut Cluster, id: u64, src: Vec<i32>, dst: Vec<i32>, aux: u64) -> Roo
         tx.push(t);
     }
     for t in &mut tx {
-        assert!(wait_for(T, KvPoll::WaitingForInput, || t.poll()) >= KvPoll::WaitingForInput);
+        let state = wait_for(T, KvPoll::WaitingForInput, || t.poll());
+        assert!(state >= least, "room {id}: sender {state:?}");
     }
     Room {
         id,
@@ -471,7 +485,16 @@ fn a_staging_chunk_size_mismatch_fails_the_room_by_name() {
     let mut small = open(&mut c, 14, vec![1, 2], vec![50, 51], 2);
     small.send_all(2);
     small.finish_ok(&c);
-    let mut r = open(&mut c, 13, (0..9).collect(), (30..39).collect(), 1);
+    // The prefill asks for chunk 0's ring space as soon as the decode is
+    // known, so the decode may refuse the room before the first send.
+    let mut r = open_expecting(
+        &mut c,
+        13,
+        (0..9).collect(),
+        (30..39).collect(),
+        1,
+        KvPoll::Failed,
+    );
     r.send_all(3);
     for rx in &mut r.rx {
         assert_eq!(wait_terminal(T, || rx.poll()), KvPoll::Failed);
