@@ -190,6 +190,7 @@ impl KvArgs {
             staging_slot_layer_ids: PackedArray::empty(),
             dst_kv_item_lens: PackedArray::from(l.kv_item_lens.as_slice()),
             incarnation: (incarnation != 0).then_some(incarnation),
+            pair_key: None,
         }
     }
 }

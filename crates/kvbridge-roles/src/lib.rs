@@ -119,6 +119,7 @@ pub mod metrics;
 pub mod prefill;
 mod role;
 pub mod rooms;
+pub mod seal;
 mod staging_mem;
 mod stop;
 

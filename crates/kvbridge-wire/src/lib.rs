@@ -30,6 +30,7 @@ mod kvpoll;
 mod limits;
 mod message;
 mod packed;
+mod seal;
 mod to_decode;
 mod to_prefill;
 
@@ -42,6 +43,7 @@ pub use kvpoll::KvPoll;
 pub use limits::Limits;
 pub use message::{Side, ToDecode, ToPrefill};
 pub use packed::{Element, PackedArray, PackedLists};
+pub use seal::{MAC_LEN, MAC_PREFIX, PAIR_KEY_PREFIX, PairKey, mac_frame, split_mac};
 pub use to_decode::{
     ABORT_ACK_TAG, AUX_DATA_TAG, AbortAck, AuxData, CHUNK_READY_TAG, ChunkReady, STAGING_REQ_TAG,
     STATE_DATA_TAG, StagingReq, StateData, Status,

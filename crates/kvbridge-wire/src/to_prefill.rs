@@ -8,6 +8,7 @@ use crate::codec::{
 use crate::error::DecodeError;
 use crate::limits::Limits;
 use crate::packed::{Element, PackedArray, PackedLists};
+use crate::seal::PairKey;
 
 /// First frame of a registration (`KVArgsRegisterInfo`): the text `None`.
 pub const REGISTER_ROOM: &[u8] = b"None";
@@ -65,6 +66,10 @@ pub struct Register<'a> {
     /// prefill never writes this registration's addresses into a restarted
     /// process.
     pub incarnation: Option<u64>,
+    /// kvbridge extension in secret mode (a trailing `kvbridge-pair-key=`
+    /// frame, ignored by sglang): the key that binds this decode rank's
+    /// staging messages to the prefill rank it is sent to.
+    pub pair_key: Option<PairKey>,
 }
 
 /// Prefix of the kvbridge incarnation frame appended to a registration.
@@ -77,6 +82,7 @@ impl<'a> Register<'a> {
     /// Decodes a registration; `frames[0]` must be `None`.
     pub fn decode<F: AsRef<[u8]>>(frames: &'a [F], limits: &Limits) -> Result<Self, DecodeError> {
         let c = FrameCursor::new("register", frames, Self::MIN_FRAMES)?;
+        let tail = frames.get(20..).unwrap_or(&[]);
         if c.req(0) != REGISTER_ROOM {
             return Err(DecodeError::BadRoom);
         }
@@ -123,16 +129,18 @@ impl<'a> Register<'a> {
             dst_dcp_rank: opt_int(17, "dst_dcp_rank", 0)?,
             staging_slot_layer_ids: opt_array(&c, 18, "staging_slot_layer_ids", limits)?,
             dst_kv_item_lens: opt_array(&c, 19, "dst_kv_item_lens", limits)?,
-            // Anything else in frame 20 is an unknown trailing frame.
-            incarnation: c
-                .opt(20)
-                .and_then(|f| f.strip_prefix(INCARNATION_PREFIX))
+            // kvbridge's trailing frames, by prefix; anything else past
+            // frame 19 is an unknown trailing frame.
+            incarnation: tail
+                .iter()
+                .find_map(|f| f.as_ref().strip_prefix(INCARNATION_PREFIX))
                 .and_then(|n| parse_u64("incarnation", n).ok()),
+            pair_key: tail.iter().find_map(|f| PairKey::from_frame(f.as_ref())),
         })
     }
 
     /// The 20 frames the reference's `_register_kv_args` sends (plus the
-    /// incarnation frame when set).
+    /// incarnation and pair-key frames when set).
     pub fn encode(&self) -> Frames<'_> {
         let mut frames = vec![
             Cow::Borrowed(REGISTER_ROOM),
@@ -169,6 +177,9 @@ impl<'a> Register<'a> {
             frame.extend_from_slice(n.to_string().as_bytes());
             frames.push(Cow::Owned(frame));
         }
+        if let Some(key) = &self.pair_key {
+            frames.push(Cow::Owned(key.frame()));
+        }
         frames
     }
 
@@ -195,6 +206,7 @@ impl<'a> Register<'a> {
             staging_slot_layer_ids: self.staging_slot_layer_ids.into_owned(),
             dst_kv_item_lens: self.dst_kv_item_lens.into_owned(),
             incarnation: self.incarnation,
+            pair_key: self.pair_key,
         }
     }
 }

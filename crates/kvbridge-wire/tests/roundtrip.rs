@@ -7,9 +7,9 @@ use std::borrow::Cow;
 
 use kvbridge_wire::json::{WireJson, decode_command, encode_command, hex_encode};
 use kvbridge_wire::{
-    Abort, AbortAck, AuxData, ChunkReady, KvPoll, Limits, PackedArray, PackedLists, Register,
-    StagingReq, StagingRsp, StateData, Status, ToDecode, ToPrefill, Transfer, TransferPages,
-    Watermark,
+    Abort, AbortAck, AuxData, ChunkReady, KvPoll, Limits, MAC_LEN, PackedArray, PackedLists,
+    PairKey, Register, StagingReq, StagingRsp, StateData, Status, ToDecode, ToPrefill, Transfer,
+    TransferPages, Watermark, mac_frame, split_mac,
 };
 use proptest::prelude::*;
 
@@ -50,8 +50,9 @@ prop_compose! {
             staging_base_ptr: base, staging_total_size: total,
             dst_dcp_size: dcp, dst_dcp_rank: dcp_rank,
             staging_slot_layer_ids: slots.into(), dst_kv_item_lens: kv_lens.into(),
-            // The JSON form has no incarnation (a kvbridge extension).
+            // The JSON form has no incarnation or pair key (kvbridge extensions).
             incarnation: None,
+            pair_key: None,
         }
     }
 }
@@ -248,6 +249,45 @@ proptest! {
                     let again = owned(ok.encode());
                     prop_assert_eq!(owned(ToDecode::decode(&again, &L).unwrap().encode()), again);
                 }
+            }
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    /// kvbridge's registration tail (incarnation, pair key) round-trips in
+    /// either presence, and sglang's 20 frames stay the message's first.
+    #[test]
+    fn a_registration_tail_round_trips(
+        base in register(), incarnation in prop::option::of(any::<u64>()),
+        key in prop::option::of(any::<[u8; 32]>()),
+    ) {
+        let m = Register { incarnation, pair_key: key.map(PairKey), ..base.clone() };
+        let frames = owned(m.encode());
+        prop_assert_eq!(&frames[..20], &owned(base.encode())[..20]);
+        let back = Register::decode(&frames, &L).unwrap();
+        prop_assert_eq!(&back, &m);
+        prop_assert_eq!(owned(back.encode()), frames);
+    }
+
+    /// A MAC frame appended to any message splits back off, leaving the
+    /// message's frames, which decode as before.
+    #[test]
+    fn a_mac_frame_splits_off_any_message(
+        p in to_prefill(), d in to_decode(), mac in any::<[u8; MAC_LEN]>(),
+    ) {
+        for (m, prefill) in [(owned(p.encode()), true), (owned(d.encode()), false)] {
+            let mut sealed = m.clone();
+            sealed.push(mac_frame(&mac));
+            let (body, got) = split_mac(&sealed);
+            prop_assert_eq!(body, &m[..]);
+            prop_assert_eq!(got, Some(mac));
+            if prefill {
+                prop_assert_eq!(ToPrefill::decode(body, &L).unwrap(), p.clone());
+            } else {
+                prop_assert_eq!(ToDecode::decode(body, &L).unwrap(), d.clone());
             }
         }
     }

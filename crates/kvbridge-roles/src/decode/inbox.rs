@@ -79,6 +79,9 @@ pub(crate) fn run(shared: &Shared, socket: PullSocket) {
 /// Applies one message; `STATE_DATA` accumulates in `batch`, which is
 /// flushed before any other message is applied.
 pub(crate) fn handle(shared: &Shared, frames: &[Vec<u8>], batch: &mut StateBatch) {
+    // A staging message may end with its pair MAC (secret mode).
+    let (frames, mac) = kvbridge_wire::split_mac(frames);
+    let bound = staging::Bound { frames, mac };
     let message = ToDecode::decode(frames, &Limits::DEFAULT);
     if let Ok(ToDecode::StateData(s)) = &message {
         on_state(shared, s, batch);
@@ -92,8 +95,8 @@ pub(crate) fn handle(shared: &Shared, frames: &[Vec<u8>], batch: &mut StateBatch
         Ok(ToDecode::Status(s)) => on_status(shared, &s),
         Ok(ToDecode::AuxData(a)) => on_aux(shared, &a),
         Ok(ToDecode::StateData(s)) => on_state(shared, &s, batch),
-        Ok(ToDecode::ChunkReady(c)) => staging::on_chunk_ready(shared, &c),
-        Ok(ToDecode::StagingReq(r)) => staging::on_staging_req(shared, &r),
+        Ok(ToDecode::ChunkReady(c)) => staging::on_chunk_ready(shared, &c, &bound),
+        Ok(ToDecode::StagingReq(r)) => staging::on_staging_req(shared, &r, &bound),
         Ok(ToDecode::AbortAck(a)) => on_abort_ack(shared, &a),
         Err(e) => role::drop_malformed(&shared.metrics, &e, frames.len()),
     }

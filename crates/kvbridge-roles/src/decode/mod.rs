@@ -53,6 +53,15 @@ pub(crate) struct Shared {
     pub local: crate::local::LocalMemory,
     /// The staging ring, when staging is on.
     pub staging: Option<staging::DecodeStaging>,
+    /// Pair keys for binding staging messages (secret mode only).
+    pub pair_keys: Option<crate::seal::PairKeys>,
+}
+
+impl Shared {
+    /// The pair key of the prefill rank at `endpoint` (secret mode).
+    pub fn pair_key(&self, endpoint: &str) -> Option<kvbridge_wire::PairKey> {
+        self.pair_keys.as_ref().map(|k| k.for_prefill(endpoint))
+    }
 }
 
 impl Shared {
@@ -136,6 +145,10 @@ impl DecodeManager {
             config.zmq_max_message_bytes,
         )?;
         let metrics = lifecycle.serve_metrics(config.metrics_addr)?;
+        let pair_keys = config
+            .secret
+            .is_some()
+            .then(crate::seal::PairKeys::generate);
         let shared = Arc::new(Shared {
             push: PushPool::capped(
                 lifecycle.context(),
@@ -154,6 +167,7 @@ impl DecodeManager {
             stop_signal,
             local,
             staging,
+            pair_keys,
         });
         let s = shared.clone();
         let started = lifecycle
@@ -270,6 +284,11 @@ impl DecodeManager {
             .staging
             .as_ref()
             .map(staging::DecodeStaging::held)
+    }
+
+    /// The incarnation of the transfer engine this rank registered with.
+    pub fn engine_incarnation(&self) -> u64 {
+        self.shared.engine.incarnation()
     }
 
     /// The transfer engine's session id.

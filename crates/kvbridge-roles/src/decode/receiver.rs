@@ -358,12 +358,15 @@ impl KvReceiver {
             registration.staging_base_ptr = base;
             registration.staging_total_size = size;
         }
-        let frames = registration.encode();
         for info in &infos {
+            // Each prefill rank gets its own pair key (secret mode).
+            let endpoint = info.endpoint();
+            registration.pair_key = self.shared.pair_key(&endpoint);
+            let frames = registration.encode();
             if let Err(e) = self
                 .shared
                 .push
-                .send(&info.endpoint(), frames.iter().map(|f| f.as_ref()))
+                .send(&endpoint, frames.iter().map(|f| f.as_ref()))
             {
                 return Err(format!(
                     "_register_kv_args to prefill {}:{} failed: {e}",

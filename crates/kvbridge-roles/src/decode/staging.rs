@@ -21,7 +21,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use kvbridge_plan::{PrefillLayout, StagingTarget};
-use kvbridge_wire::{ChunkReady, StagingReq, StagingRsp, Watermark};
+use kvbridge_wire::{ChunkReady, MAC_LEN, StagingReq, StagingRsp, Watermark};
 use parking_lot::{Condvar, Mutex, RwLock};
 
 use super::Shared;
@@ -37,6 +37,52 @@ pub(crate) const ALLOC_OVERSIZED: i64 = -2;
 
 /// Most chunks one room may hold allocations for.
 const MAX_CHUNKS_PER_ROOM: usize = 1 << 16;
+
+/// A staging message's own frames and the MAC frame that ended it, if any.
+pub(crate) struct Bound<'f> {
+    pub frames: &'f [Vec<u8>],
+    pub mac: Option<[u8; MAC_LEN]>,
+}
+
+/// Who sent a staging message for a room.
+#[derive(Debug, Clone, Copy)]
+enum Writer {
+    /// Open mode: unbound, as sglang sends it; trusted as named.
+    Named,
+    /// Secret mode: the room's prefill rank (index into its `prefills`)
+    /// whose pair key verifies the message's MAC.
+    Rank(usize),
+}
+
+/// The sender of `bound` among the room's `prefills`; `None` (secret mode)
+/// when no pair key of the room's ranks verifies it: a forgery, or a
+/// member speaking for a room it does not serve. Counted and logged.
+fn writer(
+    shared: &Shared,
+    prefills: &[(u64, String)],
+    bound: &Bound<'_>,
+    (kind, room, chunk): (&'static str, u64, u64),
+) -> Option<Writer> {
+    let Some(keys) = &shared.pair_keys else {
+        return Some(Writer::Named);
+    };
+    let found = bound.mac.and_then(|mac| {
+        prefills
+            .iter()
+            .position(|(_, e)| crate::seal::verify(&keys.for_prefill(e), bound.frames, &mac))
+    });
+    if found.is_none() {
+        shared.metrics.dropped("staging_unbound");
+        tracing::warn!(
+            room,
+            chunk,
+            kind,
+            mac = bound.mac.is_some(),
+            "dropping a staging message no prefill rank of the room sent (no MAC under its pair key)"
+        );
+    }
+    found.map(Writer::Rank)
+}
 
 /// Most prefill endpoints that get watermark updates.
 const MAX_SUBSCRIBERS: usize = 4096;
@@ -348,7 +394,7 @@ pub(crate) fn register_room(
 
 /// `STAGING_REQ`: allocate once per `(room, chunk)` (several prefill ranks
 /// ask for the same one) and answer the asking stage's ranks.
-pub(crate) fn on_staging_req(shared: &Shared, r: &StagingReq<'_>) {
+pub(crate) fn on_staging_req(shared: &Shared, r: &StagingReq<'_>, bound: &Bound<'_>) {
     let Some(staging) = &shared.staging else {
         shared.metrics.dropped("staging_req");
         tracing::warn!(
@@ -371,6 +417,16 @@ pub(crate) fn on_staging_req(shared: &Shared, r: &StagingReq<'_>) {
             );
             return;
         };
+        if writer(
+            shared,
+            &room.prefills,
+            bound,
+            ("STAGING_REQ", r.room, r.chunk_idx),
+        )
+        .is_none()
+        {
+            return;
+        }
         // Chunk `i` is pages `[i × g, i × g + n)` of the room on the
         // prefill's grid (its chunked-prefill size), which must be ours:
         // a chunk cut on another grid is refused, failing the room by name.
@@ -454,9 +510,9 @@ pub(crate) fn on_staging_req(shared: &Shared, r: &StagingReq<'_>) {
         end,
         session_id: r.session_id.clone(),
     };
-    let frames = rsp.encode();
     let watermark = staging.ring.lock().watermark();
     for endpoint in &targets {
+        let frames = crate::seal::seal(shared.pair_key(endpoint).as_ref(), rsp.encode());
         if let Err(e) = shared
             .push
             .send(endpoint, frames.iter().map(|f| f.as_ref()))
@@ -480,12 +536,12 @@ pub(crate) fn on_staging_req(shared: &Shared, r: &StagingReq<'_>) {
 /// copy runs without the rooms lock (a room's `poll()` must not wait for
 /// it); its result is recorded only into the same allocation of a room
 /// still taking writes, and a room's `clear()` and abort ACKs wait for it.
-pub(crate) fn on_chunk_ready(shared: &Shared, c: &ChunkReady<'_>) {
+pub(crate) fn on_chunk_ready(shared: &Shared, c: &ChunkReady<'_>, bound: &Bound<'_>) {
     let Some(staging) = &shared.staging else {
         shared.metrics.dropped("chunk_ready");
         return;
     };
-    let Some((target, alloc, pages)) = take_ready_chunk(shared, staging, c) else {
+    let Some((target, alloc, pages)) = take_ready_chunk(shared, staging, c, bound) else {
         return;
     };
     let scattered = scatter(shared, staging, c.room, &target, alloc, &pages);
@@ -533,10 +589,10 @@ fn take_ready_chunk(
     shared: &Shared,
     staging: &DecodeStaging,
     c: &ChunkReady<'_>,
+    bound: &Bound<'_>,
 ) -> Option<(Arc<StagingTarget>, Allocation, Vec<i32>)> {
     let mut rooms = shared.rooms.lock();
     let live = rooms.takes_writes(c.room);
-    let writer = c.prefill_unique_rank.unwrap_or(u64::MAX);
     let Some(room) = rooms.staging.get_mut(&c.room).filter(|_| live) else {
         drop(rooms);
         shared.metrics.dropped("chunk_ready");
@@ -546,6 +602,17 @@ fn take_ready_chunk(
             "CHUNK_READY for a room not taking writes"
         );
         return None;
+    };
+    // A writer counts once per chunk: the rank whose pair key binds the
+    // message (secret mode), else the rank it names (sglang's rule).
+    let writer = match writer(
+        shared,
+        &room.prefills,
+        bound,
+        ("CHUNK_READY", c.room, c.chunk_idx),
+    )? {
+        Writer::Named => c.prefill_unique_rank.unwrap_or(u64::MAX),
+        Writer::Rank(i) => i as u64,
     };
     let writers = room.writers;
     let Some(slot) = room.chunks.get_mut(&c.chunk_idx) else {
@@ -644,9 +711,10 @@ fn send_watermark(shared: &Shared, endpoint: &str, (round, tail): (u64, u64)) {
         wm_tail: tail,
         session_id: shared.engine.session_id().into(),
     };
+    let frames = crate::seal::seal(shared.pair_key(endpoint).as_ref(), message.encode());
     if let Err(e) = shared
         .push
-        .send(endpoint, message.encode().iter().map(|f| f.as_ref()))
+        .send(endpoint, frames.iter().map(|f| f.as_ref()))
     {
         tracing::debug!(%endpoint, error = %e, "cannot send WATERMARK");
     }

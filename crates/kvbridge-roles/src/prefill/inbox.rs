@@ -26,14 +26,76 @@ pub(crate) fn run(shared: &Shared, socket: PullSocket) {
 
 /// Applies one message.
 pub(crate) fn handle(shared: &Shared, frames: &[Vec<u8>]) {
+    // A staging message may end with its pair MAC (secret mode).
+    let (frames, mac) = kvbridge_wire::split_mac(frames);
+    let bound = |session: &str, kind| bound_to(shared, session, frames, mac, kind);
     match ToPrefill::decode(frames, &Limits::DEFAULT) {
         Ok(ToPrefill::Register(r)) => on_register(shared, &r),
         Ok(ToPrefill::Transfer(t)) => on_transfer(shared, &t),
         Ok(ToPrefill::Abort(a)) => on_abort(shared, &a),
-        Ok(ToPrefill::Watermark(w)) => on_watermark(shared, &w),
-        Ok(ToPrefill::StagingRsp(s)) => on_staging_rsp(shared, &s),
+        Ok(ToPrefill::Watermark(w)) if bound(&w.session_id, "WATERMARK") => {
+            on_watermark(shared, &w);
+        }
+        Ok(ToPrefill::StagingRsp(s)) if bound(&s.session_id, "STAGING_RSP") => {
+            on_staging_rsp(shared, &s);
+        }
+        Ok(ToPrefill::Watermark(_) | ToPrefill::StagingRsp(_)) => {}
         Err(e) => role::drop_malformed(&shared.metrics, &e, frames.len()),
     }
+}
+
+/// Whether a staging message naming decode `session` came from that
+/// decode rank: in secret mode its MAC must verify under the pair key the
+/// session registered with; open mode takes it as sglang sends it. An
+/// unbound one is counted and logged; the caller drops it.
+fn bound_to(
+    shared: &Shared,
+    session: &str,
+    frames: &[Vec<u8>],
+    mac: Option<[u8; kvbridge_wire::MAC_LEN]>,
+    kind: &'static str,
+) -> bool {
+    if shared.config.secret.is_none() {
+        return true;
+    }
+    let key = shared
+        .peers
+        .read()
+        .get(session)
+        .and_then(|entry| entry.pair_key);
+    let ok =
+        matches!((key, mac), (Some(key), Some(mac)) if crate::seal::verify(&key, frames, &mac));
+    if !ok {
+        shared.metrics.dropped("staging_unbound");
+        tracing::warn!(
+            %session,
+            kind,
+            registered = key.is_some(),
+            mac = mac.is_some(),
+            "dropping a staging message that decode session did not send (no MAC under its pair key)"
+        );
+    }
+    ok
+}
+
+/// Why a secret-mode registration must be refused: no pair key, or another
+/// key than the one the same incarnation of the session registered with
+/// (a member impersonating that decode rank).
+fn unbound_registration(shared: &Shared, r: &Register<'_>, session: &str) -> Option<String> {
+    shared.config.secret.as_ref()?;
+    let Some(key) = r.pair_key else {
+        return Some(format!(
+            "a registration for decode session {session} carries no pair key (secret mode)"
+        ));
+    };
+    let peers = shared.peers.read();
+    let known = peers.get(session)?;
+    let incarnation = r.incarnation.unwrap_or(0);
+    (known.incarnation == incarnation && known.pair_key != Some(key)).then(|| {
+        format!(
+            "a registration for decode session {session} (incarnation {incarnation}) carries              another pair key than the one it registered with; a member may be impersonating it"
+        )
+    })
 }
 
 /// A decode rank (re-)registers: prepare it for planning now, so a layout
@@ -54,6 +116,11 @@ fn on_register(shared: &Shared, r: &Register<'_>) {
             );
             return;
         }
+    }
+    if let Some(reason) = unbound_registration(shared, r, &session) {
+        shared.metrics.dropped("registration_unbound");
+        tracing::error!(%session, %reason, "refusing a decode registration");
+        return;
     }
     let layout = &shared.kv_args.layout;
     let prepared = PreparedPeer::new(layout, peer_registration(r))
@@ -89,6 +156,7 @@ fn on_register(shared: &Shared, r: &Register<'_>) {
             incarnation: r.incarnation.unwrap_or(0),
             peer,
             staging,
+            pair_key: r.pair_key,
         }),
     );
     shared.health.lock().recovered(&session);

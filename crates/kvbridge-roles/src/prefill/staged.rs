@@ -163,10 +163,11 @@ pub(crate) fn prefetch(shared: &Shared, room: u64, infos: &[Arc<TransferInfo>]) 
                 session_id: info.session.as_str().into(),
                 requester_pp_rank: Some(shared.config.rank.pp_rank),
             };
-            if let Err(e) = shared.push.send(
-                &info.zmq_endpoint(),
-                message.encode().iter().map(|f| f.as_ref()),
-            ) {
+            let frames = crate::seal::seal(entry.pair_key.as_ref(), message.encode());
+            if let Err(e) = shared
+                .push
+                .send(&info.zmq_endpoint(), frames.iter().map(|f| f.as_ref()))
+            {
                 tracing::warn!(room, chunk, error = %e, "cannot send STAGING_REQ");
             }
         }
@@ -451,12 +452,10 @@ pub(crate) fn chunk_ready(shared: &Shared, task: &StagedTask) -> Result<(), Stri
         session_id: task.info.session.as_str().into(),
         prefill_unique_rank: Some(shared.unique_rank),
     };
+    let frames = crate::seal::seal(task.entry.pair_key.as_ref(), ready.encode());
     shared
         .push
-        .send(
-            &task.info.zmq_endpoint(),
-            ready.encode().iter().map(|f| f.as_ref()),
-        )
+        .send(&task.info.zmq_endpoint(), frames.iter().map(|f| f.as_ref()))
         .map_err(|e| format!("cannot send CHUNK_READY of room {}: {e}", task.room))
 }
 

@@ -205,6 +205,7 @@ mod tests {
                 incarnation: 0,
                 peer: Peer::Rejected("test".into()),
                 staging: None,
+                pair_key: None,
             }),
             chunk_idx: 0,
             page_start: 0,

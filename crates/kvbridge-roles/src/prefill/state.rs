@@ -59,6 +59,9 @@ pub(crate) struct PeerEntry {
     pub peer: Peer,
     /// The decode rank's staging ring, when we stage towards it.
     pub staging: Option<super::staged::StagingDest>,
+    /// The key binding our staging messages with this decode rank (secret
+    /// mode: from its registration).
+    pub pair_key: Option<kvbridge_wire::PairKey>,
 }
 
 /// A decode session's registration, prepared for planning or rejected.

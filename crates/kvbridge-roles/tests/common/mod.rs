@@ -3,18 +3,20 @@
 //! recognisable pattern.
 #![allow(dead_code)]
 
+pub mod staged;
+
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use kvbridge_engine::{
-    Batch, BatchHandle, EngineConfig, MemError, Region, Target, TcpEngine, TransferEngine,
-    TransferError,
+    Batch, BatchHandle, ClusterSecret, EngineConfig, MemError, Region, Target, TcpEngine,
+    TransferEngine, TransferError,
 };
 use kvbridge_mem::HostBuffer;
 use kvbridge_plan::PrefillLayout;
-use kvbridge_roles::bootstrap::BootstrapServer;
+use kvbridge_roles::bootstrap::{BootstrapConfig, BootstrapServer};
 use kvbridge_roles::{
     DecodeConfig, DecodeManager, KvArgs, KvPoll, ParallelRank, PrefillConfig, PrefillManager,
     StagingConfig,
@@ -136,6 +138,17 @@ pub fn session_port(session: &str) -> u16 {
 
 pub fn tcp_engine() -> Arc<dyn TransferEngine> {
     Arc::new(TcpEngine::new(EngineConfig::default()).expect("tcp engine"))
+}
+
+/// A TCP engine whose connections must prove `secret`.
+pub fn secret_engine(secret: &ClusterSecret) -> Arc<dyn TransferEngine> {
+    Arc::new(
+        TcpEngine::new(EngineConfig {
+            secret: Some(secret.to_env_value()),
+            ..EngineConfig::default()
+        })
+        .expect("tcp engine"),
+    )
 }
 
 /// A TCP engine that claims to copy strided runs natively (so prefill
@@ -370,12 +383,13 @@ impl Cluster {
             engine,
             None,
             &|a| a,
+            None,
         )
     }
 
     /// A cluster of any [`Shape`].
     pub fn shaped(model: ModelSpec, shape: Shape, pages: u64) -> Self {
-        Self::build(model, shape, pages, tcp_engine, None, &|a| a)
+        Self::build(model, shape, pages, tcp_engine, None, &|a| a, None)
     }
 
     /// [`Cluster::new`] with `staging` on every rank.
@@ -407,6 +421,7 @@ impl Cluster {
             tcp_engine,
             both,
             decode_args,
+            None,
         )
     }
 
@@ -428,6 +443,28 @@ impl Cluster {
             tcp_engine,
             sides,
             &|a| a,
+            None,
+        )
+    }
+
+    /// [`Cluster::staged`] in secret mode: engines, control plane and
+    /// bootstrap all guarded by `secret`.
+    pub fn staged_secret(
+        model: ModelSpec,
+        prefill_tp: u64,
+        decode_tp: u64,
+        pages: u64,
+        staging: StagingConfig,
+        secret: &ClusterSecret,
+    ) -> Self {
+        Self::build(
+            model,
+            Shape::new(prefill_tp, 1, decode_tp),
+            pages,
+            tcp_engine,
+            Some((staging.clone(), staging)),
+            &|a| a,
+            Some(secret),
         )
     }
 
@@ -438,6 +475,7 @@ impl Cluster {
         engine: impl Fn() -> Arc<dyn TransferEngine>,
         staging: Option<(StagingConfig, StagingConfig)>,
         decode_args: &dyn Fn(KvArgs) -> KvArgs,
+        secret: Option<&ClusterSecret>,
     ) -> Self {
         let Shape {
             prefill_tp,
@@ -451,7 +489,17 @@ impl Cluster {
             dp_query,
             hisparse,
         } = shape;
-        let bootstrap = bootstrap();
+        let bootstrap = match secret {
+            None => bootstrap(),
+            Some(s) => BootstrapServer::start_with(
+                "127.0.0.1:0".parse::<SocketAddr>().unwrap(),
+                BootstrapConfig::with_secret(s.clone()),
+            )
+            .expect("bootstrap server"),
+        };
+        // Secret mode: every engine proves the secret, every rank signs
+        // and encrypts with it.
+        let engine = || secret.map_or_else(&engine, secret_engine);
         // Positional PP pairing (no layer ids, as sglang's plain pools)
         // needs equal stages of plain layers; an uneven split, a hybrid
         // model or a staged draft pairs by layer id on both sides.
@@ -493,6 +541,7 @@ impl Cluster {
                 if let Some((s, _)) = &staging {
                     config.staging = s.clone();
                 }
+                config.secret = secret.cloned();
                 let manager = start_prefill(config, kv_args(&pools), engine());
                 prefill.push((manager, pools));
             }
@@ -517,7 +566,9 @@ impl Cluster {
             if let Some((_, s)) = &staging {
                 config.staging = s.clone();
             }
-            let manager = start_decode(config, decode_args(kv_args(&pools)), tcp_engine());
+            config.secret = secret.cloned();
+            let engine = secret.map_or_else(tcp_engine, secret_engine);
+            let manager = start_decode(config, decode_args(kv_args(&pools)), engine);
             decode.push((manager, pools));
         }
         Self {

@@ -168,6 +168,7 @@ impl WireJson {
                         ),
                         dst_kv_item_lens: PackedArray::from(j.dst_kv_item_lens.as_slice()),
                         incarnation: None,
+                        pair_key: None,
                     }
                     .encode(),
                 )
