@@ -81,8 +81,9 @@ fn call(
     (status, resp.body_mut().read_to_string().unwrap_or_default())
 }
 
-/// Headers signing `body` for `method path` with `auth` at `time`.
+/// Headers signing `body` for `method path` to `bs` with `auth` at `time`.
 fn signed(
+    bs: &BootstrapServer,
     auth: &WriteAuth,
     method: &str,
     path: &str,
@@ -90,7 +91,7 @@ fn signed(
     time: u64,
 ) -> Vec<(&'static str, String)> {
     let nonce = format!("{:032x}", rand::random::<u128>());
-    let h = auth.sign_at(method, path, time, &nonce, body);
+    let h = auth.sign_at(bs.instance_id(), method, path, time, &nonce, body);
     h.pairs()
         .iter()
         .map(|(k, v)| (*k, (*v).to_owned()))
@@ -118,11 +119,11 @@ fn secret_mode_refuses_unsigned_stale_forged_and_replayed_writes() {
     let now = unix_now();
     let refused = [
         Vec::new(),
-        signed(&forger, "PUT", "/route", &body, now),
-        signed(&auth, "PUT", "/route", &body, now - 301),
-        signed(&auth, "PUT", "/route", &body, now + 400),
-        signed(&auth, "POST", "/route", &body, now),
-        signed(&auth, "PUT", "/route", b"{}", now),
+        signed(&bs, &forger, "PUT", "/route", &body, now),
+        signed(&bs, &auth, "PUT", "/route", &body, now - 301),
+        signed(&bs, &auth, "PUT", "/route", &body, now + 400),
+        signed(&bs, &auth, "POST", "/route", &body, now),
+        signed(&bs, &auth, "PUT", "/route", b"{}", now),
     ];
     for headers in &refused {
         let (status, text) = call(addr, "PUT", "/route", &body, headers);
@@ -134,7 +135,7 @@ fn secret_mode_refuses_unsigned_stale_forged_and_replayed_writes() {
     let (status, text) = call(addr, "GET", INFO, b"", &[]);
     assert_eq!((status, text.contains("0 workers")), (503, true), "{text}");
 
-    let good = signed(&auth, "PUT", "/route", &body, now);
+    let good = signed(&bs, &auth, "PUT", "/route", &body, now);
     assert_eq!(call(addr, "PUT", "/route", &body, &good).0, 200);
     assert!(bs.is_ready());
     // The same signed request again is a replay.
@@ -152,7 +153,7 @@ fn secret_mode_refuses_unsigned_stale_forged_and_replayed_writes() {
         &[],
     );
     assert_eq!(serde_json::from_str::<Value>(&map).unwrap(), json!({}));
-    let h = signed(&auth, "POST", "/register_dp_rank", dp, now);
+    let h = signed(&bs, &auth, "POST", "/register_dp_rank", dp, now);
     assert_eq!(call(addr, "POST", "/register_dp_rank", dp, &h).0, 200);
     let (_, map) = call(
         addr,
@@ -281,7 +282,7 @@ fn secret_mode_lets_a_signed_restart_replace_the_address() {
     let port = live.local_addr().unwrap().port();
     for p in [port, port.wrapping_add(1).max(1)] {
         let body = serde_json::to_vec(&reg(p)).unwrap();
-        let h = signed(&auth, "PUT", "/route", &body, unix_now());
+        let h = signed(&bs, &auth, "PUT", "/route", &body, unix_now());
         assert_eq!(call(addr, "PUT", "/route", &body, &h).0, 200);
         assert!(route_of(addr).1.contains(&format!("\"rank_port\":{p}")));
     }
@@ -429,7 +430,14 @@ fn the_prefill_refresh_takes_a_replayed_slot_back() {
     );
     // The replay: another endpoint's signed registration for the same slot.
     let body = serde_json::to_vec(&reg(17500)).unwrap();
-    let h = signed(&WriteAuth::new(&key), "PUT", "/route", &body, unix_now());
+    let h = signed(
+        &bs,
+        &WriteAuth::new(&key),
+        "PUT",
+        "/route",
+        &body,
+        unix_now(),
+    );
     assert_eq!(call(addr, "PUT", "/route", &body, &h).0, 200);
     assert!(route_of(addr).1.contains("\"rank_port\":17500"));
     assert_eq!(
@@ -449,4 +457,50 @@ fn the_prefill_refresh_takes_a_replayed_slot_back() {
         refresh_registration(&config, 16, 17000, "127.0.0.1:17002"),
         Ok(Refresh::Present)
     );
+}
+
+/// A signed write names the bootstrap server instance it was made for: a
+/// capture replayed to another server of the cluster, or to the same
+/// address after a restart, is refused there and changes nothing; the
+/// prefill's client learns each server's instance and registers with both.
+#[test]
+fn a_signed_write_is_refused_by_every_other_server_instance() {
+    let key = secret("bootstrap-guard-secret-5");
+    let a = server(Some(key.clone()));
+    let b = server(Some(key.clone()));
+    let body = serde_json::to_vec(&reg(17600)).unwrap();
+    let captured = signed(
+        &a,
+        &WriteAuth::new(&key),
+        "PUT",
+        "/route",
+        &body,
+        unix_now(),
+    );
+    assert_eq!(
+        call(a.local_addr(), "PUT", "/route", &body, &captured).0,
+        200
+    );
+    let (status, text) = call(b.local_addr(), "PUT", "/route", &body, &captured);
+    assert_eq!(status, 401, "{text}");
+    assert!(text.contains("another bootstrap server instance"), "{text}");
+    assert_eq!(route_of(b.local_addr()).0, 503, "nothing registered at b");
+    // A restart: a new instance on the same address.
+    let at = a.local_addr();
+    a.shutdown();
+    let config = BootstrapConfig {
+        secret: Some(key.clone()),
+        ..BootstrapConfig::default()
+    };
+    let restarted = BootstrapServer::start_with(at, config).unwrap();
+    assert_eq!(call(at, "PUT", "/route", &body, &captured).0, 401);
+    // The honest client signs for whichever instance answers.
+    let stopped = AtomicBool::new(false);
+    for bs in [&b, &restarted] {
+        let config = prefill_config(bs.local_addr(), Some(key.clone()));
+        register_with_bootstrap(&config, 16, 17000, "127.0.0.1:17001", &stopped).unwrap();
+        assert!(bs.is_ready());
+    }
+    b.shutdown();
+    restarted.shutdown();
 }

@@ -2,12 +2,15 @@
 //! registration (sglang's `register_to_bootstrap`), signed with the cluster
 //! secret when the rank has one ([`super::auth`]).
 
+use std::collections::HashMap;
+use std::sync::LazyLock;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use kvbridge_wire::bootstrap::{PrefillRankInfo, RouteRegistration};
+use parking_lot::Mutex;
 
-use super::auth::WriteAuth;
+use super::auth::{SERVER_HEADER, WriteAuth};
 use crate::config::PrefillConfig;
 use crate::error::StartError;
 
@@ -73,15 +76,19 @@ pub fn register_with_bootstrap(
     check_addr(&config.bootstrap_addr).map_err(fail)?;
     let body = serde_json::to_vec(&registration(config, page_size, rank_port, engine_session))
         .map_err(|e| fail(format!("cannot encode the registration: {e}")))?;
-    let auth = config.secret.as_ref().map(WriteAuth::new);
     let url = format!("http://{}/route", config.bootstrap_addr);
     let agent = crate::http::agent(ATTEMPT_TIMEOUT);
     let mut delay = Duration::from_millis(200);
     let deadline = Instant::now() + REGISTRATION_DEADLINE;
     loop {
-        let request = agent.put(&url).content_type("application/json");
-        let request = signed(request, auth.as_ref(), "PUT", "/route", &body);
-        let reason = match request.send(&body[..]) {
+        // Every attempt signs for the instance that answers now.
+        let attempt = signer(config, &agent, true).and_then(|auth| {
+            let request = agent.put(&url).content_type("application/json");
+            signed(request, auth.as_ref(), "PUT", "/route", &body)
+                .send(&body[..])
+                .map_err(|e| e.to_string())
+        });
+        let reason = match attempt {
             Ok(resp) if resp.status() == 200 => return Ok(()),
             Ok(resp) => {
                 let (status, text) = refusal(resp);
@@ -91,7 +98,7 @@ pub fn register_with_bootstrap(
                 }
                 reason
             }
-            Err(e) => e.to_string(),
+            Err(e) => e,
         };
         if Instant::now() + delay > deadline || stopped.load(Ordering::SeqCst) {
             return Err(fail(reason));
@@ -132,7 +139,11 @@ pub fn refresh_registration(
     let agent = crate::http::agent(ATTEMPT_TIMEOUT);
     let ours = registration(config, page_size, rank_port, engine_session);
     let mut reclaim = false;
-    match agent.get(&url).call() {
+    let answer = agent.get(&url).call();
+    if let Ok(resp) = &answer {
+        learn_server_id(&config.bootstrap_addr, resp);
+    }
+    match answer {
         Ok(mut resp) if resp.status() == 200 => {
             // A 200 is ours only if the slot names this rank: a replayed
             // or stale registration of another endpoint is taken back.
@@ -167,7 +178,7 @@ pub fn refresh_registration(
     let body =
         serde_json::to_vec(&ours).map_err(|e| format!("cannot encode the registration: {e}"))?;
     let put = format!("http://{}/route", config.bootstrap_addr);
-    let auth = config.secret.as_ref().map(WriteAuth::new);
+    let auth = signer(config, &agent, false)?;
     let request = agent.put(&put).content_type("application/json");
     let request = signed(request, auth.as_ref(), "PUT", "/route", &body);
     match request.send(&body[..]) {
@@ -207,18 +218,26 @@ pub fn register_dp_rank(config: &PrefillConfig, room: u64, dp_rank: u64) -> Resu
     })
     .map_err(|e| format!("cannot encode the DP registration: {e}"))?;
     let url = format!("http://{}/register_dp_rank", config.bootstrap_addr);
-    let auth = config.secret.as_ref().map(WriteAuth::new);
-    let request = crate::http::agent(ATTEMPT_TIMEOUT)
-        .post(&url)
-        .content_type("application/json");
-    let request = signed(request, auth.as_ref(), "POST", "/register_dp_rank", &body);
-    match request.send(&body[..]) {
-        Ok(resp) if resp.status() == 200 => Ok(()),
-        Ok(resp) => {
-            let (status, text) = refusal(resp);
-            Err(format!("{url} answered {status}: {text}"))
+    let agent = crate::http::agent(ATTEMPT_TIMEOUT);
+    // The remembered instance id first; once more with the current one if
+    // the server restarted since (it refuses the old id).
+    let mut fresh = false;
+    loop {
+        let auth = signer(config, &agent, fresh)?;
+        let request = agent.post(&url).content_type("application/json");
+        let request = signed(request, auth.as_ref(), "POST", "/register_dp_rank", &body);
+        match request.send(&body[..]) {
+            Ok(resp) if resp.status() == 200 => return Ok(()),
+            Ok(resp) => {
+                let (status, text) = refusal(resp);
+                if status == 401 && !fresh && auth.is_some() {
+                    fresh = true;
+                    continue;
+                }
+                return Err(format!("{url} answered {status}: {text}"));
+            }
+            Err(e) => return Err(format!("{url}: {e}")),
         }
-        Err(e) => Err(format!("{url}: {e}")),
     }
 }
 
@@ -287,21 +306,61 @@ pub fn wait_until_reachable(addr: &str, within: Duration) -> Result<(), String> 
 /// A request body's builder.
 type WithBody = ureq::RequestBuilder<ureq::typestate::WithBody>;
 
+/// The instance id each bootstrap server (by address) last announced.
+static SERVER_IDS: LazyLock<Mutex<HashMap<String, String>>> =
+    LazyLock::new(|| Mutex::new(HashMap::new()));
+
+/// Remembers the instance id `resp` announces for the server at `addr`.
+fn learn_server_id<B>(addr: &str, resp: &ureq::http::Response<B>) -> Option<String> {
+    let id = resp.headers().get(SERVER_HEADER)?.to_str().ok()?.to_owned();
+    SERVER_IDS.lock().insert(addr.to_owned(), id.clone());
+    Some(id)
+}
+
+/// The instance id of the bootstrap server at `addr` (what a signed write
+/// must name): remembered, or asked for (`GET /health`) when unknown or
+/// `fresh` (a restarted server has a new one).
+fn server_id(agent: &ureq::Agent, addr: &str, fresh: bool) -> Result<String, String> {
+    if !fresh && let Some(id) = SERVER_IDS.lock().get(addr) {
+        return Ok(id.clone());
+    }
+    let url = format!("http://{addr}/health");
+    let resp = agent.get(&url).call().map_err(|e| format!("{url}: {e}"))?;
+    learn_server_id(addr, &resp).ok_or_else(|| {
+        format!("{url} names no bootstrap server instance (not a kvbridge bootstrap server in secret mode?)")
+    })
+}
+
 /// `request` with the cluster secret's signature of `method path body`
-/// in its headers, when there is a secret; unchanged otherwise.
+/// for the server instance `server` in its headers, when there is a
+/// secret; unchanged otherwise.
 fn signed(
     mut request: WithBody,
-    auth: Option<&WriteAuth>,
+    auth: Option<&(WriteAuth, String)>,
     method: &str,
     path: &str,
     body: &[u8],
 ) -> WithBody {
-    if let Some(auth) = auth {
-        for (name, value) in auth.sign(method, path, body).pairs() {
+    if let Some((auth, server)) = auth {
+        for (name, value) in auth.sign(server, method, path, body).pairs() {
             request = request.header(name, value);
         }
     }
     request
+}
+
+/// The signer for a write to `addr`, with the server's instance id, when
+/// there is a secret.
+fn signer(
+    config: &PrefillConfig,
+    agent: &ureq::Agent,
+    fresh: bool,
+) -> Result<Option<(WriteAuth, String)>, String> {
+    let Some(secret) = &config.secret else {
+        return Ok(None);
+    };
+    let id = server_id(agent, &config.bootstrap_addr, fresh)?;
+    Ok(Some((WriteAuth::new(secret), id)))
 }
 
 /// The status and (first 4 KiB of the) text of a refused request.

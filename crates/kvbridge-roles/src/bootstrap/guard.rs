@@ -22,6 +22,10 @@ pub struct BootstrapLimits {
     pub body_timeout: Duration,
     /// Refuse a request body longer than this (413).
     pub max_body_bytes: usize,
+    /// Most request bodies being read at once; a request beyond gets 503
+    /// at once, so slow bodies cannot hold every connection (health checks
+    /// and reads need none).
+    pub max_pending_bodies: usize,
     /// Most `register_dp_rank` entries kept (503 beyond, until cleanup).
     pub max_dp_rank_entries: usize,
 }
@@ -36,6 +40,8 @@ pub const DEFAULT_HEADER_TIMEOUT: Duration = Duration::from_secs(20);
 pub const DEFAULT_BODY_TIMEOUT: Duration = Duration::from_secs(10);
 /// Default [`BootstrapLimits::max_body_bytes`].
 pub const DEFAULT_MAX_BODY_BYTES: usize = 64 * 1024;
+/// Default [`BootstrapLimits::max_pending_bodies`].
+pub const DEFAULT_MAX_PENDING_BODIES: usize = 64;
 /// Default [`BootstrapLimits::max_dp_rank_entries`].
 pub const DEFAULT_MAX_DP_RANK_ENTRIES: usize = 1 << 20;
 
@@ -46,6 +52,7 @@ impl Default for BootstrapLimits {
             header_timeout: DEFAULT_HEADER_TIMEOUT,
             body_timeout: DEFAULT_BODY_TIMEOUT,
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
+            max_pending_bodies: DEFAULT_MAX_PENDING_BODIES,
             max_dp_rank_entries: DEFAULT_MAX_DP_RANK_ENTRIES,
         }
     }

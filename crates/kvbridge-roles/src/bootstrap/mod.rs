@@ -35,11 +35,15 @@ use kvbridge_wire::bootstrap::{PrefillRankInfo, QueryDpRanks, RegisterDpRank, Ro
 use parking_lot::Mutex;
 
 use crate::http::{ConnLimits, ServerThread};
-use auth::{AUTH_HEADER, AuthError, NONCE_HEADER, ReplayGuard, TIME_HEADER, WriteAuth, unix_now};
+use auth::{
+    AUTH_HEADER, AuthError, BODY_HEADER, NONCE_HEADER, Presented, ReplayGuard, SERVER_HEADER,
+    TIME_HEADER, WriteAuth, unix_now,
+};
 use guard::Guard;
 pub use guard::{
     BootstrapLimits, BootstrapStats, DEFAULT_BODY_TIMEOUT, DEFAULT_HEADER_TIMEOUT,
-    DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_DP_RANK_ENTRIES, Refusal,
+    DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_DP_RANK_ENTRIES,
+    DEFAULT_MAX_PENDING_BODIES, Refusal,
 };
 pub use state::{Answer, BootstrapState, Replace};
 
@@ -94,6 +98,10 @@ impl BootstrapConfig {
 #[derive(Debug)]
 struct Ctx {
     state: Mutex<BootstrapState>,
+    /// This instance's id, on every answer; signed writes must name it.
+    server_id: String,
+    /// Permits for request bodies being read.
+    bodies: tokio::sync::Semaphore,
     auth: Option<WriteAuth>,
     replay: Mutex<ReplayGuard>,
     guard: Guard,
@@ -135,6 +143,8 @@ impl BootstrapServer {
             state: Mutex::new(BootstrapState::with_dp_rank_capacity(
                 limits.max_dp_rank_entries,
             )),
+            server_id: auth::new_server_id(),
+            bodies: tokio::sync::Semaphore::new(limits.max_pending_bodies.max(1)),
             auth: config.secret.as_ref().map(WriteAuth::new),
             replay: Mutex::new(ReplayGuard::default()),
             guard: Guard::default(),
@@ -176,6 +186,12 @@ impl BootstrapServer {
         self.addr
     }
 
+    /// This instance's id (random per start), which every answer carries
+    /// in `X-Kvbridge-Server` and every signed write must name.
+    pub fn instance_id(&self) -> &str {
+        &self.ctx.server_id
+    }
+
     /// Whether every expected prefill rank has registered.
     pub fn is_ready(&self) -> bool {
         self.ctx.state.lock().is_ready()
@@ -199,7 +215,30 @@ fn router(ctx: Shared) -> Router {
         .route("/register_dp_rank", post(register_dp_rank))
         .route("/query_dp_ranks", post(query_dp_ranks))
         .route("/health", get(|| async { "OK" }))
+        .layer(axum::middleware::map_response_with_state(
+            ctx.clone(),
+            announce_server,
+        ))
         .with_state(ctx)
+}
+
+/// Every answer names this server instance (what signed writes must name).
+async fn announce_server(State(ctx): State<Shared>, mut response: Response) -> Response {
+    if let Ok(id) = header::HeaderValue::from_str(&ctx.server_id) {
+        response.headers_mut().insert(SERVER_HEADER, id);
+    }
+    response
+}
+
+/// A refusal answered before the body is read: the connection closes after
+/// it, so the unread body is never waited for.
+fn refuse_unread(ctx: &Ctx, cause: Refusal, code: u16, route: &str, reason: String) -> Response {
+    let mut response = refuse(ctx, cause, code, route, reason);
+    response.headers_mut().insert(
+        header::CONNECTION,
+        header::HeaderValue::from_static("close"),
+    );
+    response
 }
 
 fn respond(answer: Answer) -> Response {
@@ -237,6 +276,18 @@ fn finish(ctx: &Ctx, route: &str, answer: Answer) -> Response {
 
 /// The body within the size and time limits.
 async fn read_body(ctx: &Ctx, route: &str, body: Body) -> Result<Bytes, Response> {
+    let Ok(_permit) = ctx.bodies.try_acquire() else {
+        return Err(refuse_unread(
+            ctx,
+            Refusal::Full,
+            503,
+            route,
+            format!(
+                "{} request bodies are being read already; retry later",
+                ctx.limits.max_pending_bodies
+            ),
+        ));
+    };
     let limited = Limited::new(body, ctx.limits.max_body_bytes);
     match tokio::time::timeout(ctx.limits.body_timeout, limited.collect()).await {
         Ok(Ok(collected)) => Ok(collected.to_bytes()),
@@ -264,8 +315,9 @@ async fn read_body(ctx: &Ctx, route: &str, body: Body) -> Result<Bytes, Response
     }
 }
 
-/// A write's body, read within the limits and, in secret mode, checked
-/// against its signature and the replay memory.
+/// A write's body, read within the limits. In secret mode its signed head
+/// is checked first (a stranger's write is refused before a byte of its
+/// body is read), then the body against the head and the replay memory.
 async fn admit_write(
     ctx: &Ctx,
     route: &str,
@@ -274,24 +326,45 @@ async fn admit_write(
     headers: &HeaderMap,
     body: Body,
 ) -> Result<Bytes, Response> {
+    let head = match &ctx.auth {
+        None => None,
+        Some(auth) => {
+            let header = |name: &str| headers.get(name).and_then(|v| v.to_str().ok());
+            let presented = Presented {
+                server: header(SERVER_HEADER),
+                time: header(TIME_HEADER),
+                nonce: header(NONCE_HEADER),
+                body_sha256: header(BODY_HEADER),
+                auth: header(AUTH_HEADER),
+            };
+            let target = uri.path_and_query().map_or(uri.path(), |pq| pq.as_str());
+            match auth.verify_head(
+                &ctx.server_id,
+                method.as_str(),
+                target,
+                &presented,
+                unix_now(),
+            ) {
+                Ok(head) => Some(head),
+                Err(e) => {
+                    return Err(refuse_unread(
+                        ctx,
+                        Refusal::Unauthorized,
+                        401,
+                        route,
+                        e.to_string(),
+                    ));
+                }
+            }
+        }
+    };
     let bytes = read_body(ctx, route, body).await?;
-    let Some(auth) = &ctx.auth else {
+    let Some(head) = head else {
         return Ok(bytes);
     };
-    let header = |name: &str| headers.get(name).and_then(|v| v.to_str().ok());
-    let target = uri.path_and_query().map_or(uri.path(), |pq| pq.as_str());
-    let now = unix_now();
-    let checked = auth
-        .verify(
-            method.as_str(),
-            target,
-            header(TIME_HEADER),
-            header(NONCE_HEADER),
-            header(AUTH_HEADER),
-            &bytes,
-            now,
-        )
-        .and_then(|(tag, sent)| ctx.replay.lock().admit(tag, sent, now));
+    let checked = head
+        .check_body(&bytes)
+        .and_then(|()| ctx.replay.lock().admit(head.tag, head.sent, unix_now()));
     match checked {
         Ok(()) => Ok(bytes),
         Err(AuthError::Busy) => Err(refuse(
