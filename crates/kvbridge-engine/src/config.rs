@@ -69,6 +69,12 @@ pub struct TcpConfig {
     /// Most accepted connections open at once; connections beyond it are
     /// closed at once (counted in `connections_rejected`).
     pub max_connections: usize,
+    /// Most accepted connections still in their handshake (not yet
+    /// authenticated); a new one beyond it closes the oldest of them
+    /// (counted in `handshakes_evicted`), so strangers that never finish a
+    /// handshake hold a bounded share of connections and descriptors while
+    /// a member's handshake, done in milliseconds, still gets through.
+    pub max_pending_handshakes: usize,
     /// An authenticated connection that sends no request for this long is
     /// closed (counted in `idle_closed`), in milliseconds. Connections that
     /// hold regions (CUDA IPC leases) are exempt.
@@ -122,6 +128,7 @@ impl Default for TcpConfig {
             request_bytes: 8 << 20,
             pipeline_depth: 2,
             max_connections: 1024,
+            max_pending_handshakes: 64,
             idle_timeout_ms: 600_000,
             request_timeout_ms: 60_000,
             native_runs: true,
@@ -244,6 +251,7 @@ mod file {
         request_bytes: usize,
         pipeline_depth: usize,
         max_connections: usize,
+        max_pending_handshakes: usize,
         idle_timeout_ms: u64,
         request_timeout_ms: u64,
         native_runs: bool,

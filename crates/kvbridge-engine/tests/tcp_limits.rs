@@ -48,6 +48,57 @@ fn connections_beyond_the_cap_are_closed_at_once() {
     assert_eq!(e.stats().connections_rejected, 1);
 }
 
+/// Strangers (no secret) that open connections and never finish a
+/// handshake hold at most `max_pending_handshakes` of them: each new one
+/// closes the oldest, so descriptors stay bounded long before the connect
+/// timeout, and a member still connects and transfers meanwhile.
+#[test]
+fn strangers_in_their_handshake_hold_a_bounded_share() {
+    const PENDING: usize = 4;
+    let secret = Some("pending-handshakes-cluster-secret".to_owned());
+    let c = EngineConfig {
+        connect_timeout_ms: 30_000,
+        secret: secret.clone(),
+        tcp: TcpConfig {
+            max_pending_handshakes: PENDING,
+            ..TcpConfig::default()
+        },
+        ..cfg()
+    };
+    let e = tcp(c.clone());
+    let mut strangers: Vec<_> = (0..40).map(|_| connect(e.session_id())).collect();
+    wait_until("all but the newest closed", || {
+        e.stats().handshakes_evicted == 40 - PENDING as u64
+    });
+    let s = e.stats();
+    assert_eq!(
+        (s.connections_open, s.handshakes_pending),
+        (PENDING as u64, PENDING as u64)
+    );
+    // The evicted ones were closed, not left to the 30 s deadline.
+    let closed = strangers
+        .iter_mut()
+        .take(40 - PENDING)
+        .map(closed_by_peer)
+        .filter(|c| *c)
+        .count();
+    assert_eq!(closed, 40 - PENDING);
+    // A member connects, authenticates and transfers during the flood.
+    let member = tcp(c);
+    let src = patterned(1 << 20, 7);
+    let dst = HostBuffer::new(1 << 20).unwrap();
+    register(&member, &src);
+    register(&e, &dst);
+    let blocks = [Block {
+        src: src.addr(),
+        dst: dst.addr(),
+        len: 1 << 20,
+    }];
+    member.batch_transfer_sync(e.session_id(), &blocks).unwrap();
+    assert_eq!(dst.as_slice(), src.as_slice());
+    assert_eq!(e.stats().handshake_timeouts, 0);
+}
+
 #[test]
 fn a_trickled_hello_is_dropped_at_the_handshake_deadline() {
     let e = tcp(EngineConfig {

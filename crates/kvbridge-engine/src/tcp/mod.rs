@@ -85,6 +85,8 @@ struct Inner {
     freeze_after: AtomicU64,
     peers: Mutex<HashMap<String, Arc<Peer>>>,
     accepted: Mutex<HashMap<u64, TcpStream>>,
+    /// Accepted connections still in their handshake, oldest first.
+    pending: Mutex<std::collections::VecDeque<u64>>,
     /// What an `Exports` request answers (the CUDA IPC engine's handle table).
     exports: RwLock<Vec<u8>>,
     /// Regions that peers hold through `Lease` (CUDA IPC copies may be in flight).
@@ -183,6 +185,7 @@ impl TcpEngine {
             freeze_after: AtomicU64::new(u64::MAX),
             peers: Mutex::new(HashMap::new()),
             accepted: Mutex::new(HashMap::new()),
+            pending: Mutex::new(std::collections::VecDeque::new()),
             exports: RwLock::new(Vec::new()),
             holds: holds::Holds::default(),
             fences: fence::Fences::default(),

@@ -3,7 +3,9 @@
 //! regions, and scatters payloads straight into them ([`super::scatter`]).
 //!
 //! Limits against hostile or failing peers: at most `max_connections`
-//! accepted connections (more are closed at once); `accept` running out of
+//! accepted connections (more are closed at once), of them at most
+//! `max_pending_handshakes` in their handshake (a new one closes the
+//! oldest); `accept` running out of
 //! descriptors or memory backs off instead of spinning; the handshake has a
 //! total deadline (`connect_timeout_ms`), each request one too
 //! (`request_timeout_ms`, besides the `io_timeout_ms` no-progress limit),
@@ -87,11 +89,17 @@ pub(super) fn accept_loop(inner: Arc<Inner>, listener: TcpListener) {
                 tracing::debug!(%from, "accepted data connection");
                 let (i2, at) = (inner.clone(), Instant::now());
                 let id = inner.next_id();
+                if let Ok(c) = stream.try_clone() {
+                    inner.accepted.lock().insert(id, c);
+                }
+                admit_pending(&inner, id);
                 let spawned = std::thread::Builder::new()
                     .name("kvb-tcp-serve".into())
                     .spawn(move || serve(i2, stream, id, at));
                 if let Err(e) = spawned {
                     stats.connections_open.fetch_sub(1, Ordering::AcqRel);
+                    inner.accepted.lock().remove(&id);
+                    handshake_over(&inner, id);
                     tracing::warn!(error = %e, "cannot spawn a connection thread; dropping connection");
                 }
             }
@@ -115,6 +123,52 @@ pub(super) fn accept_loop(inner: Arc<Inner>, listener: TcpListener) {
     }
 }
 
+/// Counts connection `id` as in its handshake; when `max_pending_handshakes`
+/// already are, closes the oldest of them (a member's handshake takes
+/// milliseconds, so the oldest is a stranger's that never finishes).
+fn admit_pending(inner: &Inner, id: u64) {
+    let cap = inner.cfg.tcp.max_pending_handshakes.max(1);
+    let evicted = {
+        let mut pending = inner.pending.lock();
+        let oldest = (pending.len() >= cap)
+            .then(|| pending.pop_front())
+            .flatten();
+        pending.push_back(id);
+        oldest
+    };
+    let stats = &inner.stats;
+    stats
+        .handshakes_pending
+        .store(inner.pending.lock().len() as u64, Ordering::Relaxed);
+    let Some(old) = evicted else {
+        return;
+    };
+    // Its thread sees the socket shut and ends; the count follows.
+    if let Some(s) = inner.accepted.lock().get(&old) {
+        let _ = s.shutdown(std::net::Shutdown::Both);
+    }
+    bump(&stats.handshakes_evicted);
+    if let Some(suppressed) = stats.log_evicted.hit() {
+        tracing::warn!(
+            max = cap,
+            suppressed,
+            "too many connections in their handshake; closing the oldest"
+        );
+    }
+}
+
+/// Connection `id` is out of its handshake (done, failed or closed).
+fn handshake_over(inner: &Inner, id: u64) {
+    let mut pending = inner.pending.lock();
+    if let Some(i) = pending.iter().position(|p| *p == id) {
+        pending.remove(i);
+    }
+    inner
+        .stats
+        .handshakes_pending
+        .store(pending.len() as u64, Ordering::Relaxed);
+}
+
 /// Undoes a connection's registrations when its thread ends.
 struct Registered<'a> {
     inner: &'a Inner,
@@ -123,6 +177,7 @@ struct Registered<'a> {
 
 impl Drop for Registered<'_> {
     fn drop(&mut self) {
+        handshake_over(self.inner, self.id);
         self.inner.fences.leave(self.id);
         self.inner.holds.release(self.id);
         self.inner.accepted.lock().remove(&self.id);
@@ -136,9 +191,6 @@ impl Drop for Registered<'_> {
 /// Serve connection `id`, accepted at `accepted_at` (counted open by the accept loop).
 fn serve(inner: Arc<Inner>, stream: TcpStream, id: u64, accepted_at: Instant) {
     let _reg = Registered { inner: &inner, id };
-    if let Ok(c) = stream.try_clone() {
-        inner.accepted.lock().insert(id, c);
-    }
     if inner.is_shutdown() {
         return;
     }
@@ -176,6 +228,7 @@ fn serve(inner: Arc<Inner>, stream: TcpStream, id: u64, accepted_at: Instant) {
         Err(Refusal::Refused) => return,
         Err(Refusal::Io(e)) => return handshake_failed(e),
     };
+    handshake_over(&inner, id);
     let Some(abort) = inner.fences.admit(id, &peer.session) else {
         bump(&inner.stats.fenced_refusals);
         if let Some(suppressed) = inner.stats.log_fenced.hit() {

@@ -32,6 +32,12 @@ pub struct EngineStats {
     pub accept_errors: u64,
     /// Connections dropped because their handshake was not done within `connect_timeout_ms`.
     pub handshake_timeouts: u64,
+    /// Connections closed in their handshake to admit a newer one, because
+    /// `max_pending_handshakes` were pending.
+    pub handshakes_evicted: u64,
+    /// Accepted connections in their handshake now (a gauge, at most
+    /// `max_pending_handshakes`).
+    pub handshakes_pending: u64,
     /// Connections closed after `idle_timeout_ms` without a request.
     pub idle_closed: u64,
     /// Requests dropped (with their connection) because they were not
@@ -89,6 +95,8 @@ pub(crate) struct Stats {
     pub connections_rejected: AtomicU64,
     pub accept_errors: AtomicU64,
     pub handshake_timeouts: AtomicU64,
+    pub handshakes_evicted: AtomicU64,
+    pub handshakes_pending: AtomicU64,
     pub idle_closed: AtomicU64,
     pub request_timeouts: AtomicU64,
     pub requests_aborted: AtomicU64,
@@ -100,6 +108,7 @@ pub(crate) struct Stats {
     pub log_bad_frame: Burst,
     pub log_rejected: Burst,
     pub log_handshake: Burst,
+    pub log_evicted: Burst,
     pub log_idle: Burst,
     pub log_request: Burst,
     pub log_fenced: Burst,
@@ -125,6 +134,8 @@ impl Stats {
             connections_rejected: l(&self.connections_rejected),
             accept_errors: l(&self.accept_errors),
             handshake_timeouts: l(&self.handshake_timeouts),
+            handshakes_evicted: l(&self.handshakes_evicted),
+            handshakes_pending: l(&self.handshakes_pending),
             idle_closed: l(&self.idle_closed),
             request_timeouts: l(&self.request_timeouts),
             requests_aborted: l(&self.requests_aborted),
