@@ -73,6 +73,13 @@ const SOCKETS_PER_CONTEXT: usize = 1000;
 /// any legitimate frame (a 1 M-page transfer request is 4 MiB).
 pub const DEFAULT_MAX_MESSAGE_BYTES: usize = 64 << 20;
 
+/// How long a connection to an inbox may take to finish its zmq handshake
+/// (`ZMQ_HANDSHAKE_IVL`; libzmq's default is 30 s). A member's takes
+/// milliseconds; a stranger's (which in secret mode never completes) is
+/// closed after this, freeing what it sent before authentication (libzmq
+/// accepts one frame of up to the message limit even then).
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(3);
+
 /// Messages a PUSH socket queues for one peer before sends fail (`ZMQ_SNDHWM`).
 pub const SEND_QUEUE_MESSAGES: i32 = 1000;
 
@@ -138,6 +145,8 @@ impl PullSocket {
         let context = control.context();
         let socket = zmq_call!(context.socket(zmq::PULL), host)?;
         control.security().apply_server(&socket, host)?;
+        let handshake = i32::try_from(HANDSHAKE_TIMEOUT.as_millis()).unwrap_or(i32::MAX);
+        zmq_call!(socket.set_handshake_ivl(handshake), host)?;
         let max = i64::try_from(max_message_bytes).unwrap_or(i64::MAX);
         zmq_call!(socket.set_maxmsgsize(max), host)?;
         let wanted = if port == 0 {
