@@ -272,7 +272,9 @@ pub struct PrefillConfig {
     /// `MAXMSGSIZE`); a peer sending a larger one is disconnected.
     pub zmq_max_message_bytes: usize,
     /// Most control sockets open to peers at once, one per peer endpoint
-    /// (`SGLANG_DISAGGREGATION_ZMQ_MAX_SOCKETS`).
+    /// (`SGLANG_DISAGGREGATION_ZMQ_MAX_SOCKETS`; fewer where the descriptor
+    /// limit could not hold them); the least recently used is closed for a
+    /// new endpoint.
     pub zmq_max_sockets: usize,
     /// With prefill context parallelism, every CP rank transfers a share
     /// of each request instead of CP rank 0 alone; both roles must agree
@@ -479,7 +481,9 @@ pub struct DecodeConfig {
     /// `MAXMSGSIZE`); a peer sending a larger one is disconnected.
     pub zmq_max_message_bytes: usize,
     /// Most control sockets open to peers at once, one per peer endpoint
-    /// (`SGLANG_DISAGGREGATION_ZMQ_MAX_SOCKETS`).
+    /// (`SGLANG_DISAGGREGATION_ZMQ_MAX_SOCKETS`; fewer where the descriptor
+    /// limit could not hold them); the least recently used is closed for a
+    /// new endpoint.
     pub zmq_max_sockets: usize,
     /// With prefill context parallelism, every CP rank transfers a share
     /// of each request instead of CP rank 0 alone; both roles must agree
