@@ -306,6 +306,10 @@ pub struct PrefillConfig {
     /// Most pending rooms per decode session, so that one peer cannot fill
     /// `max_rooms` alone.
     pub max_rooms_per_session: usize,
+    /// Most bytes of destination page lists held for pending rooms in
+    /// all; requests past it are refused (counted) once unclaimed rooms
+    /// older than the bootstrap timeout are dropped.
+    pub max_pending_request_bytes: usize,
     /// Most abort ACK endpoints remembered per room.
     pub max_abort_endpoints: usize,
     /// Serve Prometheus metrics here when set.
@@ -357,6 +361,7 @@ impl Default for PrefillConfig {
             max_sessions: 4096,
             max_rooms: 1 << 16,
             max_rooms_per_session: 1 << 14,
+            max_pending_request_bytes: 128 << 20,
             max_abort_endpoints: 64,
             metrics_addr: None,
             control_port: 0,

@@ -412,3 +412,44 @@ fn unclaimed_rooms_expire_from_the_pending_cap() {
     drop(pools);
     bs.shutdown();
 }
+
+/// Transfer requests with long page lists (4 MiB a room was accepted) hold
+/// at most `max_pending_request_bytes` in all: past it they are refused,
+/// counted, until unclaimed rooms expire, after which requests fit again.
+#[test]
+fn pending_rooms_hold_a_bounded_number_of_bytes() {
+    let bs = bootstrap();
+    let model = tiny_model(false, 2);
+    let pools = kvbridge_roles::synthetic::RankPools::new(model, SINGLE_RANK, 16, 8).unwrap();
+    let mut config = prefill_config(bs.local_addr(), 1, 0);
+    config.max_pending_request_bytes = 1 << 20;
+    config.bootstrap_timeout = Duration::from_millis(1500);
+    let prefill = start_prefill(config, pools.kv_args(), tcp_engine());
+    let (_ctx, sock) = rogue_socket(prefill.rank_port());
+    // 64 K pages (256 KiB) a room, each from its own session: three fit.
+    let big = |room: u64| {
+        let mut t = transfer_request(room, format!("127.0.0.1:{}", 200 + room), 2);
+        if let Some(p) = &mut t.pages {
+            p.dst_kv_indices = kvbridge_wire::PackedArray::from(vec![1i32; 1 << 16]);
+        }
+        t
+    };
+    for room in 1..=6 {
+        send_frames(&sock, &big(room).encode());
+    }
+    let metrics = prefill.metrics().clone();
+    wait_until("the rooms past the budget refused", || {
+        metrics.dropped_for("transfer_over_bytes") == 3
+    });
+    // Past the bootstrap timeout the unclaimed rooms expire and a new one fits.
+    std::thread::sleep(Duration::from_millis(1700));
+    send_frames(&sock, &big(7).encode());
+    wait_until("the unclaimed rooms expired", || {
+        metrics.dropped_for("transfer_expired") == 3
+    });
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(metrics.dropped_for("transfer_over_bytes"), 3);
+    prefill.teardown();
+    drop(pools);
+    bs.shutdown();
+}

@@ -10,7 +10,7 @@ use kvbridge_wire::{Abort, KvPoll, Limits, Register, StagingRsp, ToPrefill, Tran
 
 use super::Shared;
 use super::staged::{self, StagingDest};
-use super::state::{AckTarget, Concluded, Peer, PeerEntry, TransferInfo};
+use super::state::{AckTarget, Concluded, Peer, PeerEntry, RoomsState, TransferInfo};
 use crate::control::PullSocket;
 use crate::kv_args::peer_registration;
 use crate::role;
@@ -268,7 +268,13 @@ fn on_transfer(shared: &Shared, t: &Transfer<'_>) {
         return;
     }
     let mut rooms = shared.rooms.lock();
-    if !rooms.infos.contains_key(&room) && rooms.infos.len() >= shared.config.max_rooms {
+    let held = info.held_bytes();
+    let over_bytes = |r: &RoomsState| {
+        r.info_bytes.saturating_add(held) > shared.config.max_pending_request_bytes
+    };
+    if (!rooms.infos.contains_key(&room) && rooms.infos.len() >= shared.config.max_rooms)
+        || over_bytes(&rooms)
+    {
         // Full: first drop rooms no sender claimed within the bootstrap
         // timeout (a flood of requests for rooms that never come must not
         // hold the cap for good).
@@ -283,6 +289,19 @@ fn on_transfer(shared: &Shared, t: &Transfer<'_>) {
                 "dropping transfer requests for rooms no sender claimed within the bootstrap timeout"
             );
         }
+    }
+    if over_bytes(&rooms) {
+        let pending = rooms.info_bytes;
+        drop(rooms);
+        shared.metrics.dropped("transfer_over_bytes");
+        tracing::warn!(
+            room,
+            bytes = held,
+            pending,
+            max = shared.config.max_pending_request_bytes,
+            "refusing a transfer request: pending rooms hold too many destination bytes"
+        );
+        return;
     }
     if !rooms.infos.contains_key(&room) && rooms.infos.len() >= shared.config.max_rooms {
         drop(rooms);

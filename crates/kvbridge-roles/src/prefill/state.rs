@@ -29,6 +29,17 @@ pub(crate) struct TransferInfo {
 }
 
 impl TransferInfo {
+    /// Bytes this destination holds while its room is pending: its page
+    /// lists and names, and the record itself.
+    pub fn held_bytes(&self) -> usize {
+        let pages = self.request.as_ref().map_or(0, |r| {
+            let state: usize = r.dst_state_indices.iter().map(Vec::len).sum();
+            let device = r.dst_device_kv_indices.as_ref().map_or(0, Vec::len);
+            4 * (r.dst_kv_indices.len() + device) + 8 * state
+        });
+        pages + self.endpoint.len() + self.session.len() + std::mem::size_of::<Self>()
+    }
+
     /// `tcp://endpoint:port` of the decode rank's socket.
     pub fn zmq_endpoint(&self) -> String {
         crate::control::tcp_endpoint(&self.endpoint, self.dst_port)
@@ -103,6 +114,8 @@ pub(crate) struct RoomsState {
     pub infos: HashMap<u64, Vec<Arc<TransferInfo>>>,
     /// Rooms with a destination at each decode session.
     pub rooms_per_session: HashMap<String, usize>,
+    /// [`TransferInfo::held_bytes`] of every destination in `infos`.
+    pub info_bytes: usize,
     /// When each room in `infos` got its first destination (to expire
     /// rooms no sender ever claims).
     pub pending_since: HashMap<u64, Instant>,
@@ -232,7 +245,15 @@ impl RoomsState {
         self.pending_since.entry(room).or_insert_with(Instant::now);
         let infos = self.infos.entry(room).or_default();
         let before = infos.len();
-        infos.retain(|i| i.session != info.session);
+        let mut freed = 0;
+        infos.retain(|i| {
+            let keep = i.session != info.session;
+            if !keep {
+                freed += i.held_bytes();
+            }
+            keep
+        });
+        self.info_bytes = (self.info_bytes + info.held_bytes()).saturating_sub(freed);
         if infos.len() == before {
             *self
                 .rooms_per_session
@@ -258,6 +279,7 @@ impl RoomsState {
         self.failed_told.remove(&room);
         self.pending_since.remove(&room);
         for info in self.infos.remove(&room).into_iter().flatten() {
+            self.info_bytes = self.info_bytes.saturating_sub(info.held_bytes());
             if let Some(n) = self.rooms_per_session.get_mut(&info.session) {
                 *n = n.saturating_sub(1);
                 if *n == 0 {
