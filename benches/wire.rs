@@ -32,6 +32,7 @@ fn registration() -> Register<'static> {
         staging_slot_layer_ids: PackedArray::empty(),
         dst_kv_item_lens: PackedArray::from(vec![16384u64; 160]),
         incarnation: None,
+        pair_key: None,
     }
 }
 

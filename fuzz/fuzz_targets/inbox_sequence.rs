@@ -1,14 +1,18 @@
 #![no_main]
 //! Random sequences of control messages fed into a live prefill inbox and
-//! a live decode inbox (one harness for the whole run: a bootstrap server,
-//! one prefill and one decode rank on loopback engines, three open rooms).
-//! After every message: no panic, and no byte of a page that no live room
-//! owns has changed.
+//! a live decode inbox (two harnesses for the whole run, one in open mode
+//! and one in secret mode: a bootstrap server, prefill and decode ranks on
+//! loopback engines, three open rooms). After every message: no panic, no
+//! byte of a page that no live room owns has changed, and in secret mode no
+//! staging chunk was scattered (the fuzzer, like a member that serves none
+//! of the rooms, has no pair key to bind one).
 //!
 //! Input: a sequence of messages, each `[target, frame count, (len u16 LE,
 //! bytes)...]`; target bit 0 picks the prefill (1) or decode (0) inbox,
 //! bit 1 polls the rooms afterwards, bit 2 rewrites the first frame into a
-//! well-formed message name (so the fuzzer reaches the handlers quickly).
+//! well-formed message name (so the fuzzer reaches the handlers quickly),
+//! bit 3 picks the secret-mode harness. `fuzz/seeds/inbox_sequence` holds
+//! the staging forgeries as seeds.
 
 use std::sync::{Mutex, OnceLock};
 
@@ -27,9 +31,15 @@ const NAMES: [&[u8]; 8] = [
     b"STAGING_RSP",
 ];
 
-fn harness() -> &'static Mutex<InboxHarness> {
-    static H: OnceLock<Mutex<InboxHarness>> = OnceLock::new();
-    H.get_or_init(|| match InboxHarness::new() {
+fn harness(secret: bool) -> &'static Mutex<InboxHarness> {
+    static OPEN: OnceLock<Mutex<InboxHarness>> = OnceLock::new();
+    static SECRET: OnceLock<Mutex<InboxHarness>> = OnceLock::new();
+    let (cell, start): (_, fn() -> Result<InboxHarness, String>) = if secret {
+        (&SECRET, InboxHarness::secret)
+    } else {
+        (&OPEN, InboxHarness::new)
+    };
+    cell.get_or_init(|| match start() {
         Ok(h) => Mutex::new(h),
         Err(e) => panic!("the inbox harness cannot start: {e}"),
     })
@@ -62,11 +72,11 @@ fn messages(mut data: &[u8]) -> Vec<(u8, Vec<Vec<u8>>)> {
 }
 
 fuzz_target!(|data: &[u8]| {
-    let mut h = match harness().lock() {
-        Ok(h) => h,
-        Err(poisoned) => poisoned.into_inner(),
-    };
     for (target, frames) in messages(data) {
+        let mut h = match harness(target & 8 != 0).lock() {
+            Ok(h) => h,
+            Err(poisoned) => poisoned.into_inner(),
+        };
         if target & 1 == 1 {
             h.feed_prefill(&frames);
         } else {

@@ -8,7 +8,8 @@
 //! it is missing (and nightly too, through rustup). Targets are built with
 //! debug assertions and overflow checks (`-a`) under AddressSanitizer; each
 //! keeps its corpus in `fuzz/corpus/<target>` (not tracked), so later runs
-//! start from what earlier ones found.
+//! start from what earlier ones found, and also reads the committed seeds
+//! in `fuzz/seeds/<target>` (known attack sequences) when there are any.
 
 use std::path::Path;
 use std::process::{Command, Output};
@@ -190,8 +191,18 @@ fn list_targets(root: &Path) -> Result<Vec<String>> {
 }
 
 fn run_target(root: &Path, target: &str, seconds: u64) -> Result<Outcome> {
+    // The target's corpus (kept between runs), then its committed seeds
+    // (known attack sequences), which libFuzzer reads first.
+    let corpus = root.join("fuzz").join("corpus").join(target);
+    std::fs::create_dir_all(&corpus)
+        .with_context(|| format!("cannot create {}", corpus.display()))?;
     let mut c = nightly(root);
-    c.args(["fuzz", "run", "-a", target, "--"])
+    c.args(["fuzz", "run", "-a", target]).arg(&corpus);
+    let seeds = root.join("fuzz").join("seeds").join(target);
+    if seeds.is_dir() {
+        c.arg(&seeds);
+    }
+    c.arg("--")
         .arg(format!("-max_total_time={seconds}"))
         .arg(format!("-timeout={INPUT_TIMEOUT_S}"))
         .arg("-print_final_stats=1");

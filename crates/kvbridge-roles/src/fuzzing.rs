@@ -4,7 +4,10 @@
 //! decode's staging ring, so that random frame sequences (staging requests
 //! and chunk notices included) meet real room state.
 //! [`InboxHarness::check`] states the invariant: no byte outside the live
-//! rooms' own pages changed.
+//! rooms' own pages changed. [`InboxHarness::secret`] runs the ranks in
+//! secret mode, as a cluster member (who holds the secret) would meet them:
+//! there no staging chunk may be scattered at all, since no prefill rank of
+//! the rooms sends one.
 
 #![doc(hidden)]
 
@@ -12,10 +15,10 @@ use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvbridge_engine::{LoopbackEngine, TransferEngine};
+use kvbridge_engine::{ClusterSecret, LoopbackEngine, TransferEngine};
 use kvbridge_wire::{KvPoll, Limits, ToPrefill};
 
-use crate::bootstrap::BootstrapServer;
+use crate::bootstrap::{BootstrapConfig, BootstrapServer};
 use crate::config::{DecodeConfig, ParallelRank, PrefillConfig, StagingConfig};
 use crate::decode::{DecodeManager, KvReceiver};
 use crate::prefill::PrefillManager;
@@ -38,6 +41,7 @@ pub struct InboxHarness {
     decode_pools: RankPools,
     _prefill_pools: Vec<RankPools>,
     _bootstrap: BootstrapServer,
+    secret_mode: bool,
 }
 
 impl std::fmt::Debug for InboxHarness {
@@ -83,11 +87,24 @@ fn staging() -> StagingConfig {
 impl InboxHarness {
     /// Starts the ranks and opens rooms `1..=3` (pages `2r-1, 2r`, aux slot `r`).
     pub fn new() -> Result<Self, String> {
-        let bootstrap = BootstrapServer::start(
-            SocketAddr::from(([127, 0, 0, 1], 0)),
-            Duration::from_secs(120),
-        )
-        .map_err(|e| e.to_string())?;
+        Self::start(None)
+    }
+
+    /// [`InboxHarness::new`] in secret mode (every rank and the bootstrap
+    /// server guarded by one secret).
+    pub fn secret() -> Result<Self, String> {
+        let secret = ClusterSecret::from_text("kvbridge-inbox-harness-secret", "fuzz harness")
+            .map_err(|e| e.to_string())?;
+        Self::start(Some(secret))
+    }
+
+    fn start(secret: Option<ClusterSecret>) -> Result<Self, String> {
+        let config = BootstrapConfig {
+            secret: secret.clone(),
+            ..BootstrapConfig::open(Duration::from_secs(120))
+        };
+        let bootstrap = BootstrapServer::start_with(SocketAddr::from(([127, 0, 0, 1], 0)), config)
+            .map_err(|e| e.to_string())?;
         let mut decode_pools =
             RankPools::new(model(), rank(1, 0), PAGES, ROOMS + 1).map_err(|e| e.to_string())?;
         let canaries: Vec<i32> = (0..PAGES as i32).filter(|p| !owned(*p)).collect();
@@ -107,6 +124,7 @@ impl InboxHarness {
                     ..ParallelRank::default()
                 },
                 staging: staging(),
+                secret: secret.clone(),
                 ..PrefillConfig::default()
             };
             let engine: Arc<dyn TransferEngine> = Arc::new(LoopbackEngine::new());
@@ -120,6 +138,7 @@ impl InboxHarness {
         let engine: Arc<dyn TransferEngine> = Arc::new(LoopbackEngine::new());
         let decode_config = DecodeConfig {
             staging: staging(),
+            secret: secret.clone(),
             ..DecodeConfig::default()
         };
         // SAFETY: as above.
@@ -144,6 +163,7 @@ impl InboxHarness {
             decode_pools,
             _prefill_pools: prefill_pools,
             _bootstrap: bootstrap,
+            secret_mode: secret.is_some(),
         })
     }
 
@@ -186,14 +206,35 @@ impl InboxHarness {
         self.decode.staging_allocations().unwrap_or(0)
     }
 
-    /// The invariant: every page no live room owns is untouched.
+    /// The decode rank's engine session (what staging messages name).
+    pub fn decode_session(&self) -> &str {
+        self.decode.session_id()
+    }
+
+    /// Messages of `kind` dropped so far by the decode and prefill ranks.
+    pub fn dropped(&self, kind: &str) -> u64 {
+        self.prefill
+            .iter()
+            .map(|p| p.metrics().dropped_for(kind))
+            .sum::<u64>()
+            + self.decode.metrics().dropped_for(kind)
+    }
+
+    /// The invariant: every page no live room owns is untouched; in secret
+    /// mode, also no staging chunk was scattered (no rank sent one).
     pub fn check(&self) -> Result<(), String> {
         let canaries: Vec<i32> = (0..PAGES as i32).filter(|p| !owned(*p)).collect();
-        if self.decode_pools.still_poisoned(&canaries, CANARY) {
-            Ok(())
-        } else {
-            Err("a message wrote a page that no live room owns".into())
+        if !self.decode_pools.still_poisoned(&canaries, CANARY) {
+            return Err("a message wrote a page that no live room owns".into());
         }
+        let scattered = self.decode.metrics().staged_bytes.get();
+        if self.secret_mode && scattered > 0 {
+            return Err(format!(
+                "{scattered} bytes scattered from the staging ring, though no prefill rank of the \
+                 rooms sent a chunk"
+            ));
+        }
+        Ok(())
     }
 }
 

@@ -116,3 +116,123 @@ fn hostile_staging_messages_scatter_only_into_live_rooms_pages() {
     }
     h.check().unwrap();
 }
+
+/// The staging forgeries of a member that serves none of the rooms (the
+/// attacks of `staging_forgery.rs`), as `(target, frames)` messages of the
+/// fuzz target `inbox_sequence` (bit 0: prefill inbox; bit 3: the
+/// secret-mode harness), naming decode session `session`.
+fn staging_forgeries(session: &str) -> Vec<(u8, Vec<Vec<u8>>)> {
+    let mut out = Vec::new();
+    let bogus_mac = |mut f: Vec<Vec<u8>>| {
+        f.push(kvbridge_wire::mac_frame(&[0x5a; kvbridge_wire::MAC_LEN]));
+        f
+    };
+    for room in 1..=3u64 {
+        for chunk in 0..2u64 {
+            for rank in 0..2u64 {
+                let c = ChunkReady {
+                    room,
+                    chunk_idx: chunk,
+                    page_start: chunk,
+                    num_pages: 1,
+                    session_id: session.into(),
+                    prefill_unique_rank: Some(rank),
+                };
+                out.push((8, frames(c.encode())));
+                out.push((8, bogus_mac(frames(c.encode()))));
+            }
+        }
+        let r = StagingReq {
+            room,
+            chunk_idx: 0,
+            chunk_num_pages: 7,
+            session_id: session.into(),
+            requester_pp_rank: Some(0),
+        };
+        out.push((8, frames(r.encode())));
+        let rsp = StagingRsp {
+            room,
+            chunk_idx: 1,
+            offset: 0,
+            round: 0,
+            end: 1 << 10,
+            session_id: session.into(),
+        };
+        out.push((9, frames(rsp.encode())));
+        out.push((9, bogus_mac(frames(rsp.encode()))));
+    }
+    let w = Watermark {
+        wm_round: 1 << 20,
+        wm_tail: 0,
+        session_id: session.into(),
+    };
+    out.push((9, frames(w.encode())));
+    out.push((9, bogus_mac(frames(w.encode()))));
+    // Then poll the rooms (bit 1).
+    out.push((10, vec![b"garbage".to_vec()]));
+    out
+}
+
+/// `messages` in the fuzz target's input format: `[target, frame count,
+/// (len u16 LE, bytes)...]` each.
+fn fuzz_input(messages: &[(u8, Vec<Vec<u8>>)]) -> Vec<u8> {
+    let mut out = Vec::new();
+    for (target, frames) in messages {
+        assert!(frames.len() < 12, "the format carries at most 11 frames");
+        out.push(*target);
+        out.push(frames.len() as u8);
+        for f in frames {
+            out.extend_from_slice(&u16::try_from(f.len()).unwrap().to_le_bytes());
+            out.extend_from_slice(f);
+        }
+    }
+    out
+}
+
+/// A member without pair keys forges every staging message against the
+/// secret-mode harness: all are dropped as unbound, nothing is scattered.
+/// The same sequence is the fuzz seed `fuzz/seeds/inbox_sequence/
+/// staging_forgeries` (rewritten with `KVBRIDGE_WRITE_SEEDS=1`).
+#[test]
+fn staging_forgeries_bind_nothing_in_secret_mode() {
+    let mut h = InboxHarness::secret().unwrap();
+    let forgeries = staging_forgeries(h.decode_session());
+    let sent = forgeries.len();
+    for (target, f) in &forgeries {
+        if target & 1 == 1 {
+            h.feed_prefill(f);
+        } else {
+            h.feed_decode(f);
+        }
+        if target & 2 != 0 {
+            h.poll();
+        }
+        h.check().unwrap();
+    }
+    // Every staging message but the final garbage frame was unbound.
+    assert_eq!(h.dropped("staging_unbound"), (sent - 1) as u64);
+    // The open harness takes them as sglang would, within its invariant.
+    let mut open = InboxHarness::new().unwrap();
+    for (target, f) in staging_forgeries(open.decode_session()) {
+        if target & 1 == 1 {
+            open.feed_prefill(&f);
+        } else {
+            open.feed_decode(&f);
+        }
+        open.poll();
+        open.check().unwrap();
+    }
+    let seed = fuzz_input(&staging_forgeries("loopback:2"));
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../fuzz/seeds/inbox_sequence/staging_forgeries");
+    if std::env::var_os("KVBRIDGE_WRITE_SEEDS").is_some() {
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(&path, &seed).unwrap();
+    }
+    assert_eq!(
+        std::fs::read(&path).ok(),
+        Some(seed),
+        "{} is out of date: rerun with KVBRIDGE_WRITE_SEEDS=1",
+        path.display()
+    );
+}
