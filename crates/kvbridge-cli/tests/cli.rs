@@ -264,7 +264,8 @@ fn demo_fault_flags_fail_some_rooms_with_reasons_while_others_succeed() {
 #[test]
 fn demo_under_attack_from_a_host_without_the_secret_loses_nothing() {
     // Forged control messages for the run's own rooms to every rank, idle
-    // and half-open engine connections, unsigned bootstrap writes: in
+    // and half-open engine connections, bodiless bootstrap writes, large
+    // frames parked in zmq handshakes, unsigned bootstrap writes: in
     // secret mode (the demo's default) every room completes, byte-exact.
     let (code, v) = demo(&[
         "--rogue",
@@ -281,6 +282,8 @@ fn demo_under_attack_from_a_host_without_the_secret_loses_nothing() {
     let r = &v["rogue"];
     assert!(r["forged_messages"].as_u64().unwrap() > 0, "{v}");
     assert!(r["idle_connections"].as_u64().unwrap() > 0, "{v}");
+    assert!(r["slow_bodies"].as_u64().unwrap() > 0, "{v}");
+    assert!(r["parked_frames"].as_u64().unwrap() > 0, "{v}");
     assert!(r["bootstrap_writes"].as_u64().unwrap() > 0, "{v}");
     assert_eq!(r["bootstrap_accepted"], 0, "{v}");
     // The ranks' resources stayed bounded (the engines cap connections at

@@ -2,10 +2,14 @@
 //! cluster secret, attacking the run while it transfers. It forges control
 //! messages for the run's own rooms to every rank's zmq socket (Success
 //! status, ABORT_ACK, STATE_DATA into the KV pools, transfer requests,
-//! aborts), holds idle and half-open connections on every engine port, and
-//! sends unsigned registrations to the bootstrap server. In secret mode the
-//! run must finish as without it; in open mode (`--open --rogue`) it shows
-//! what an unauthenticated cluster is exposed to.
+//! aborts, and transfer requests with long page lists naming made-up
+//! endpoints), holds idle and half-open connections on every engine port
+//! (re-opening those the engine closes), starts zmq handshakes that park a
+//! large frame before authentication, holds bootstrap writes whose body
+//! never comes, and sends unsigned registrations to the bootstrap server.
+//! In secret mode the run must finish as without it; in open mode
+//! (`--open --rogue`) it shows what an unauthenticated cluster is exposed
+//! to.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -21,14 +25,25 @@ use serde::Serialize;
 
 /// Idle connections held open per engine port.
 const IDLE_PER_ENGINE: usize = 64;
+/// Bootstrap writes held open without their body.
+const SLOW_BODIES: usize = 96;
+/// zmq connections per rank that park a large frame before authentication.
+const PARKED_PER_RANK: usize = 2;
+/// The size such a frame announces (all but its last byte is sent).
+const PARKED_FRAME: usize = 8 << 20;
 
 /// What the rogue did during the run.
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
 pub struct RogueReport {
     /// Forged control messages queued to the ranks' zmq sockets.
     pub forged_messages: u64,
-    /// Idle or half-open connections held on the engines' ports.
+    /// Idle or half-open connections opened on the engines' ports
+    /// (re-opened when the engine closed them).
     pub idle_connections: u64,
+    /// Bootstrap writes opened whose body never came.
+    pub slow_bodies: u64,
+    /// zmq connections that parked a large frame before authentication.
+    pub parked_frames: u64,
     /// Unsigned bootstrap registrations sent.
     pub bootstrap_writes: u64,
     /// Of those, how many the bootstrap server accepted (200).
@@ -120,6 +135,8 @@ fn attack(
             }
         }
     }
+    let mut slow = Vec::new();
+    let mut parked = Vec::new();
     let ctx = zmq::Context::new();
     let sockets: Vec<zmq::Socket> = targets
         .iter()
@@ -134,6 +151,32 @@ fn attack(
         .collect();
     let mut round = 0u64;
     while !stop.load(Ordering::SeqCst) {
+        reopen_idle(targets, &mut held, &mut report);
+        refill(
+            &mut slow,
+            SLOW_BODIES,
+            || slow_body(bootstrap),
+            &mut report.slow_bodies,
+        );
+        if round.is_multiple_of(25) {
+            // Re-park: the inboxes close them after their handshake deadline.
+            parked.retain(|c: &TcpStream| c.peer_addr().is_ok());
+            let want = PARKED_PER_RANK * targets.len();
+            refill(
+                &mut parked,
+                want,
+                || park(targets, round),
+                &mut report.parked_frames,
+            );
+        }
+        if round.is_multiple_of(10) {
+            let junk = junk_transfer(round);
+            for s in &sockets {
+                if s.send_multipart(junk.iter(), zmq::DONTWAIT).is_ok() {
+                    report.forged_messages += 1;
+                }
+            }
+        }
         for &room in rooms {
             for message in forged(room, round) {
                 for s in &sockets {
@@ -155,7 +198,99 @@ fn attack(
     }
     drop(sockets);
     drop(held);
+    drop(slow);
+    drop(parked);
     report
+}
+
+/// Whether the peer closed `s` (EOF or error), without waiting.
+fn closed(s: &TcpStream) -> bool {
+    let mut b = [0u8; 64];
+    if s.set_nonblocking(true).is_err() {
+        return true;
+    }
+    let gone = match (&*s).read(&mut b) {
+        Ok(0) => true,
+        Ok(_) => false,
+        Err(e) => e.kind() != std::io::ErrorKind::WouldBlock,
+    };
+    let _ = s.set_nonblocking(false);
+    gone
+}
+
+/// Drops the connections their peer closed and opens new ones with `open`
+/// until there are `want`, counting each opened.
+fn refill(
+    conns: &mut Vec<TcpStream>,
+    want: usize,
+    mut open: impl FnMut() -> Option<TcpStream>,
+    opened: &mut u64,
+) {
+    conns.retain(|c| !closed(c));
+    while conns.len() < want {
+        let Some(c) = open() else {
+            return;
+        };
+        conns.push(c);
+        *opened += 1;
+    }
+}
+
+/// Re-opens the engine connections the engines closed (evicted handshakes).
+fn reopen_idle(targets: &[Target], held: &mut Vec<TcpStream>, report: &mut RogueReport) {
+    held.retain(|c| !closed(c));
+    let per = IDLE_PER_ENGINE;
+    let want = per * targets.len();
+    let mut i = 0usize;
+    while held.len() < want && i < want {
+        let t = &targets[i % targets.len()];
+        i += 1;
+        let Ok(addr) = t.engine_session.parse::<SocketAddr>() else {
+            continue;
+        };
+        if !addr.ip().is_loopback() {
+            continue;
+        }
+        if let Ok(s) = TcpStream::connect_timeout(&addr, Duration::from_millis(200)) {
+            held.push(s);
+            report.idle_connections += 1;
+        }
+    }
+}
+
+/// A `PUT /route` head announcing a 4 KiB body that never comes.
+fn slow_body(bootstrap: SocketAddr) -> Option<TcpStream> {
+    let mut s = TcpStream::connect_timeout(&bootstrap, Duration::from_millis(200)).ok()?;
+    let head = format!(
+        "PUT /route HTTP/1.1\r\nHost: {bootstrap}\r\nContent-Type: application/json\r\n\
+         Content-Length: 4096\r\n\r\n{{"
+    );
+    s.write_all(head.as_bytes()).ok()?;
+    Some(s)
+}
+
+/// A zmq connection to one of `targets` (by `round`) that starts a CURVE
+/// handshake and sends all but the last byte of a large frame instead of
+/// its HELLO.
+fn park(targets: &[Target], round: u64) -> Option<TcpStream> {
+    let t = targets.get((round as usize) % targets.len().max(1))?;
+    let mut s = TcpStream::connect_timeout(
+        &SocketAddr::from(([127, 0, 0, 1], t.control_port)),
+        Duration::from_millis(200),
+    )
+    .ok()?;
+    s.set_write_timeout(Some(Duration::from_secs(2))).ok()?;
+    let mut greeting = vec![0xffu8, 0, 0, 0, 0, 0, 0, 0, 1, 0x7f, 3, 0];
+    let mut mechanism = b"CURVE".to_vec();
+    mechanism.resize(20, 0);
+    greeting.extend_from_slice(&mechanism);
+    greeting.resize(64, 0);
+    s.write_all(&greeting).ok()?;
+    let mut head = vec![0x06u8];
+    head.extend_from_slice(&(PARKED_FRAME as u64).to_be_bytes());
+    s.write_all(&head).ok()?;
+    s.write_all(&vec![0x41u8; PARKED_FRAME - 1]).ok()?;
+    Some(s)
 }
 
 /// Folds the fd count, thread count and resident memory of `pid` into the
@@ -215,6 +350,26 @@ fn forged(room: u64, round: u64) -> Vec<Vec<Vec<u8>>> {
         owned(transfer.encode()),
         owned(abort.encode()),
     ]
+}
+
+/// A transfer request with a long page list (64 KiB) for a made-up room,
+/// from a made-up decode endpoint (a new one each time).
+fn junk_transfer(round: u64) -> Vec<Vec<u8>> {
+    let port = 20_000 + (round % 20_000) as u16;
+    let junk = Transfer {
+        room: (round << 20) ^ 0x5a5a_5a5a,
+        endpoint: "127.0.0.1".into(),
+        dst_port: port,
+        mooncake_session_id: format!("127.0.0.1:{port}").into(),
+        pages: Some(TransferPages {
+            dst_kv_indices: PackedArray::from(vec![7i32; 1 << 14]),
+            dst_aux_index: 0,
+            ..TransferPages::default()
+        }),
+        required_dst_info_num: 2,
+        decode_prefix_len: Some(0),
+    };
+    junk.encode().into_iter().map(|p| p.into_owned()).collect()
 }
 
 /// One unsigned `PUT /route` re-pointing prefill rank 0; the HTTP status.

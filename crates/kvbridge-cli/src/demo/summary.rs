@@ -112,12 +112,15 @@ impl Summary {
         if let Some(r) = &self.rogue {
             out.push_str(&format!(
                 "  rogue      {} forged control messages, {} idle engine connections, \
-                 {} unsigned bootstrap writes ({} accepted)\n\
+                 {} unsigned bootstrap writes ({} accepted), {} bodiless bootstrap writes, \
+                 {} large frames parked in zmq handshakes\n\
                  \x20 ranks      at most {} fds, {} threads, {} MiB resident under attack\n",
                 r.forged_messages,
                 r.idle_connections,
                 r.bootstrap_writes,
                 r.bootstrap_accepted,
+                r.slow_bodies,
+                r.parked_frames,
                 r.max_rank_fds,
                 r.max_rank_threads,
                 r.max_rank_rss_mib
