@@ -81,6 +81,16 @@ fn strangers_reach_no_inbox() {
         ctx.refused() >= 1,
         "the ZAP handler refused the stranger's key"
     );
+    // Every failed handshake is counted (and logged once per burst).
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while pull.handshake_failures() < 2 && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(
+        pull.handshake_failures() >= 2,
+        "{}",
+        pull.handshake_failures()
+    );
     drop(raw);
     open.close_all();
     other.close_all();

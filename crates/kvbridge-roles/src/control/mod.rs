@@ -10,6 +10,7 @@
 //! queue is full.
 
 mod curve;
+mod monitor;
 mod nacl;
 mod push;
 
@@ -120,6 +121,7 @@ pub fn tcp_endpoint(host: &str, port: u16) -> String {
 pub struct PullSocket {
     socket: zmq::Socket,
     port: u16,
+    watch: monitor::HandshakeWatch,
 }
 
 impl std::fmt::Debug for PullSocket {
@@ -170,8 +172,19 @@ impl PullSocket {
             .rsplit(':')
             .next()
             .and_then(|p| p.parse().ok())
-            .ok_or(ControlError::Endpoint(bound))?;
-        Ok(Self { socket, port })
+            .ok_or_else(|| ControlError::Endpoint(bound.clone()))?;
+        let watch = monitor::HandshakeWatch::start(&context, &socket, &bound)?;
+        Ok(Self {
+            socket,
+            port,
+            watch,
+        })
+    }
+
+    /// Handshakes to this inbox that failed or timed out so far (libzmq
+    /// closed each); logged once per burst.
+    pub fn handshake_failures(&self) -> u64 {
+        self.watch.failures()
     }
 
     /// The port the socket is bound to.
