@@ -189,3 +189,48 @@ fn aux_over_zmq_arrives_before_the_status() {
     prefill.teardown();
     decode.teardown();
 }
+
+/// A decode rank that registers again with the same buffers from the same
+/// engine incarnation (it dropped its cache of the prefill's address, as
+/// when the prefill's bootstrap server missed heartbeats) has not
+/// restarted: its room in flight still completes, byte-exact.
+#[test]
+fn an_unchanged_re_registration_keeps_rooms_in_flight() {
+    let mut c = Cluster::new(tiny_model(false, 2), 1, 1, 1, 16);
+    let addr = c.bootstrap.local_addr().to_string();
+    let (decode, dpools) = &c.decode[0];
+    let mut rx = decode.receiver(&addr, 5);
+    assert_eq!(rx.init(0), KvPoll::WaitingForInput);
+    rx.send_metadata(&[7, 8], 1, &[], None);
+    let (prefill, ppools) = &mut c.prefill[0];
+    ppools.fill(5, &[1, 2], 1);
+    let mut tx = prefill.sender(5);
+    tx.init(2, Some(1));
+    assert_eq!(
+        wait_for(Duration::from_secs(10), KvPoll::WaitingForInput, || tx
+            .poll()),
+        KvPoll::WaitingForInput
+    );
+    // The same registration again, as the decode would send it.
+    let again = dpools.kv_args().registration(
+        "127.0.0.1",
+        decode.rank_port(),
+        decode.session_id(),
+        decode.engine_incarnation(),
+    );
+    let (_ctx, sock) = rogue_socket(prefill.rank_port());
+    sock.send_multipart(again.encode().iter().map(|f| f.as_ref()), 0)
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    tx.send(&[1, 2], None, None).unwrap();
+    assert_eq!(
+        wait_terminal(Duration::from_secs(10), || tx.poll()),
+        KvPoll::Success
+    );
+    assert_eq!(
+        wait_terminal(Duration::from_secs(10), || rx.poll()),
+        KvPoll::Success
+    );
+    assert_eq!(dpools.verify(5, &[7, 8], 1).mismatched, 0);
+    c.shutdown();
+}

@@ -206,6 +206,7 @@ mod tests {
                 peer: Peer::Rejected("test".into()),
                 staging: None,
                 pair_key: None,
+                digest: [0; 32],
             }),
             chunk_idx: 0,
             page_start: 0,

@@ -73,6 +73,9 @@ pub(crate) struct PeerEntry {
     /// The key binding our staging messages with this decode rank (secret
     /// mode: from its registration).
     pub pair_key: Option<kvbridge_wire::PairKey>,
+    /// SHA-256 of the registration's frames: an identical one from the
+    /// same incarnation is no restart.
+    pub digest: [u8; 32],
 }
 
 /// A decode session's registration, prepared for planning or rejected.
