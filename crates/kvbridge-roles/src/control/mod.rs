@@ -173,7 +173,7 @@ impl PullSocket {
             .next()
             .and_then(|p| p.parse().ok())
             .ok_or_else(|| ControlError::Endpoint(bound.clone()))?;
-        let watch = monitor::HandshakeWatch::start(&context, &socket, &bound)?;
+        let watch = monitor::HandshakeWatch::start(context, &socket, &bound)?;
         Ok(Self {
             socket,
             port,
