@@ -163,50 +163,51 @@ fn b_waits_for_a(c: &Cluster, mut a: Room, mut b: Room) {
     assert_eq!(allocations(c), 0);
 }
 
-/// A forged `WATERMARK` would tell the prefill that A's ring space is free.
-#[test]
-fn forged_watermark_does_not_release_ring_space() {
+/// The wrapped rooms of [`wrapped`], with the message `forge` makes (for
+/// the decode session it is given) sent by the rogue to every prefill rank:
+/// it must be dropped, and B must wait for A.
+fn forged_to_the_prefills(forge: impl Fn(&str) -> Vec<Vec<u8>>) {
     let s = secret();
     let mut c = cluster(&s, 16 << 10);
     let rogue = Rogue::new(&s);
     let (a, b) = wrapped(&mut c);
-    let session = c.decode[0].0.session_id().to_owned();
+    let forged = forge(c.decode[0].0.session_id());
     for (p, _) in &c.prefill {
-        let forged = Watermark {
-            wm_round: 1000,
-            wm_tail: 0,
-            session_id: session.as_str().into(),
-        };
-        rogue.send(p.rank_port(), owned(forged.encode()));
+        rogue.send(p.rank_port(), forged.clone());
     }
     wait_dropped(|| prefill_metrics(&c), 4);
     b_waits_for_a(&c, a, b);
     c.shutdown();
 }
 
+/// A forged `WATERMARK` would tell the prefill that A's ring space is free.
+#[test]
+fn forged_watermark_does_not_release_ring_space() {
+    forged_to_the_prefills(|session| {
+        let forged = Watermark {
+            wm_round: 1000,
+            wm_tail: 0,
+            session_id: session.into(),
+        };
+        owned(forged.encode())
+    });
+}
+
 /// A forged `STAGING_RSP` would move B's allocation onto A's, in a round
 /// the watermark has already passed.
 #[test]
 fn forged_staging_rsp_does_not_move_an_allocation() {
-    let s = secret();
-    let mut c = cluster(&s, 16 << 10);
-    let rogue = Rogue::new(&s);
-    let (a, b) = wrapped(&mut c);
-    let session = c.decode[0].0.session_id().to_owned();
-    for (p, _) in &c.prefill {
+    forged_to_the_prefills(|session| {
         let forged = StagingRsp {
             room: 2,
             chunk_idx: 0,
             offset: 0,
             round: 0,
             end: 16 << 10,
-            session_id: session.as_str().into(),
+            session_id: session.into(),
         };
-        rogue.send(p.rank_port(), owned(forged.encode()));
-    }
-    wait_dropped(|| prefill_metrics(&c), 4);
-    b_waits_for_a(&c, a, b);
-    c.shutdown();
+        owned(forged.encode())
+    });
 }
 
 /// The rogue registers as the decode rank (same session, same incarnation,
