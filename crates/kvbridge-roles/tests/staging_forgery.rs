@@ -1,8 +1,9 @@
-//! Staging in secret mode against a rogue cluster member: a process that
-//! holds the secret (so its messages pass zmq CURVE) but serves none of the
-//! rooms forges `CHUNK_READY`, `STAGING_REQ`, `WATERMARK` and `STAGING_RSP`,
-//! and registers as the decode rank with a pair key of its own. Each forgery
-//! is dropped and counted; the rooms succeed with every byte right.
+//! Secret mode against a rogue cluster member: a process that holds the
+//! secret (so its messages pass zmq CURVE) but serves none of the rooms
+//! forges `CHUNK_READY`, `STAGING_REQ`, `WATERMARK` and `STAGING_RSP`,
+//! transfer requests and ABORTs in a decode's name, and registers as the
+//! decode rank with a pair key of its own. Each forgery is dropped and
+//! counted; the rooms succeed with every byte right.
 // Test code: a failed unwrap is a failed test.
 #![allow(clippy::unwrap_used)]
 
@@ -55,12 +56,13 @@ fn owned(frames: kvbridge_wire::Frames<'_>) -> Vec<Vec<u8>> {
 /// Waits until `metrics` counted `n` unbound staging messages (or 3 s: a
 /// build that takes forgeries counts none, and must fail on the bytes).
 fn wait_dropped<'a>(metrics: impl Fn() -> Vec<&'a Metrics>, n: u64) {
+    wait_dropped_as(metrics, "staging_unbound", n);
+}
+
+/// [`wait_dropped`] for drops counted as `kind`.
+fn wait_dropped_as<'a>(metrics: impl Fn() -> Vec<&'a Metrics>, kind: &str, n: u64) {
     let deadline = Instant::now() + Duration::from_secs(3);
-    while metrics()
-        .iter()
-        .map(|m| m.dropped_for("staging_unbound"))
-        .sum::<u64>()
-        < n
+    while metrics().iter().map(|m| m.dropped_for(kind)).sum::<u64>() < n
         && Instant::now() < deadline
     {
         std::thread::sleep(Duration::from_millis(5));
@@ -271,5 +273,67 @@ fn a_member_cannot_register_its_own_pair_key_for_a_decode() {
     let mut d = open(&mut c, 3, vec![5, 6], vec![14, 15], 2);
     d.send_all(2);
     d.finish_ok(&c);
+    c.shutdown();
+}
+
+/// A member forges a transfer request for a room of its own naming a live
+/// decode rank's session and the pages of that rank's finished room: the
+/// prefill would write the member's room into them. And it forges an ABORT
+/// of a live room in the decode's name: the prefill would fail it.
+#[test]
+fn a_member_cannot_send_transfer_requests_or_aborts_as_a_decode() {
+    let s = secret();
+    let mut c = Cluster::staged_secret(tiny_model(false, 2), 1, 1, 64, staging(8, 64 << 10, T), &s);
+    let rogue = Rogue::new(&s);
+    let mut a = open(&mut c, 31, vec![1, 2], vec![10, 11], 0);
+    a.send_all(2);
+    a.finish_ok(&c);
+    let (decode, _) = &c.decode[0];
+    let (session, decode_port) = (decode.session_id().to_owned(), decode.rank_port());
+    let prefill_port = c.prefill[0].0.rank_port();
+    let forged = kvbridge_wire::Transfer {
+        room: 32,
+        endpoint: "127.0.0.1".into(),
+        dst_port: decode_port,
+        mooncake_session_id: session.as_str().into(),
+        pages: Some(kvbridge_wire::TransferPages {
+            dst_kv_indices: kvbridge_wire::PackedArray::from(vec![10i32, 11]),
+            dst_aux_index: 0,
+            ..kvbridge_wire::TransferPages::default()
+        }),
+        required_dst_info_num: 1,
+        decode_prefix_len: Some(0),
+    };
+    rogue.send(prefill_port, owned(forged.encode()));
+    // A live room the member would abort in the decode's name.
+    let mut b = open(&mut c, 33, vec![5, 6], vec![20, 21], 1);
+    let abort = kvbridge_wire::Abort {
+        room: 33,
+        decode_ip: "127.0.0.1".into(),
+        decode_port,
+        generation: None,
+    };
+    rogue.send(prefill_port, owned(abort.encode()));
+    wait_dropped_as(|| prefill_metrics(&c), "unbound", 4);
+    // The member's room: its sender has KV ready and no destination.
+    let (prefill, ppools) = &mut c.prefill[0];
+    ppools.fill(32, &[3, 4], 0);
+    let mut x = prefill.sender(32);
+    x.init(2, Some(0));
+    x.send(&[3, 4], None, None).unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(
+        x.poll() < KvPoll::Transferring,
+        "the forged request was taken"
+    );
+    let (_, dpools) = &c.decode[0];
+    assert_eq!(
+        dpools.verify(31, &[10, 11], 0).mismatched,
+        0,
+        "room 31's pages written over"
+    );
+    b.send_all(2);
+    b.finish_ok(&c);
+    drop(x);
     c.shutdown();
 }

@@ -114,10 +114,14 @@ impl KvReceiver {
                 required_dst_info_num: required,
                 decode_prefix_len: Some(decode_prefix_len.unwrap_or(0)),
             };
-            if let Err(e) = self.shared.push.send(
-                &info.endpoint(),
-                message.encode().iter().map(|f| f.as_ref()),
-            ) {
+            let endpoint = info.endpoint();
+            let frames =
+                crate::seal::seal(self.shared.pair_key(&endpoint).as_ref(), message.encode());
+            if let Err(e) = self
+                .shared
+                .push
+                .send(&endpoint, frames.iter().map(|f| f.as_ref()))
+            {
                 self.invalidate_cache();
                 return self.fail(format!(
                     "send_metadata to prefill {}:{} failed: {e}",

@@ -188,10 +188,14 @@ impl KvReceiver {
                 decode_port: self.shared.rank_port,
                 generation,
             };
-            if let Err(e) = self.shared.push.send(
-                &info.endpoint(),
-                message.encode().iter().map(|f| f.as_ref()),
-            ) {
+            let endpoint = info.endpoint();
+            let frames =
+                crate::seal::seal(self.shared.pair_key(&endpoint).as_ref(), message.encode());
+            if let Err(e) = self
+                .shared
+                .push
+                .send(&endpoint, frames.iter().map(|f| f.as_ref()))
+            {
                 tracing::debug!(room = self.room, error = %e, "cannot send abort notification");
             }
         }

@@ -28,51 +28,75 @@ pub(crate) fn run(shared: &Shared, socket: PullSocket) {
 pub(crate) fn handle(shared: &Shared, frames: &[Vec<u8>]) {
     // A staging message may end with its pair MAC (secret mode).
     let (frames, mac) = kvbridge_wire::split_mac(frames);
-    let bound = |session: &str, kind| bound_to(shared, session, frames, mac, kind);
+    let bound = |session: Option<&str>, kind: &'static str| {
+        let metric = if kind == "TRANSFER" || kind == "ABORT" {
+            "unbound"
+        } else {
+            "staging_unbound"
+        };
+        bound_to(shared, session, frames, mac, (kind, metric))
+    };
     match ToPrefill::decode(frames, &Limits::DEFAULT) {
         Ok(ToPrefill::Register(r)) => on_register(shared, &r),
-        Ok(ToPrefill::Transfer(t)) => on_transfer(shared, &t),
-        Ok(ToPrefill::Abort(a)) => on_abort(shared, &a),
-        Ok(ToPrefill::Watermark(w)) if bound(&w.session_id, "WATERMARK") => {
+        Ok(ToPrefill::Transfer(t)) if bound(Some(&t.mooncake_session_id), "TRANSFER") => {
+            on_transfer(shared, &t);
+        }
+        Ok(ToPrefill::Abort(a)) if bound(session_at(shared, &a).as_deref(), "ABORT") => {
+            on_abort(shared, &a);
+        }
+        Ok(ToPrefill::Watermark(w)) if bound(Some(&w.session_id), "WATERMARK") => {
             on_watermark(shared, &w);
         }
-        Ok(ToPrefill::StagingRsp(s)) if bound(&s.session_id, "STAGING_RSP") => {
+        Ok(ToPrefill::StagingRsp(s)) if bound(Some(&s.session_id), "STAGING_RSP") => {
             on_staging_rsp(shared, &s);
         }
-        Ok(ToPrefill::Watermark(_) | ToPrefill::StagingRsp(_)) => {}
+        Ok(
+            ToPrefill::Transfer(_)
+            | ToPrefill::Abort(_)
+            | ToPrefill::Watermark(_)
+            | ToPrefill::StagingRsp(_),
+        ) => {}
         Err(e) => role::drop_malformed(&shared.metrics, &e, frames.len()),
     }
 }
 
-/// Whether a staging message naming decode `session` came from that
-/// decode rank: in secret mode its MAC must verify under the pair key the
-/// session registered with; open mode takes it as sglang sends it. An
-/// unbound one is counted and logged; the caller drops it.
+/// The decode session whose registration names the control endpoint an
+/// ABORT asks to be acknowledged at.
+fn session_at(shared: &Shared, a: &Abort<'_>) -> Option<String> {
+    shared
+        .peers
+        .read()
+        .iter()
+        .find(|(_, e)| e.control.0 == a.decode_ip && e.control.1 == a.decode_port)
+        .map(|(session, _)| session.clone())
+}
+
+/// Whether a message from decode `session` (a transfer request, an ABORT
+/// or a staging message) came from that decode rank: in secret mode its
+/// MAC must verify under the pair key the session registered with; open
+/// mode takes it as sglang sends it. An unbound one is counted under
+/// `metric` and logged; the caller drops it.
 fn bound_to(
     shared: &Shared,
-    session: &str,
+    session: Option<&str>,
     frames: &[Vec<u8>],
     mac: Option<[u8; kvbridge_wire::MAC_LEN]>,
-    kind: &'static str,
+    (kind, metric): (&'static str, &'static str),
 ) -> bool {
     if shared.config.secret.is_none() {
         return true;
     }
-    let key = shared
-        .peers
-        .read()
-        .get(session)
-        .and_then(|entry| entry.pair_key);
+    let key = session.and_then(|s| shared.peers.read().get(s).and_then(|e| e.pair_key));
     let ok =
         matches!((key, mac), (Some(key), Some(mac)) if crate::seal::verify(&key, frames, &mac));
     if !ok {
-        shared.metrics.dropped("staging_unbound");
+        shared.metrics.dropped(metric);
         tracing::warn!(
-            %session,
+            session = session.unwrap_or("-"),
             kind,
             registered = key.is_some(),
             mac = mac.is_some(),
-            "dropping a staging message that decode session did not send (no MAC under its pair key)"
+            "dropping a message no registered decode rank sent (no MAC under its pair key)"
         );
     }
     ok
@@ -172,6 +196,7 @@ fn on_register(shared: &Shared, r: &Register<'_>) {
             staging,
             pair_key: r.pair_key,
             digest,
+            control: (r.endpoint.to_string(), r.dst_port),
         }),
     );
     shared.health.lock().recovered(&session);

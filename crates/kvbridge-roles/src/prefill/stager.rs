@@ -207,6 +207,7 @@ mod tests {
                 staging: None,
                 pair_key: None,
                 digest: [0; 32],
+                control: (String::new(), 0),
             }),
             chunk_idx: 0,
             page_start: 0,

@@ -76,6 +76,8 @@ pub(crate) struct PeerEntry {
     /// SHA-256 of the registration's frames: an identical one from the
     /// same incarnation is no restart.
     pub digest: [u8; 32],
+    /// The decode rank's control endpoint (IP, zmq port) it registered.
+    pub control: (String, u16),
 }
 
 /// A decode session's registration, prepared for planning or rejected.
