@@ -197,3 +197,58 @@ fn a_prefill_abort_fails_the_decode_room_at_once() {
     }
     cluster.shutdown();
 }
+
+/// One decode rank aborts a room before the prefill has heard from every
+/// decode rank of it (so before the prefill rank has the room at all): the
+/// ACK is sent at once, and the room must stay failed there. The other
+/// rank's request for it is answered Failed at once (it used to wait out
+/// its room timeout for KV that never came), the prefill's sender polls
+/// Failed, and nothing is written into the aborted rank's pages after its
+/// ACK (the room used to complete with the stale destination).
+#[test]
+fn a_room_aborted_before_the_prefill_knew_it_stays_failed() {
+    let mut cluster = Cluster::new(tiny_model(false, 2), 1, 1, 2, 32);
+    let addr = cluster.bootstrap.local_addr().to_string();
+    let dst = [3, 4];
+    let snapshot = cluster.decode[0].1.verify(77, &dst, 0);
+    let mut r0 = cluster.decode[0].0.receiver(&addr, 77);
+    assert_eq!(r0.init(0), KvPoll::WaitingForInput);
+    r0.send_metadata(&dst, 0, &[], None);
+    r0.abort();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !r0.abort_acknowledged() {
+        assert!(Instant::now() < deadline, "abort never acknowledged");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    r0.clear();
+    let mut r1 = cluster.decode[1].0.receiver(&addr, 77);
+    assert_eq!(r1.init(0), KvPoll::WaitingForInput);
+    r1.send_metadata(&dst, 0, &[], None);
+    let (prefill, ppools) = &mut cluster.prefill[0];
+    ppools.fill(77, &[1, 2], 0);
+    let mut tx = prefill.sender(77);
+    tx.init(2, Some(0));
+    let _ = tx.send(&[1, 2], None, None);
+    assert_eq!(
+        wait_terminal(Duration::from_secs(10), || tx.poll()),
+        KvPoll::Failed
+    );
+    assert_eq!(
+        wait_terminal(Duration::from_secs(10), || r1.poll()),
+        KvPoll::Failed
+    );
+    assert!(
+        r1.failure_exception().reason.contains("Aborted"),
+        "{}",
+        r1.failure_exception()
+    );
+    std::thread::sleep(Duration::from_millis(200));
+    let after = cluster.decode[0].1.verify(77, &dst, 0);
+    assert_eq!(
+        after.mismatched, snapshot.mismatched,
+        "written after the ACK"
+    );
+    r1.clear();
+    tx.clear();
+    cluster.shutdown();
+}

@@ -330,17 +330,7 @@ fn on_transfer(shared: &Shared, t: &Transfer<'_>) {
         // Full: first drop rooms no sender claimed within the bootstrap
         // timeout (a flood of requests for rooms that never come must not
         // hold the cap for good).
-        let expired = rooms.expire_unclaimed(shared.config.bootstrap_timeout, Instant::now());
-        if !expired.is_empty() {
-            shared
-                .metrics
-                .dropped_n("transfer_expired", expired.len() as u64);
-            tracing::warn!(
-                rooms = expired.len(),
-                timeout = ?shared.config.bootstrap_timeout,
-                "dropping transfer requests for rooms no sender claimed within the bootstrap timeout"
-            );
-        }
+        expire_unclaimed(shared, &mut rooms);
     }
     if over_bytes(&rooms) {
         let pending = rooms.info_bytes;
@@ -434,6 +424,23 @@ fn on_transfer(shared: &Shared, t: &Transfer<'_>) {
     }
 }
 
+/// Drops the requests of rooms no sender claimed within the bootstrap
+/// timeout, and the entries of rooms an ABORT failed before any sender
+/// claimed them (at most one sweep a second); counts and logs the former.
+fn expire_unclaimed(shared: &Shared, rooms: &mut RoomsState) {
+    let expired = rooms.expire_unclaimed(shared.config.bootstrap_timeout, Instant::now());
+    if !expired.is_empty() {
+        shared
+            .metrics
+            .dropped_n("transfer_expired", expired.len() as u64);
+        tracing::warn!(
+            rooms = expired.len(),
+            timeout = ?shared.config.bootstrap_timeout,
+            "dropping transfer requests for rooms no sender claimed within the bootstrap timeout"
+        );
+    }
+}
+
 /// Fails `room` at once with `reason` and tells the decode that asked. A
 /// room this rank has no sender for yet is entered as failed (up to
 /// `max_rooms` rooms), so the sender, once created, polls `Failed` with the
@@ -472,7 +479,20 @@ fn on_abort(shared: &Shared, a: &Abort<'_>) {
     {
         let mut rooms = shared.rooms.lock();
         let active = rooms.table.get(room).is_some_and(|s| s != KvPoll::Success);
-        if active {
+        // A room not entered yet (its sender not created, or not every
+        // decode rank's request in) is entered failed (up to `max_rooms`):
+        // a later request or sender for it must not revive it and write
+        // into pages whose ABORT was acknowledged.
+        // (Also drops entries of earlier such rooms no sender ever claimed.)
+        expire_unclaimed(shared, &mut rooms);
+        let now = Instant::now();
+        let unknown = !rooms.table.contains(room) && rooms.table.len() < shared.config.max_rooms;
+        if unknown {
+            rooms.table.update(room, KvPoll::Bootstrapping);
+            rooms.aborted_early.insert(room, now);
+            rooms.remove_infos(room);
+        }
+        if active || unknown {
             rooms.table.fail(room, "Aborted by the decode side");
             shared.metrics.failure("aborted");
         }

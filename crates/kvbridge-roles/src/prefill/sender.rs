@@ -58,6 +58,8 @@ impl KvSender {
     pub(crate) fn new(shared: Arc<Shared>, room: u64, dp_hinted: bool) -> Self {
         {
             let mut rooms = shared.rooms.lock();
+            // A room an ABORT entered failed is now this sender's to clear.
+            rooms.aborted_early.remove(&room);
             if !rooms.table.contains(room) {
                 // A new lifecycle of this room id drops what an earlier
                 // request that used it left behind.

@@ -124,6 +124,10 @@ pub(crate) struct RoomsState {
     /// When each room in `infos` got its first destination (to expire
     /// rooms no sender ever claims).
     pub pending_since: HashMap<u64, Instant>,
+    /// Rooms an ABORT failed before any sender claimed them, and since
+    /// when: dropped from the table after the bootstrap timeout unless a
+    /// sender claims (and later clears) them.
+    pub aborted_early: HashMap<u64, Instant>,
     /// When [`RoomsState::expire_unclaimed`] last swept.
     pub last_expiry: Option<Instant>,
     /// Chunks dequeued and not yet finished, per room.
@@ -317,6 +321,18 @@ impl RoomsState {
         for room in &stale {
             self.remove_infos(*room);
         }
+        let forgotten: Vec<u64> = self
+            .aborted_early
+            .iter()
+            .filter(|(_, since)| now.duration_since(**since) >= ttl)
+            .map(|(room, _)| *room)
+            .collect();
+        for room in forgotten {
+            self.aborted_early.remove(&room);
+            if self.table.get(room) == Some(kvbridge_wire::KvPoll::Failed) {
+                self.table.remove(room);
+            }
+        }
         stale
     }
 }
@@ -393,6 +409,29 @@ mod tests {
             decode_prefix_len: None,
             registration: 0,
         })
+    }
+
+    #[test]
+    fn rooms_aborted_before_any_sender_are_forgotten_after_the_timeout() {
+        use kvbridge_wire::KvPoll;
+        let ttl = Duration::from_secs(300);
+        let t0 = Instant::now();
+        let mut r = RoomsState::default();
+        for room in [1, 2, 3] {
+            r.table.update(room, KvPoll::Bootstrapping);
+            r.table.fail(room, "Aborted by the decode side");
+        }
+        r.aborted_early.insert(1, t0);
+        r.aborted_early.insert(2, t0 + Duration::from_secs(200));
+        // Room 3 was claimed by a sender (not in aborted_early).
+        r.expire_unclaimed(ttl, t0 + Duration::from_secs(301));
+        assert!(!r.table.contains(1), "expired");
+        assert!(r.table.contains(2), "not yet");
+        assert!(r.table.contains(3), "its sender clears it");
+        // The next sweep (a second later at least) takes room 2 in turn.
+        r.expire_unclaimed(ttl, t0 + Duration::from_secs(501));
+        assert!(!r.table.contains(2));
+        assert!(r.aborted_early.is_empty());
     }
 
     #[test]
