@@ -252,3 +252,35 @@ fn a_room_aborted_before_the_prefill_knew_it_stays_failed() {
     tx.clear();
     cluster.shutdown();
 }
+
+/// Four decode ranks: rank 1 and rank 0 asked for the room, rank 0
+/// aborted it before ranks 2 and 3 asked (so before the prefill rank
+/// entered it): rank 1 is told Failed at once instead of waiting out its
+/// room timeout.
+#[test]
+fn an_early_abort_tells_the_ranks_already_waiting() {
+    let mut cluster = Cluster::new(tiny_model(false, 2), 1, 1, 4, 32);
+    let addr = cluster.bootstrap.local_addr().to_string();
+    let mut r1 = cluster.decode[1].0.receiver(&addr, 78);
+    assert_eq!(r1.init(0), KvPoll::WaitingForInput);
+    r1.send_metadata(&[5, 6], 0, &[], None);
+    let mut r0 = cluster.decode[0].0.receiver(&addr, 78);
+    assert_eq!(r0.init(0), KvPoll::WaitingForInput);
+    r0.send_metadata(&[5, 6], 0, &[], None);
+    r0.abort();
+    let started = Instant::now();
+    assert_eq!(
+        wait_terminal(Duration::from_secs(10), || r1.poll()),
+        KvPoll::Failed
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        started.elapsed()
+    );
+    let reason = r1.failure_exception().reason;
+    assert!(reason.contains("another decode rank"), "{reason}");
+    r1.clear();
+    r0.clear();
+    cluster.shutdown();
+}

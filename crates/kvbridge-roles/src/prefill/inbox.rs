@@ -476,7 +476,7 @@ fn on_abort(shared: &Shared, a: &Abort<'_>) {
         port: a.decode_port,
         generation: a.generation,
     };
-    {
+    let told_others = {
         let mut rooms = shared.rooms.lock();
         let active = rooms.table.get(room).is_some_and(|s| s != KvPoll::Success);
         // A room not entered yet (its sender not created, or not every
@@ -487,9 +487,20 @@ fn on_abort(shared: &Shared, a: &Abort<'_>) {
         expire_unclaimed(shared, &mut rooms);
         let now = Instant::now();
         let unknown = !rooms.table.contains(room) && rooms.table.len() < shared.config.max_rooms;
+        // The other decode ranks whose requests for it wait here are told
+        // at once, not left to their room timeout.
+        let mut others: Vec<(String, u16)> = Vec::new();
         if unknown {
             rooms.table.update(room, KvPoll::Bootstrapping);
             rooms.aborted_early.insert(room, now);
+            others = rooms
+                .infos
+                .get(&room)
+                .into_iter()
+                .flatten()
+                .filter_map(|i| i.status_target())
+                .filter(|(ip, port)| (ip.as_str(), *port) != (target.ip.as_str(), target.port))
+                .collect();
             rooms.remove_infos(room);
         }
         if active || unknown {
@@ -508,6 +519,15 @@ fn on_abort(shared: &Shared, a: &Abort<'_>) {
             targets.push(target);
         }
         tracing::debug!(room, active, "abort received; ACK once drained");
+        others
+    };
+    if !told_others.is_empty() {
+        shared.send_status(
+            &told_others,
+            room,
+            KvPoll::Failed,
+            Some("Aborted by the decode side (another decode rank of the room)"),
+        );
     }
     shared.ack_if_drained(room);
 }
