@@ -259,7 +259,7 @@ fn a_room_aborted_before_the_prefill_knew_it_stays_failed() {
 /// room timeout.
 #[test]
 fn an_early_abort_tells_the_ranks_already_waiting() {
-    let mut cluster = Cluster::new(tiny_model(false, 2), 1, 1, 4, 32);
+    let cluster = Cluster::new(tiny_model(false, 2), 1, 1, 4, 32);
     let addr = cluster.bootstrap.local_addr().to_string();
     let mut r1 = cluster.decode[1].0.receiver(&addr, 78);
     assert_eq!(r1.init(0), KvPoll::WaitingForInput);
