@@ -30,11 +30,7 @@ fn resend_owed_aborts(shared: &Shared) {
             decode_port: shared.rank_port,
             generation,
         };
-        let frames = crate::seal::seal(shared.pair_key(&endpoint).as_ref(), message.encode());
-        if let Err(e) = shared
-            .push
-            .send(&endpoint, frames.iter().map(|f| f.as_ref()))
-        {
+        if let Err(e) = shared.send_sealed(&endpoint, message.encode()) {
             tracing::debug!(room, error = %e, "cannot send the abort again");
         }
     }

@@ -114,14 +114,7 @@ impl KvReceiver {
                 required_dst_info_num: required,
                 decode_prefix_len: Some(decode_prefix_len.unwrap_or(0)),
             };
-            let endpoint = info.endpoint();
-            let frames =
-                crate::seal::seal(self.shared.pair_key(&endpoint).as_ref(), message.encode());
-            if let Err(e) = self
-                .shared
-                .push
-                .send(&endpoint, frames.iter().map(|f| f.as_ref()))
-            {
+            if let Err(e) = self.shared.send_sealed(&info.endpoint(), message.encode()) {
                 self.invalidate_cache();
                 return self.fail(format!(
                     "send_metadata to prefill {}:{} failed: {e}",

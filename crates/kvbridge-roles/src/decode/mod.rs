@@ -62,6 +62,17 @@ impl Shared {
     pub fn pair_key(&self, endpoint: &str) -> Option<kvbridge_wire::PairKey> {
         self.pair_keys.as_ref().map(|k| k.for_prefill(endpoint))
     }
+
+    /// Sends `frames` to the prefill rank at `endpoint`, sealed with its
+    /// pair key in secret mode.
+    pub fn send_sealed(
+        &self,
+        endpoint: &str,
+        frames: kvbridge_wire::Frames<'_>,
+    ) -> Result<(), crate::control::ControlError> {
+        let frames = crate::seal::seal(self.pair_key(endpoint).as_ref(), frames);
+        self.push.send(endpoint, frames.iter().map(|f| f.as_ref()))
+    }
 }
 
 impl Shared {

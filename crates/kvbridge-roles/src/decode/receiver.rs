@@ -188,14 +188,7 @@ impl KvReceiver {
                 decode_port: self.shared.rank_port,
                 generation,
             };
-            let endpoint = info.endpoint();
-            let frames =
-                crate::seal::seal(self.shared.pair_key(&endpoint).as_ref(), message.encode());
-            if let Err(e) = self
-                .shared
-                .push
-                .send(&endpoint, frames.iter().map(|f| f.as_ref()))
-            {
+            if let Err(e) = self.shared.send_sealed(&info.endpoint(), message.encode()) {
                 tracing::debug!(room = self.room, error = %e, "cannot send abort notification");
             }
         }

@@ -512,11 +512,7 @@ pub(crate) fn on_staging_req(shared: &Shared, r: &StagingReq<'_>, bound: &Bound<
     };
     let watermark = staging.ring.lock().watermark();
     for endpoint in &targets {
-        let frames = crate::seal::seal(shared.pair_key(endpoint).as_ref(), rsp.encode());
-        if let Err(e) = shared
-            .push
-            .send(endpoint, frames.iter().map(|f| f.as_ref()))
-        {
+        if let Err(e) = shared.send_sealed(endpoint, rsp.encode()) {
             tracing::warn!(room = r.room, %endpoint, error = %e, "cannot send STAGING_RSP");
         }
         // A new subscriber hears the current watermark at once, so its
@@ -711,11 +707,7 @@ fn send_watermark(shared: &Shared, endpoint: &str, (round, tail): (u64, u64)) {
         wm_tail: tail,
         session_id: shared.engine.session_id().into(),
     };
-    let frames = crate::seal::seal(shared.pair_key(endpoint).as_ref(), message.encode());
-    if let Err(e) = shared
-        .push
-        .send(endpoint, frames.iter().map(|f| f.as_ref()))
-    {
+    if let Err(e) = shared.send_sealed(endpoint, message.encode()) {
         tracing::debug!(%endpoint, error = %e, "cannot send WATERMARK");
     }
 }
