@@ -4,15 +4,17 @@
 //! and one in secret mode: a bootstrap server, prefill and decode ranks on
 //! loopback engines, three open rooms). After every message: no panic, no
 //! byte of a page that no live room owns has changed, and in secret mode no
-//! staging chunk was scattered (the fuzzer, like a member that serves none
-//! of the rooms, has no pair key to bind one).
+//! byte of the rooms' own pages or aux slots either, no staging chunk was
+//! scattered and no room concluded Success (the fuzzer, like a member that
+//! serves none of the rooms, has no pair key to bind a message).
 //!
 //! Input: a sequence of messages, each `[target, frame count, (len u16 LE,
 //! bytes)...]`; target bit 0 picks the prefill (1) or decode (0) inbox,
 //! bit 1 polls the rooms afterwards, bit 2 rewrites the first frame into a
 //! well-formed message name (so the fuzzer reaches the handlers quickly),
 //! bit 3 picks the secret-mode harness. `fuzz/seeds/inbox_sequence` holds
-//! the staging forgeries as seeds.
+//! the staging forgeries and the forged status, aux, state and ABORT_ACK
+//! messages as seeds.
 
 use std::sync::{Mutex, OnceLock};
 

@@ -42,6 +42,8 @@ pub struct InboxHarness {
     _prefill_pools: Vec<RankPools>,
     _bootstrap: BootstrapServer,
     secret_mode: bool,
+    /// Whether any room polled Success.
+    concluded: bool,
 }
 
 impl std::fmt::Debug for InboxHarness {
@@ -107,8 +109,17 @@ impl InboxHarness {
             .map_err(|e| e.to_string())?;
         let mut decode_pools =
             RankPools::new(model(), rank(1, 0), PAGES, ROOMS + 1).map_err(|e| e.to_string())?;
-        let canaries: Vec<i32> = (0..PAGES as i32).filter(|p| !owned(*p)).collect();
+        // Secret mode: no message of the harness is sent by a rank of the
+        // rooms, so not even the rooms' own pages and aux slots may change.
+        let canaries: Vec<i32> = (0..PAGES as i32)
+            .filter(|p| secret.is_some() || !owned(*p))
+            .collect();
         decode_pools.poison(&canaries, CANARY);
+        if secret.is_some() {
+            for slot in 1..=ROOMS {
+                decode_pools.poison_aux(slot, CANARY);
+            }
+        }
         let mut prefill = Vec::new();
         let mut prefill_pools = Vec::new();
         for tp in 0..2 {
@@ -164,6 +175,7 @@ impl InboxHarness {
             _prefill_pools: prefill_pools,
             _bootstrap: bootstrap,
             secret_mode: secret.is_some(),
+            concluded: false,
         })
     }
 
@@ -197,7 +209,9 @@ impl InboxHarness {
     /// Polls every room (as a scheduler would between messages).
     pub fn poll(&mut self) {
         for rx in &mut self.receivers {
-            let _ = rx.poll();
+            if rx.poll() == KvPoll::Success {
+                self.concluded = true;
+            }
         }
     }
 
@@ -221,11 +235,26 @@ impl InboxHarness {
     }
 
     /// The invariant: every page no live room owns is untouched; in secret
-    /// mode, also no staging chunk was scattered (no rank sent one).
+    /// mode (where no rank of the rooms sends anything), also the rooms' own
+    /// pages and aux slots, no staging chunk was scattered and no room
+    /// concluded Success.
     pub fn check(&self) -> Result<(), String> {
         let canaries: Vec<i32> = (0..PAGES as i32).filter(|p| !owned(*p)).collect();
         if !self.decode_pools.still_poisoned(&canaries, CANARY) {
             return Err("a message wrote a page that no live room owns".into());
+        }
+        if self.secret_mode {
+            let rooms: Vec<i32> = (0..PAGES as i32).filter(|p| owned(*p)).collect();
+            if !self.decode_pools.still_poisoned(&rooms, CANARY)
+                || !(1..=ROOMS).all(|slot| self.decode_pools.aux_still_poisoned(slot, CANARY))
+            {
+                return Err(
+                    "a message no rank of the rooms sent wrote a room's page or aux".into(),
+                );
+            }
+            if self.concluded {
+                return Err("a room concluded Success though no rank of it sent a status".into());
+            }
         }
         let scattered = self.decode.metrics().staged_bytes.get();
         if self.secret_mode && scattered > 0 {

@@ -1,10 +1,12 @@
-//! Staging messages bound to the decode ↔ prefill pair that exchanges them
+//! Control messages bound to the decode ↔ prefill pair that exchanges them
 //! (secret mode). Every cluster member holds the secret, so the control
 //! plane's CURVE keys say only "a member sent this". A decode rank
 //! therefore hands each prefill rank its own pair key in its registration
 //! (encrypted by CURVE, seen by that prefill rank only), and both sides end
-//! every `STAGING_REQ`, `STAGING_RSP`, `CHUNK_READY` and `WATERMARK` with a
-//! MAC under it. A member that serves none of a pair's rooms cannot produce
+//! every room message with a MAC under it: the staging messages
+//! (`STAGING_REQ`, `STAGING_RSP`, `CHUNK_READY`, `WATERMARK`), transfer
+//! requests and ABORTs, and status, `ABORT_ACK`, `STATE_DATA` and
+//! `AUX_DATA`. A member that serves none of a pair's rooms cannot produce
 //! one; a prefill rank cannot speak for another prefill rank.
 //!
 //! **Owns:** the pair keys and the MAC. **Never:** decides what a message
@@ -12,7 +14,7 @@
 
 use hmac::{Hmac, Mac};
 use kvbridge_wire::{Frames, MAC_LEN, PairKey, mac_frame};
-use sha2::Sha256;
+use sha2::{Digest as _, Sha256};
 use std::borrow::Cow;
 
 type HmacSha256 = Hmac<Sha256>;
@@ -47,23 +49,50 @@ fn hmac(key: &[u8]) -> HmacSha256 {
         .unwrap_or_else(|_| unreachable!("HMAC takes any key length"))
 }
 
-/// The MAC of `frames` under `key`: every frame length-prefixed, so no two
-/// framings of the same bytes share a MAC.
-fn mac_of<F: AsRef<[u8]>>(key: &PairKey, frames: &[F]) -> HmacSha256 {
-    let mut m = hmac(&key.0);
-    m.update(b"kvbridge/1 staging mac");
-    for f in frames {
-        let f = f.as_ref();
-        m.update(&(f.len() as u64).to_le_bytes());
-        m.update(f);
+/// What a MAC covers: SHA-256 of every frame, length-prefixed (no two
+/// framings of the same bytes share it). Computed once per message however
+/// many pair keys it is checked against.
+#[derive(Debug)]
+pub struct Digest([u8; 32]);
+
+impl Digest {
+    /// The digest of `frames`.
+    pub fn of<F: AsRef<[u8]>>(frames: &[F]) -> Self {
+        let mut h = Sha256::new();
+        for f in frames {
+            let f = f.as_ref();
+            h.update((f.len() as u64).to_le_bytes());
+            h.update(f);
+        }
+        Self(h.finalize().into())
     }
-    m
+
+    fn mac(&self, key: &PairKey) -> HmacSha256 {
+        let mut m = hmac(&key.0);
+        m.update(b"kvbridge/2 pair mac");
+        m.update(&self.0);
+        m
+    }
+
+    /// Whether `mac` is this message's MAC under `key` (constant time).
+    pub fn verifies(&self, key: &PairKey, mac: &[u8; MAC_LEN]) -> bool {
+        self.mac(key).verify_truncated_left(mac).is_ok()
+    }
+
+    /// The first of `keys` under which `mac` verifies.
+    pub fn signer<'k>(
+        &self,
+        keys: impl IntoIterator<Item = &'k PairKey>,
+        mac: &[u8; MAC_LEN],
+    ) -> Option<usize> {
+        keys.into_iter().position(|k| self.verifies(k, mac))
+    }
 }
 
 /// Appends the MAC frame of `frames` under `key`, when there is a key.
 pub fn seal<'a>(key: Option<&PairKey>, mut frames: Frames<'a>) -> Frames<'a> {
     if let Some(key) = key {
-        let tag = mac_of(key, &frames).finalize().into_bytes();
+        let tag = Digest::of(&frames).mac(key).finalize().into_bytes();
         let mut mac = [0u8; MAC_LEN];
         mac.copy_from_slice(&tag[..MAC_LEN]);
         frames.push(Cow::Owned(mac_frame(&mac)));
@@ -73,7 +102,7 @@ pub fn seal<'a>(key: Option<&PairKey>, mut frames: Frames<'a>) -> Frames<'a> {
 
 /// Whether `mac` is the MAC of `frames` under `key` (constant time).
 pub fn verify<F: AsRef<[u8]>>(key: &PairKey, frames: &[F], mac: &[u8; MAC_LEN]) -> bool {
-    mac_of(key, frames).verify_truncated_left(mac).is_ok()
+    Digest::of(frames).verifies(key, mac)
 }
 
 #[cfg(test)]

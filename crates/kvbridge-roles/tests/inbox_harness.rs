@@ -173,6 +173,90 @@ fn staging_forgeries(session: &str) -> Vec<(u8, Vec<Vec<u8>>)> {
     out
 }
 
+/// A member's forgeries in a prefill rank's name (the attacks of
+/// `member_forgery.rs`): status Success and Failed from each rank, aux and
+/// state writes and ABORT_ACKs for every room, bare and with a made-up
+/// MAC, each followed by a poll; as fuzz messages for the secret-mode
+/// harness's decode inbox (bits 3 and 1).
+fn member_forgeries() -> Vec<(u8, Vec<Vec<u8>>)> {
+    let mut out = Vec::new();
+    let mut push = |f: Vec<Vec<u8>>| {
+        let mut with_mac = f.clone();
+        with_mac.push(kvbridge_wire::mac_frame(&[0x5a; kvbridge_wire::MAC_LEN]));
+        out.push((10, f));
+        out.push((10, with_mac));
+    };
+    for room in 1..=3u64 {
+        for prefill_rank in 0..2u64 {
+            for status in [KvPoll::Success, KvPoll::Failed] {
+                let m = Status {
+                    room,
+                    status,
+                    prefill_rank,
+                    failure_reason: None,
+                };
+                push(frames(m.encode()));
+            }
+            let m = AbortAck {
+                room,
+                prefill_rank: Some(prefill_rank),
+                generation: Some(1),
+            };
+            push(frames(m.encode()));
+        }
+        let m = AuxData {
+            room,
+            buffer_index: 0,
+            aux_index: room,
+            data: vec![0xee; 16].into(),
+        };
+        push(frames(m.encode()));
+        let m = StateData {
+            room,
+            dst_addr: 0,
+            data: vec![0xee; 16].into(),
+        };
+        push(frames(m.encode()));
+    }
+    out
+}
+
+/// A member without pair keys speaks for the rooms' prefill ranks to the
+/// secret-mode harness's decode: every message is dropped as unbound, no
+/// room concludes and no byte of theirs changes. The same sequence is the
+/// fuzz seed `fuzz/seeds/inbox_sequence/member_forgeries` (rewritten with
+/// `KVBRIDGE_WRITE_SEEDS=1`).
+#[test]
+fn member_forgeries_bind_nothing_in_secret_mode() {
+    let mut h = InboxHarness::secret().unwrap();
+    let forgeries = member_forgeries();
+    for (_, f) in &forgeries {
+        h.feed_decode(f);
+        h.poll();
+        h.check().unwrap();
+    }
+    assert_eq!(h.dropped("unbound"), forgeries.len() as u64);
+    write_or_check_seed("member_forgeries", &fuzz_input(&forgeries));
+}
+
+/// Writes `seed` as `fuzz/seeds/inbox_sequence/<name>` under
+/// `KVBRIDGE_WRITE_SEEDS=1`; otherwise requires the committed one to equal it.
+fn write_or_check_seed(name: &str, seed: &[u8]) {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../fuzz/seeds/inbox_sequence")
+        .join(name);
+    if std::env::var_os("KVBRIDGE_WRITE_SEEDS").is_some() {
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(&path, seed).unwrap();
+    }
+    assert_eq!(
+        std::fs::read(&path).ok().as_deref(),
+        Some(seed),
+        "{} is out of date: rerun with KVBRIDGE_WRITE_SEEDS=1",
+        path.display()
+    );
+}
+
 /// `messages` in the fuzz target's input format: `[target, frame count,
 /// (len u16 LE, bytes)...]` each.
 fn fuzz_input(messages: &[(u8, Vec<Vec<u8>>)]) -> Vec<u8> {
@@ -222,17 +306,8 @@ fn staging_forgeries_bind_nothing_in_secret_mode() {
         open.poll();
         open.check().unwrap();
     }
-    let seed = fuzz_input(&staging_forgeries("loopback:2"));
-    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../fuzz/seeds/inbox_sequence/staging_forgeries");
-    if std::env::var_os("KVBRIDGE_WRITE_SEEDS").is_some() {
-        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
-        std::fs::write(&path, &seed).unwrap();
-    }
-    assert_eq!(
-        std::fs::read(&path).ok(),
-        Some(seed),
-        "{} is out of date: rerun with KVBRIDGE_WRITE_SEEDS=1",
-        path.display()
+    write_or_check_seed(
+        "staging_forgeries",
+        &fuzz_input(&staging_forgeries("loopback:2")),
     );
 }

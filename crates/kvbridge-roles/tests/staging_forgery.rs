@@ -11,62 +11,23 @@ mod common;
 
 use std::time::{Duration, Instant};
 
+use common::member::*;
 use common::staged::*;
 use common::*;
 use kvbridge_engine::ClusterSecret;
 use kvbridge_roles::KvPoll;
-use kvbridge_roles::control::{ControlContext, ControlSecurity, PushPool};
 use kvbridge_roles::metrics::Metrics;
 use kvbridge_roles::seal::seal;
-use kvbridge_wire::{ChunkReady, PairKey, StagingReq, StagingRsp, Watermark, mac_frame};
+use kvbridge_wire::{ChunkReady, PairKey, StagingReq, StagingRsp, Watermark};
 
 fn secret() -> ClusterSecret {
     ClusterSecret::from_text("staging-forgery-cluster-secret", "test").unwrap()
-}
-
-/// A member of the cluster that serves no room.
-struct Rogue {
-    _ctx: ControlContext,
-    push: PushPool,
-}
-
-impl Rogue {
-    fn new(secret: &ClusterSecret) -> Self {
-        let ctx = ControlContext::new(ControlSecurity::from_secret(Some(secret))).unwrap();
-        let push = PushPool::new(&ctx, Duration::from_secs(2));
-        Self { _ctx: ctx, push }
-    }
-
-    /// Sends `frames` to the rank on `port` twice: bare, and ending in a
-    /// made-up MAC frame.
-    fn send(&self, port: u16, frames: Vec<Vec<u8>>) {
-        let to = format!("tcp://127.0.0.1:{port}");
-        let mut with_mac = frames.clone();
-        with_mac.push(mac_frame(&[0x5a; 16]));
-        for f in [frames, with_mac] {
-            self.push.send(&to, f.iter().map(Vec::as_slice)).unwrap();
-        }
-    }
-}
-
-fn owned(frames: kvbridge_wire::Frames<'_>) -> Vec<Vec<u8>> {
-    frames.into_iter().map(|f| f.into_owned()).collect()
 }
 
 /// Waits until `metrics` counted `n` unbound staging messages (or 3 s: a
 /// build that takes forgeries counts none, and must fail on the bytes).
 fn wait_dropped<'a>(metrics: impl Fn() -> Vec<&'a Metrics>, n: u64) {
     wait_dropped_as(metrics, "staging_unbound", n);
-}
-
-/// [`wait_dropped`] for drops counted as `kind`.
-fn wait_dropped_as<'a>(metrics: impl Fn() -> Vec<&'a Metrics>, kind: &str, n: u64) {
-    let deadline = Instant::now() + Duration::from_secs(3);
-    while metrics().iter().map(|m| m.dropped_for(kind)).sum::<u64>() < n
-        && Instant::now() < deadline
-    {
-        std::thread::sleep(Duration::from_millis(5));
-    }
 }
 
 /// TP 2 → 1 in secret mode: a ring of `ring` bytes, chunks of 2 pages.

@@ -4,13 +4,15 @@
 //! ranks (each counted once, ACKs with the generation of our ABORT),
 //! STATE_DATA and AUX_DATA only into the room's own slots while it takes
 //! writes, and every address also checked against our registered regions.
+//! In secret mode each must also carry the MAC of a room rank's pair key.
 //! Anything else is dropped, logged and counted.
 
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use kvbridge_wire::{AbortAck, AuxData, KvPoll, Limits, StateData, Status, ToDecode};
+use kvbridge_wire::{AbortAck, AuxData, KvPoll, Limits, PairKey, StateData, Status, ToDecode};
 
+use super::bound::{self, Bound};
 use super::state::DecodeRooms;
 use super::{Shared, staging};
 use crate::control::PullSocket;
@@ -79,12 +81,12 @@ pub(crate) fn run(shared: &Shared, socket: PullSocket) {
 /// Applies one message; `STATE_DATA` accumulates in `batch`, which is
 /// flushed before any other message is applied.
 pub(crate) fn handle(shared: &Shared, frames: &[Vec<u8>], batch: &mut StateBatch) {
-    // A staging message may end with its pair MAC (secret mode).
+    // Every message of a prefill rank ends with its pair MAC (secret mode).
     let (frames, mac) = kvbridge_wire::split_mac(frames);
-    let bound = staging::Bound { frames, mac };
+    let bound = Bound::new(shared, frames, mac);
     let message = ToDecode::decode(frames, &Limits::DEFAULT);
     if let Ok(ToDecode::StateData(s)) = &message {
-        on_state(shared, s, batch);
+        on_state(shared, s, &bound, batch);
         if batch.bytes >= STATE_BATCH_BYTES {
             batch.flush(shared);
         }
@@ -92,29 +94,32 @@ pub(crate) fn handle(shared: &Shared, frames: &[Vec<u8>], batch: &mut StateBatch
     }
     batch.flush(shared);
     match message {
-        Ok(ToDecode::Status(s)) => on_status(shared, &s),
-        Ok(ToDecode::AuxData(a)) => on_aux(shared, &a),
-        Ok(ToDecode::StateData(s)) => on_state(shared, &s, batch),
+        Ok(ToDecode::Status(s)) => on_status(shared, &s, &bound),
+        Ok(ToDecode::AuxData(a)) => on_aux(shared, &a, &bound),
+        Ok(ToDecode::StateData(s)) => on_state(shared, &s, &bound, batch),
         Ok(ToDecode::ChunkReady(c)) => staging::on_chunk_ready(shared, &c, &bound),
         Ok(ToDecode::StagingReq(r)) => staging::on_staging_req(shared, &r, &bound),
-        Ok(ToDecode::AbortAck(a)) => on_abort_ack(shared, &a),
+        Ok(ToDecode::AbortAck(a)) => on_abort_ack(shared, &a, &bound),
         Err(e) => role::drop_malformed(&shared.metrics, &e, frames.len()),
     }
 }
 
 /// sglang `apply_prefill_status`: Success counts once per prefill rank until
 /// every expected rank reported; Failed records the reason. Only the room's
-/// own prefill ranks are heard.
-fn on_status(shared: &Shared, s: &Status<'_>) {
+/// own prefill ranks are heard, each only under its own pair key (secret
+/// mode).
+fn on_status(shared: &Shared, s: &Status<'_>, bound: &Bound) {
     let mut rooms = shared.rooms.lock();
     if !rooms.table.contains(s.room) {
         tracing::debug!(room = s.room, "dropping late status for a cleared room");
         return;
     }
-    let from_rank = rooms
-        .expected
-        .get(&s.room)
-        .is_some_and(|e| e.status.contains(&s.prefill_rank));
+    let expected = rooms.expected.get(&s.room);
+    let from_rank = expected.is_some_and(|e| e.status.contains(&s.prefill_rank));
+    let key = expected.and_then(|e| e.keys.get(&s.prefill_rank));
+    if from_rank && !bound::from_ranks(shared, key, bound, ("status", s.room)) {
+        return;
+    }
     if !from_rank {
         drop(rooms);
         shared.metrics.dropped("status_foreign");
@@ -202,7 +207,26 @@ fn room_takes(shared: &Shared, room: u64, dst: u64, len: u64) -> bool {
             .is_some_and(|s| s.allows(&shared.kv_args.layout, dst, len))
 }
 
-fn on_aux(shared: &Shared, a: &AuxData<'_>) {
+/// Whether a message that writes `room`'s slots comes from one of the
+/// room's prefill ranks (secret mode; always in open mode).
+fn from_room(shared: &Shared, room: u64, bound: &Bound, kind: &'static str) -> bool {
+    if shared.pair_keys.is_none() {
+        return true;
+    }
+    let keys: Vec<PairKey> = shared
+        .rooms
+        .lock()
+        .expected
+        .get(&room)
+        .map(|e| e.keys.values().copied().collect())
+        .unwrap_or_default();
+    bound::from_ranks(shared, &keys, bound, (kind, room))
+}
+
+fn on_aux(shared: &Shared, a: &AuxData<'_>, bound: &Bound) {
+    if !from_room(shared, a.room, bound, "AUX_DATA") {
+        return;
+    }
     let layout = &shared.kv_args.layout;
     let slot = usize::try_from(a.buffer_index)
         .ok()
@@ -233,7 +257,10 @@ fn on_aux(shared: &Shared, a: &AuxData<'_>) {
     }
 }
 
-fn on_state(shared: &Shared, s: &StateData<'_>, batch: &mut StateBatch) {
+fn on_state(shared: &Shared, s: &StateData<'_>, bound: &Bound, batch: &mut StateBatch) {
+    if !from_room(shared, s.room, bound, "STATE_DATA") {
+        return;
+    }
     if !room_takes(shared, s.room, s.dst_addr, s.data.len() as u64) {
         shared.metrics.dropped("state_data");
         tracing::warn!(
@@ -281,9 +308,41 @@ fn settle_fence(
     true
 }
 
-fn on_abort_ack(shared: &Shared, a: &AbortAck) {
+/// The pair keys an ACK for `room` may be bound by: the named rank's (from
+/// the room, or from the fence it owes the ACK under), or any of the room's
+/// ranks for the unranked form.
+fn ack_keys(shared: &Shared, rooms: &DecodeRooms, a: &AbortAck) -> Vec<PairKey> {
+    let expected = rooms.expected.get(&a.room);
+    let Some(rank) = a.prefill_rank else {
+        return expected
+            .map(|e| e.keys.values().copied().collect())
+            .unwrap_or_default();
+    };
+    let owed = rooms
+        .fences
+        .values()
+        .filter_map(|owed| owed.get(&(a.room, rank))?.endpoint.as_deref())
+        .filter_map(|endpoint| shared.pair_key(endpoint));
+    expected
+        .and_then(|e| e.keys.get(&rank).copied())
+        .into_iter()
+        .chain(owed)
+        .collect()
+}
+
+fn on_abort_ack(shared: &Shared, a: &AbortAck, bound: &Bound) {
     let mut rooms = shared.rooms.lock();
     let rooms = &mut *rooms;
+    if shared.pair_keys.is_some()
+        && !bound::from_ranks(
+            shared,
+            &ack_keys(shared, rooms, a),
+            bound,
+            ("ABORT_ACK", a.room),
+        )
+    {
+        return;
+    }
     let settled = a
         .prefill_rank
         .is_some_and(|rank| settle_fence(shared, rooms, a.room, rank, a.generation));

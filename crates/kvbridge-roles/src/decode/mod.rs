@@ -3,6 +3,7 @@
 //! applies the status, aux and state messages they send back (sglang
 //! `MooncakeKVManager` in DECODE mode).
 
+mod bound;
 mod dp_route;
 mod heartbeat;
 mod inbox;

@@ -242,6 +242,10 @@ impl KvReceiver {
                 .iter()
                 .filter_map(|i| Some((i.unique_rank, i.engine_session.clone()?)))
                 .collect(),
+            keys: all
+                .iter()
+                .filter_map(|i| Some((i.unique_rank, self.shared.pair_key(&i.endpoint())?)))
+                .collect(),
         };
         self.shared
             .rooms

@@ -18,6 +18,8 @@ pub(crate) struct ExpectedRanks {
     pub all: HashSet<u64>,
     /// Each rank's engine session, where known (to fence it).
     pub sessions: HashMap<u64, String>,
+    /// Each rank's pair key (secret mode): what its messages are bound by.
+    pub keys: HashMap<u64, kvbridge_wire::PairKey>,
 }
 
 /// The room's destinations: KV pages, state slots per component, aux slot.

@@ -21,10 +21,11 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use kvbridge_plan::{PrefillLayout, StagingTarget};
-use kvbridge_wire::{ChunkReady, MAC_LEN, StagingReq, StagingRsp, Watermark};
+use kvbridge_wire::{ChunkReady, StagingReq, StagingRsp, Watermark};
 use parking_lot::{Condvar, Mutex, RwLock};
 
 use super::Shared;
+use super::bound::{Bound, Writer, staging_writer};
 use super::ring::{Allocation, Ring};
 use crate::config::StagingConfig;
 use crate::error::ConfigError;
@@ -37,52 +38,6 @@ pub(crate) const ALLOC_OVERSIZED: i64 = -2;
 
 /// Most chunks one room may hold allocations for.
 const MAX_CHUNKS_PER_ROOM: usize = 1 << 16;
-
-/// A staging message's own frames and the MAC frame that ended it, if any.
-pub(crate) struct Bound<'f> {
-    pub frames: &'f [Vec<u8>],
-    pub mac: Option<[u8; MAC_LEN]>,
-}
-
-/// Who sent a staging message for a room.
-#[derive(Debug, Clone, Copy)]
-enum Writer {
-    /// Open mode: unbound, as sglang sends it; trusted as named.
-    Named,
-    /// Secret mode: the room's prefill rank (index into its `prefills`)
-    /// whose pair key verifies the message's MAC.
-    Rank(usize),
-}
-
-/// The sender of `bound` among the room's `prefills`; `None` (secret mode)
-/// when no pair key of the room's ranks verifies it: a forgery, or a
-/// member speaking for a room it does not serve. Counted and logged.
-fn writer(
-    shared: &Shared,
-    prefills: &[(u64, String)],
-    bound: &Bound<'_>,
-    (kind, room, chunk): (&'static str, u64, u64),
-) -> Option<Writer> {
-    let Some(keys) = &shared.pair_keys else {
-        return Some(Writer::Named);
-    };
-    let found = bound.mac.and_then(|mac| {
-        prefills
-            .iter()
-            .position(|(_, e)| crate::seal::verify(&keys.for_prefill(e), bound.frames, &mac))
-    });
-    if found.is_none() {
-        shared.metrics.dropped("staging_unbound");
-        tracing::warn!(
-            room,
-            chunk,
-            kind,
-            mac = bound.mac.is_some(),
-            "dropping a staging message no prefill rank of the room sent (no MAC under its pair key)"
-        );
-    }
-    found.map(Writer::Rank)
-}
 
 /// Most prefill endpoints that get watermark updates.
 const MAX_SUBSCRIBERS: usize = 4096;
@@ -394,7 +349,7 @@ pub(crate) fn register_room(
 
 /// `STAGING_REQ`: allocate once per `(room, chunk)` (several prefill ranks
 /// ask for the same one) and answer the asking stage's ranks.
-pub(crate) fn on_staging_req(shared: &Shared, r: &StagingReq<'_>, bound: &Bound<'_>) {
+pub(crate) fn on_staging_req(shared: &Shared, r: &StagingReq<'_>, bound: &Bound) {
     let Some(staging) = &shared.staging else {
         shared.metrics.dropped("staging_req");
         tracing::warn!(
@@ -417,7 +372,7 @@ pub(crate) fn on_staging_req(shared: &Shared, r: &StagingReq<'_>, bound: &Bound<
             );
             return;
         };
-        if writer(
+        if staging_writer(
             shared,
             &room.prefills,
             bound,
@@ -532,7 +487,7 @@ pub(crate) fn on_staging_req(shared: &Shared, r: &StagingReq<'_>, bound: &Bound<
 /// copy runs without the rooms lock (a room's `poll()` must not wait for
 /// it); its result is recorded only into the same allocation of a room
 /// still taking writes, and a room's `clear()` and abort ACKs wait for it.
-pub(crate) fn on_chunk_ready(shared: &Shared, c: &ChunkReady<'_>, bound: &Bound<'_>) {
+pub(crate) fn on_chunk_ready(shared: &Shared, c: &ChunkReady<'_>, bound: &Bound) {
     let Some(staging) = &shared.staging else {
         shared.metrics.dropped("chunk_ready");
         return;
@@ -585,7 +540,7 @@ fn take_ready_chunk(
     shared: &Shared,
     staging: &DecodeStaging,
     c: &ChunkReady<'_>,
-    bound: &Bound<'_>,
+    bound: &Bound,
 ) -> Option<(Arc<StagingTarget>, Allocation, Vec<i32>)> {
     let mut rooms = shared.rooms.lock();
     let live = rooms.takes_writes(c.room);
@@ -601,7 +556,7 @@ fn take_ready_chunk(
     };
     // A writer counts once per chunk: the rank whose pair key binds the
     // message (secret mode), else the rank it names (sglang's rule).
-    let writer = match writer(
+    let writer = match staging_writer(
         shared,
         &room.prefills,
         bound,

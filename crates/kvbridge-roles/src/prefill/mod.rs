@@ -36,6 +36,7 @@ use crate::health::SessionHealth;
 use crate::kv_args::KvArgs;
 use crate::metrics::Metrics;
 use crate::role::{self, Lifecycle};
+use crate::seal::seal;
 use crate::stop::StopSignal;
 
 pub use sender::KvSender;
@@ -74,6 +75,24 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
+    /// The pair key of the decode rank whose control endpoint is
+    /// `(ip, port)`, as its latest registration carried it (secret mode).
+    pub fn pair_key_at(&self, ip: &str, port: u16) -> Option<kvbridge_wire::PairKey> {
+        self.config.secret.as_ref()?;
+        self.peers
+            .read()
+            .values()
+            .filter(|e| e.control.0 == ip && e.control.1 == port)
+            .max_by_key(|e| e.generation)
+            .and_then(|e| e.pair_key)
+    }
+
+    /// The pair key decode session `session` registered with (secret mode).
+    pub fn pair_key_of(&self, session: &str) -> Option<kvbridge_wire::PairKey> {
+        self.config.secret.as_ref()?;
+        self.peers.read().get(session).and_then(|e| e.pair_key)
+    }
+
     /// Sends `[room, status, rank, reason?]` to each target without ever
     /// blocking (a slow or dead decode must not stall this thread): a full
     /// queue drops the message, counted; that decode's room then times out.
@@ -90,9 +109,9 @@ impl Shared {
             prefill_rank: self.unique_rank,
             failure_reason: reason.map(std::borrow::Cow::Borrowed),
         };
-        let frames = message.encode();
         for (ip, port) in targets {
             let endpoint = tcp_endpoint(ip, *port);
+            let frames = seal(self.pair_key_at(ip, *port).as_ref(), message.encode());
             if !self
                 .push
                 .try_send(&endpoint, frames.iter().map(|f| f.as_ref()))
@@ -202,11 +221,15 @@ impl Shared {
             }
         };
         let endpoint = tcp_endpoint(&target.ip, target.port);
+        let frames = seal(
+            self.pair_key_at(&target.ip, target.port).as_ref(),
+            ack.encode(),
+        );
         // Never blocks: ABORTs naming a dead endpoint must not stall the
         // inbox thread that handles everyone's messages.
         if self
             .push
-            .try_send(&endpoint, ack.encode().iter().map(|f| f.as_ref()))
+            .try_send(&endpoint, frames.iter().map(|f| f.as_ref()))
         {
             tracing::debug!(room, %endpoint, "sent ABORT_ACK");
         } else {

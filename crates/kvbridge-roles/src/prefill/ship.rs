@@ -98,6 +98,7 @@ pub(crate) fn ship_blocks(
     blocks: &[Block],
 ) -> Result<(), String> {
     let endpoint = info.zmq_endpoint();
+    let key = shared.pair_key_of(&info.session);
     for b in blocks.iter().filter(|b| b.len > 0) {
         let len = usize::try_from(b.len).map_err(|_| format!("block of {} bytes", b.len))?;
         let data = shared
@@ -110,9 +111,10 @@ pub(crate) fn ship_blocks(
             dst_addr: b.dst,
             data: data.into(),
         };
+        let frames = crate::seal::seal(key.as_ref(), message.encode());
         shared
             .push
-            .send(&endpoint, message.encode().iter().map(|f| f.as_ref()))
+            .send(&endpoint, frames.iter().map(|f| f.as_ref()))
             .map_err(|e| format!("cannot send STATE_DATA of room {room} to {endpoint}: {e}"))?;
         shared.metrics.bytes.inc_by(b.len);
         shared.metrics.blocks.inc();
@@ -137,6 +139,7 @@ pub(crate) fn send_aux(
         return false;
     };
     let endpoint = info.zmq_endpoint();
+    let key = shared.pair_key_of(&info.session);
     for i in 0..layout.aux_data_ptrs.len() {
         let (src, len) = match layout.aux_slot(i, src_index) {
             Ok(slot) => slot,
@@ -159,9 +162,10 @@ pub(crate) fn send_aux(
             aux_index: dst_aux_index,
             data: data.into(),
         };
+        let frames = crate::seal::seal(key.as_ref(), message.encode());
         if let Err(e) = shared
             .push
-            .send(&endpoint, message.encode().iter().map(|f| f.as_ref()))
+            .send(&endpoint, frames.iter().map(|f| f.as_ref()))
         {
             tracing::warn!(room, error = %e, "cannot send AUX_DATA");
             return false;

@@ -483,6 +483,24 @@ impl RankPools {
         })
     }
 
+    /// Overwrites aux slot `slot` of every aux buffer with `byte`.
+    pub fn poison_aux(&mut self, slot: u64, byte: u8) {
+        for (buf, len) in self.aux.iter_mut().zip(&self.model.aux_item_lens) {
+            buf.write((slot * len) as usize, &vec![byte; *len as usize]);
+        }
+    }
+
+    /// Whether aux slot `slot` of every aux buffer still holds only `byte`.
+    pub fn aux_still_poisoned(&self, slot: u64, byte: u8) -> bool {
+        self.aux
+            .iter()
+            .zip(&self.model.aux_item_lens)
+            .all(|(buf, len)| {
+                let mut got = vec![0u8; *len as usize];
+                buf.read((slot * len) as usize, &mut got) && got.iter().all(|b| *b == byte)
+            })
+    }
+
     /// Bytes of every KV buffer (for sizing checks).
     pub fn kv_bytes(&self) -> u64 {
         self.kv.iter().map(|b| b.mem.len() as u64).sum()

@@ -3,6 +3,7 @@
 //! recognisable pattern.
 #![allow(dead_code)]
 
+pub mod member;
 pub mod staged;
 
 use std::net::SocketAddr;
@@ -444,6 +445,26 @@ impl Cluster {
             sides,
             &|a| a,
             None,
+        )
+    }
+
+    /// [`Cluster::new`] (one stage) in secret mode: engines, control plane
+    /// and bootstrap all guarded by `secret`.
+    pub fn secret(
+        model: ModelSpec,
+        prefill_tp: u64,
+        decode_tp: u64,
+        pages: u64,
+        secret: &ClusterSecret,
+    ) -> Self {
+        Self::build(
+            model,
+            Shape::new(prefill_tp, 1, decode_tp),
+            pages,
+            tcp_engine,
+            None,
+            &|a| a,
+            Some(secret),
         )
     }
 
