@@ -427,13 +427,12 @@ def publish_server_args(mode: str, *, bootstrap_port: int, rank: RankSpec, http_
         model_path="dummy",  # skips every model-config-dependent resolution hook
         host="127.0.0.1",
         port=http_port,
-        device="cpu",
         disaggregation_mode=mode,
         disaggregation_transfer_backend="mooncake",
         disaggregation_bootstrap_port=bootstrap_port,
         tp_size=rank.tp_size,
         pp_size=rank.pp_size,
-        **extra,
+        **{"device": "cpu", **extra},
     )
     publish(
         sa,

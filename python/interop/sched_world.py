@@ -53,6 +53,10 @@ from typing import Dict, List, Optional
 
 import sched_hybrid
 
+#: chunked_prefill_size of a staging launch (sglang sizes its staging by
+#: it; kvbridge's backend takes the same value when none is set).
+STAGING_CHUNK_TOKENS = 8192
+
 #: Tiny model configurations (HF ``config.json``), by layout name.
 MODELS = {
     # Llama-shaped MHA: 8 KV heads, head_dim 32.
@@ -239,6 +243,13 @@ class World:
         rank = harness.RankSpec(shape.tp_size, shape.tp_rank, shape.pp_size, shape.pp_rank)
         extra = dict(sched_hybrid.server_args_extra(shape.layout, mode, shape) if self.hybrid else {},
                      **(server_args_extra or {}))
+        # As a launch on the pools' device resolves them: sglang's staging
+        # (prefill buffers and decode ring) is sized by chunked_prefill_size
+        # and placed on get_device(), and refuses a CPU device.
+        if shape.device.startswith("cuda"):
+            extra.setdefault("device", "cuda")
+        if os.environ.get("SGLANG_DISAGG_STAGING_BUFFER"):
+            extra.setdefault("chunked_prefill_size", STAGING_CHUNK_TOKENS)
         self.server_args = harness.publish_server_args(
             mode, bootstrap_port=bootstrap_port, rank=rank, http_port=http_port,
             page_size=shape.page_size, **extra)
