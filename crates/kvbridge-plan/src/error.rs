@@ -431,6 +431,9 @@ pub enum PlanError {
         /// Decode index count.
         dst: usize,
     },
+    /// The planner broke one of its own invariants (a bug, never an input).
+    #[error("internal planner error: {0}")]
+    Internal(&'static str),
     /// MiniMax sparse index with pipeline parallelism.
     #[error("PD disagg: PP > 1 not supported for MiniMax sparse index")]
     MinimaxPipeline,

@@ -7,6 +7,7 @@
 
 use crate::block::{Block, Run};
 use crate::error::PlanError;
+use crate::fill::append_parts;
 use crate::index_runs::{add, mul, page, signed};
 use crate::layout::{PeerRegistration, PrefillLayout};
 use crate::pairing::{halves_pairs, pair_by_layer_ids};
@@ -148,6 +149,7 @@ impl HeadSlice {
         out: &mut Vec<Block>,
         batch_ends: &mut Vec<usize>,
         mut strided: Option<&mut RunOut>,
+        threads: usize,
     ) -> Result<(), PlanError> {
         let n = src_pages.len().min(dst_pages.len());
         let (src_pages, dst_pages) = (&src_pages[..n], &dst_pages[..n]);
@@ -185,6 +187,9 @@ impl HeadSlice {
         } else {
             out.reserve(per_pair.saturating_mul(self.pairs.len()));
         }
+        // Buffer bases of the per-token slices, written after every pair's
+        // addresses were checked.
+        let mut bases = Vec::new();
         for &(sp, dp) in &self.pairs {
             // numpy int64 in the reference: bases and results must fit i64.
             signed(sp, "prefill KV buffer address")?;
@@ -234,19 +239,50 @@ impl HeadSlice {
                 ro.ends.push(ro.runs.len());
                 continue;
             } else {
-                let (st, dt) = (self.src_token, self.dst_token);
-                for (&a, &b) in src_pages.iter().zip(dst_pages) {
-                    let s0 = src_base.wrapping_add((a as u64).wrapping_mul(self.src_item));
-                    let d0 = dst_base.wrapping_add((b as u64).wrapping_mul(self.dst_item));
-                    out.extend((0..ps).map(|t| Block {
-                        src: s0.wrapping_add(t.wrapping_mul(st)),
-                        dst: d0.wrapping_add(t.wrapping_mul(dt)),
-                        len: page_len,
-                    }));
-                }
+                bases.push((src_base, dst_base));
+                continue;
             }
             batch_ends.push(out.len());
         }
+        if !bases.is_empty() {
+            self.emit_token_slices(&bases, src_pages, dst_pages, threads, out, batch_ends)?;
+        }
+        Ok(())
+    }
+
+    /// Appends one block per (buffer pair, page, token): the per-token
+    /// slices without strided runs, one batch per buffer pair. The largest
+    /// plans there are, so written on up to `threads` threads.
+    fn emit_token_slices(
+        &self,
+        bases: &[(u64, u64)],
+        src_pages: &[i32],
+        dst_pages: &[i32],
+        threads: usize,
+        out: &mut Vec<Block>,
+        batch_ends: &mut Vec<usize>,
+    ) -> Result<(), PlanError> {
+        let n = src_pages.len();
+        let ps = usize::try_from(self.page_size)
+            .map_err(|_| PlanError::Internal("page size beyond usize"))?;
+        let (st, dt, len) = (self.src_token, self.dst_token, self.len);
+        let (src_item, dst_item) = (self.src_item, self.dst_item);
+        let start = out.len();
+        // Part `p` is page `p % n` of buffer pair `p / n`; the addresses were
+        // checked to fit by `emit`.
+        append_parts(out, bases.len().saturating_mul(n), ps, threads, |p| {
+            let (src_base, dst_base) = bases[p / n];
+            let (a, b) = (src_pages[p % n], dst_pages[p % n]);
+            let s0 = src_base.wrapping_add((a as u64).wrapping_mul(src_item));
+            let d0 = dst_base.wrapping_add((b as u64).wrapping_mul(dst_item));
+            (0..self.page_size).map(move |t| Block {
+                src: s0.wrapping_add(t.wrapping_mul(st)),
+                dst: d0.wrapping_add(t.wrapping_mul(dt)),
+                len,
+            })
+        })?;
+        let per_pair = n.saturating_mul(ps);
+        batch_ends.extend((1..=bases.len()).map(|k| start + k * per_pair));
         Ok(())
     }
 }

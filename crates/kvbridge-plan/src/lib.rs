@@ -10,7 +10,7 @@
 //! components, aux slots, the unified-memory envelope check and index
 //! batching — or the rejection the reference would produce ([`PlanError`]).
 //!
-//! **Must never**: do I/O, spawn threads, keep global state, depend on other
+//! **Must never**: do I/O, keep threads or global state, depend on other
 //! kvbridge crates, panic on any input, or return a partial plan. Addresses
 //! are `u64`; a result that would not fit is an error, never a wrap.
 //!
@@ -58,6 +58,7 @@ mod compressed;
 mod cp;
 mod dcp;
 mod error;
+mod fill;
 mod head_slice;
 mod index_runs;
 mod kv;

@@ -196,9 +196,11 @@ impl<'a> Iterator for KvRunBatches<'a> {
 }
 
 /// Plans chunks, reusing its block and scratch buffers from one chunk to the
-/// next. One per worker thread; planning is single-threaded and allocation
-/// free once the buffers have grown to the largest chunk.
-#[derive(Debug, Default)]
+/// next. One per worker thread; allocation free once the buffers have grown to
+/// the largest chunk. Planning runs on the calling thread, except that a plan
+/// of a million blocks or more (per-token head slices) is written on up to
+/// [`Planner::set_threads`] scoped threads, with the same result.
+#[derive(Debug)]
 pub struct Planner {
     plan: TransferPlan,
     runs: IndexRuns,
@@ -206,12 +208,28 @@ pub struct Planner {
     device_runs: IndexRuns,
     state: StateScratch,
     strided: bool,
+    /// Threads one multi-million-block plan may be written with.
+    threads: usize,
 }
 
 impl Planner {
-    /// An empty planner.
+    /// An empty planner that may write a large plan on as many threads as
+    /// this process has cores (at most 8).
     pub fn new() -> Self {
-        Planner::default()
+        Planner {
+            plan: TransferPlan::default(),
+            runs: IndexRuns::default(),
+            device_runs: IndexRuns::default(),
+            state: StateScratch::default(),
+            strided: false,
+            threads: crate::fill::default_threads(),
+        }
+    }
+
+    /// Caps the threads one large plan is written with (1: the calling
+    /// thread only). The plan is the same for every setting.
+    pub fn set_threads(&mut self, threads: usize) {
+        self.threads = threads.max(1);
     }
 
     /// Plans one chunk of one request for one decode peer: every block the
@@ -355,6 +373,7 @@ impl Planner {
                         &mut plan.kv,
                         &mut plan.kv_batch_ends,
                         runs,
+                        self.threads,
                     )?;
                 }
                 KvMode::Dcp(dcp) => dcp.emit(
@@ -413,4 +432,10 @@ pub fn plan_once(
     let mut planner = Planner::new();
     planner.plan_chunk(layout, &peer, request, chunk)?;
     Ok(std::mem::take(&mut planner.plan))
+}
+
+impl Default for Planner {
+    fn default() -> Self {
+        Planner::new()
+    }
 }

@@ -57,3 +57,29 @@ fn mla_dsa_128k() {
         (32_819, 6_300_372_992, 0xc11c_8094_ca85_ec00),
     );
 }
+
+/// The head-slicing plan (3.1 M per-token blocks) is written on several
+/// threads; its blocks and engine batches are the same for every count.
+#[test]
+fn head_slice_tp8_to_2_same_plan_on_any_thread_count() {
+    use kvbridge_plan::{Planner, PreparedPeer};
+    let inputs = LargeCase::HeadSliceTp8To2.scenario().inputs();
+    let peer = PreparedPeer::new(&inputs.layout, inputs.registration.clone()).unwrap();
+    let plan_with = |threads: usize| {
+        let mut planner = Planner::new();
+        planner.set_threads(threads);
+        let plan = planner
+            .plan_chunk(&inputs.layout, &peer, &inputs.request, &inputs.chunk)
+            .unwrap();
+        let batches: Vec<usize> = plan.kv_batches().map(<[_]>::len).collect();
+        (plan.to_vec(), batches)
+    };
+    let (serial, serial_batches) = plan_with(1);
+    assert_eq!(digest(&canonicalize(&serial)).0, 3_145_729);
+    assert!(serial_batches.len() > 1, "one batch per buffer pair");
+    for threads in [2, 3, 8] {
+        let (blocks, batches) = plan_with(threads);
+        assert!(blocks == serial, "{threads} threads: blocks differ");
+        assert_eq!(batches, serial_batches, "{threads} threads: batches differ");
+    }
+}
