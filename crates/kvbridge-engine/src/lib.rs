@@ -153,6 +153,16 @@ pub trait TransferEngine: Send + Sync + std::fmt::Debug {
         false
     }
 
+    /// Whether heterogeneous-TP head slices move faster on this engine
+    /// staged (gathered into one large write per chunk, scattered by the
+    /// receiver) than as one copy per slice, for KV in device memory
+    /// (`device_kv`) or host memory. Roles with staging on `auto` stage
+    /// exactly when this says so.
+    fn prefers_staging(&self, device_kv: bool) -> bool {
+        let _ = device_kv;
+        false
+    }
+
     /// Move `blocks` to `session`; returns when every byte is in the peer's
     /// memory, or with the first error.
     fn batch_transfer_sync(&self, session: &str, blocks: &[Block]) -> Result<(), TransferError> {

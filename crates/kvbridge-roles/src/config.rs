@@ -164,17 +164,79 @@ impl Default for ProbeConfig {
     }
 }
 
+/// Whether a rank stages heterogeneous-TP transfers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum StagingMode {
+    /// Never: head slices go per slice (strided runs where the engine
+    /// copies runs).
+    Off,
+    /// Always where the pairing can stage (sglang's
+    /// `SGLANG_DISAGG_STAGING_BUFFER=1`).
+    On,
+    /// Where the engine moves head slices faster staged than per slice
+    /// (`TransferEngine::prefers_staging`: UCX; TCP with KV in device
+    /// memory); the choice is logged once at start.
+    #[default]
+    Auto,
+}
+
+impl<'de> Deserialize<'de> for StagingMode {
+    /// `"off" | "on" | "auto"`, or a bool (`true` = on, `false` = off: the
+    /// `enabled` field of configuration files written before the mode).
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Repr {
+            Flag(bool),
+            Name(String),
+        }
+        match Repr::deserialize(d)? {
+            Repr::Flag(true) => Ok(StagingMode::On),
+            Repr::Flag(false) => Ok(StagingMode::Off),
+            Repr::Name(name) => name.parse().map_err(serde::de::Error::custom),
+        }
+    }
+}
+
+impl std::str::FromStr for StagingMode {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "off" => Ok(StagingMode::Off),
+            "on" => Ok(StagingMode::On),
+            "auto" => Ok(StagingMode::Auto),
+            other => Err(format!(
+                "staging mode {other:?}: expected \"on\", \"off\" or \"auto\""
+            )),
+        }
+    }
+}
+
+impl std::fmt::Display for StagingMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            StagingMode::Off => "off",
+            StagingMode::On => "on",
+            StagingMode::Auto => "auto",
+        })
+    }
+}
+
 /// The staging path for heterogeneous TP (sglang's
 /// `SGLANG_DISAGG_STAGING_BUFFER`): a prefill rank gathers a chunk's head
 /// slices for one decode rank into one contiguous write into the decode's
 /// staging ring, which the decode scatters into its pages. Both sides must
-/// enable it; a pair that cannot stage (equal TP, MLA, PP, draft layers)
-/// takes the per-slice path.
+/// stage; a pair that cannot stage (equal TP, MLA, PP, draft layers) takes
+/// the per-slice path.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct StagingConfig {
-    /// Whether this rank stages (`SGLANG_DISAGG_STAGING_BUFFER`).
-    pub enabled: bool,
+    /// Whether this rank stages: `on`, `off` or `auto` (the default), or
+    /// as `enabled` with a bool (`SGLANG_DISAGG_STAGING_BUFFER`).
+    #[serde(alias = "enabled")]
+    pub mode: StagingMode,
     /// Decode: the staging ring's size in bytes
     /// (`SGLANG_DISAGG_STAGING_POOL_SIZE_MB` × 2^20; sglang's default 4096 MiB).
     pub pool_bytes: u64,
@@ -198,7 +260,7 @@ pub const STAGING_SLOTS: u64 = 4;
 impl Default for StagingConfig {
     fn default() -> Self {
         Self {
-            enabled: false,
+            mode: StagingMode::Auto,
             pool_bytes: 4096 << 20,
             chunk_tokens: 8192,
             buffer_bytes: 64 << 20,
@@ -216,7 +278,7 @@ impl StagingConfig {
     /// [`StagingConfig::with_env`] reading variables from `get`.
     pub fn with_vars(mut self, get: Vars<'_>) -> Self {
         if let Some(v) = env_bool(get, "SGLANG_DISAGG_STAGING_BUFFER") {
-            self.enabled = v;
+            self.mode = if v { StagingMode::On } else { StagingMode::Off };
         }
         if let Some(v) = env::<u64>(get, "SGLANG_DISAGG_STAGING_POOL_SIZE_MB") {
             self.pool_bytes = v.saturating_mul(1 << 20);
@@ -685,7 +747,7 @@ mod tests {
                 Duration::from_secs(700)
             )
         );
-        assert!(p.staging.enabled && p.staging.pool_bytes == 2 << 20);
+        assert!(p.staging.mode == StagingMode::On && p.staging.pool_bytes == 2 << 20);
         assert_eq!(p.zmq_max_sockets, 20000);
         assert!(p.all_cp_ranks && p.force_query_dp_rank && p.nvlink_intra);
         assert_eq!(
@@ -702,7 +764,7 @@ mod tests {
         assert_eq!(d.bootstrap_timeout, Duration::from_millis(12_500));
         assert_eq!(d.zmq_send_timeout, Duration::from_secs(3));
         assert_eq!(d.abort_ack_timeout, Duration::from_secs(45));
-        assert!(!d.deferred_release && d.staging.enabled);
+        assert!(!d.deferred_release && d.staging.mode == StagingMode::On);
         // Defaults are sglang's where sglang has one.
         let none = |_: &str| None;
         let p = PrefillConfig::default().with_vars(&none);
@@ -731,5 +793,39 @@ mod tests {
         assert_eq!(c.bootstrap_timeout, Duration::from_millis(1500));
         assert_eq!(c.queue_size, 2);
         assert!(c.deferred_release);
+    }
+
+    #[test]
+    fn staging_mode_reads_names_and_the_old_flag() {
+        let read = |json: &str| serde_json::from_str::<StagingConfig>(json).map(|c| c.mode);
+        assert_eq!(read("{}").ok(), Some(StagingMode::Auto));
+        assert_eq!(read(r#"{"mode": "on"}"#).ok(), Some(StagingMode::On));
+        assert_eq!(read(r#"{"mode": "off"}"#).ok(), Some(StagingMode::Off));
+        assert_eq!(read(r#"{"mode": "auto"}"#).ok(), Some(StagingMode::Auto));
+        assert_eq!(read(r#"{"enabled": true}"#).ok(), Some(StagingMode::On));
+        assert_eq!(read(r#"{"enabled": false}"#).ok(), Some(StagingMode::Off));
+        let bad = read(r#"{"mode": "sometimes"}"#)
+            .err()
+            .map(|e| e.to_string());
+        assert!(bad.is_some_and(|e| e.contains("sometimes")));
+        // Written back as a name, read back the same.
+        let on = StagingConfig {
+            mode: StagingMode::On,
+            ..StagingConfig::default()
+        };
+        let text = serde_json::to_string(&on).unwrap_or_default();
+        assert!(text.contains(r#""mode":"on""#), "{text}");
+        assert_eq!(read(&text).ok(), Some(StagingMode::On));
+        // sglang's variable decides when it is set, and only then.
+        let none = |_: &str| None;
+        assert_eq!(
+            StagingConfig::default().with_vars(&none).mode,
+            StagingMode::Auto
+        );
+        let off = |n: &str| (n == "SGLANG_DISAGG_STAGING_BUFFER").then(|| "0".to_owned());
+        assert_eq!(
+            StagingConfig::default().with_vars(&off).mode,
+            StagingMode::Off
+        );
     }
 }

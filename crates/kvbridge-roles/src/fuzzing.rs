@@ -19,7 +19,7 @@ use kvbridge_engine::{ClusterSecret, LoopbackEngine, TransferEngine};
 use kvbridge_wire::{KvPoll, Limits, ToPrefill};
 
 use crate::bootstrap::{BootstrapConfig, BootstrapServer};
-use crate::config::{DecodeConfig, ParallelRank, PrefillConfig, StagingConfig};
+use crate::config::{DecodeConfig, ParallelRank, PrefillConfig, StagingConfig, StagingMode};
 use crate::decode::{DecodeManager, KvReceiver};
 use crate::prefill::PrefillManager;
 use crate::synthetic::{ModelSpec, RankPools, RankSpec};
@@ -78,7 +78,7 @@ fn rank(tp_size: u64, tp_rank: u64) -> RankSpec {
 /// Staging on both sides, with a ring small enough to wrap.
 fn staging() -> StagingConfig {
     StagingConfig {
-        enabled: true,
+        mode: StagingMode::On,
         pool_bytes: 16 << 10,
         chunk_tokens: 2,
         buffer_bytes: 0,

@@ -123,7 +123,9 @@ pub mod seal;
 mod staging_mem;
 mod stop;
 
-pub use config::{DecodeConfig, ParallelRank, PrefillConfig, ProbeConfig, StagingConfig};
+pub use config::{
+    DecodeConfig, ParallelRank, PrefillConfig, ProbeConfig, StagingConfig, StagingMode,
+};
 pub use error::{ConfigError, KvTransferError, SendError, StartError};
 pub use kv_args::KvArgs;
 pub use kvbridge_wire::KvPoll;

@@ -12,6 +12,9 @@
 use kvbridge_mem::{HostBuffer, MemoryKind, RegionRegistry, probe_kind};
 use kvbridge_plan::Run;
 
+use kvbridge_engine::TransferEngine;
+
+use crate::config::{StagingConfig, StagingMode};
 use crate::error::ConfigError;
 use crate::kv_args::KvArgs;
 
@@ -35,6 +38,45 @@ struct DeviceMemory {
 #[derive(Debug)]
 pub(crate) struct StagingMemory {
     memory: Memory,
+}
+
+/// Whether a rank with `config` stages through `engine`: `on` and `off` as
+/// said; `auto` where the engine moves head slices faster staged for this
+/// KV pool's memory. `side` names the role in the one log line that says
+/// which path was taken and why.
+pub(crate) fn staging_wanted(
+    config: &StagingConfig,
+    engine: &dyn TransferEngine,
+    kv_args: &KvArgs,
+    side: &str,
+) -> bool {
+    match config.mode {
+        StagingMode::On => {
+            tracing::info!(side, "staging on (configured)");
+            true
+        }
+        StagingMode::Off => {
+            tracing::info!(side, "staging off (configured): head slices go per slice");
+            false
+        }
+        StagingMode::Auto => {
+            let device_kv = matches!(kv_kind(kv_args), Ok(MemoryKind::Device { .. }));
+            let stage = engine.prefers_staging(device_kv);
+            tracing::info!(
+                side,
+                engine = engine.session_id(),
+                device_kv,
+                runs = engine.copies_runs(),
+                "staging auto: {}",
+                if stage {
+                    "on (this engine moves heterogeneous-TP head slices faster staged)"
+                } else {
+                    "off (this engine moves head slices as fast per slice)"
+                }
+            );
+            stage
+        }
+    }
 }
 
 /// The one memory kind of every KV buffer of `kv_args`.

@@ -11,12 +11,12 @@ use std::time::Duration;
 
 use common::*;
 use kvbridge_roles::synthetic::ModelSpec;
-use kvbridge_roles::{KvPoll, StagingConfig};
+use kvbridge_roles::{KvPoll, StagingConfig, StagingMode};
 
 /// Staging with chunks of `chunk_tokens` tokens and a ring of `ring` bytes.
 fn staging(chunk_tokens: u64, ring: u64) -> StagingConfig {
     StagingConfig {
-        enabled: true,
+        mode: StagingMode::On,
         pool_bytes: ring,
         chunk_tokens,
         buffer_bytes: 1 << 20,
@@ -328,4 +328,57 @@ fn staging_starts_once_the_head_counts_are_handed_over() {
     assert!(p > 0 && p == d, "staged: prefill {p}, decode {d}");
     assert_ring_empty(&c);
     c.shutdown();
+}
+
+/// A TCP engine that moves head slices one copy at a time (its native runs
+/// off), as UCX does: it prefers staging.
+fn per_copy_engine() -> std::sync::Arc<dyn kvbridge_engine::TransferEngine> {
+    let mut config = kvbridge_engine::EngineConfig::default();
+    config.tcp.native_runs = false;
+    std::sync::Arc::new(kvbridge_engine::TcpEngine::new(config).expect("tcp engine"))
+}
+
+/// Staging `auto` (the default) stages where the engine is faster staged and
+/// goes per slice where it is not, with every byte delivered either way.
+#[test]
+fn staging_auto_follows_the_engine() {
+    let auto = StagingConfig {
+        mode: StagingMode::Auto,
+        ..staging(8, 64 << 10)
+    };
+    assert_eq!(StagingConfig::default().mode, StagingMode::Auto);
+    for (name, prefers, mut c) in [
+        (
+            "per-copy engine",
+            true,
+            Cluster::staged_on(model(8), 2, 4, 64, auto.clone(), per_copy_engine),
+        ),
+        (
+            "engine with native runs",
+            false,
+            Cluster::staged_on(model(8), 2, 4, 64, auto.clone(), tcp_engine),
+        ),
+    ] {
+        for (rank, (decode, _)) in c.decode.iter().enumerate() {
+            assert_eq!(
+                decode.staging_ring().is_some(),
+                prefers,
+                "{name}: decode rank {rank}'s ring"
+            );
+        }
+        let src: Vec<i32> = (0..9).map(|i| 2 * i + 1).collect();
+        let dst: Vec<i32> = (0..9).map(|i| 60 - i).collect();
+        for (rank, (status, v)) in c.run(51, &src, &dst, 3).into_iter().enumerate() {
+            assert_eq!(status, KvPoll::Success, "{name}: decode rank {rank}");
+            assert_eq!(v.mismatched, 0, "{name}: decode rank {rank}: {v:?}");
+        }
+        let (p, d) = staged_bytes(&c);
+        if prefers {
+            assert!(p > 0 && p == d, "{name}: staged prefill {p}, decode {d}");
+            assert_ring_empty(&c);
+        } else {
+            assert_eq!((p, d), (0, 0), "{name}: nothing staged");
+        }
+        c.shutdown();
+    }
 }

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use common::staged::*;
 use common::*;
 use kvbridge_roles::synthetic::{RankPools, RankSpec};
-use kvbridge_roles::{KvPoll, StagingConfig};
+use kvbridge_roles::{KvPoll, StagingConfig, StagingMode};
 
 fn decode_staged(c: &Cluster) -> u64 {
     c.decode
@@ -203,7 +203,10 @@ fn a_restarted_decode_gets_a_fresh_ring() {
 fn staging_on_one_side_only_takes_the_per_slice_path() {
     for (prefill_on, decode_on) in [(true, false), (false, true)] {
         let on = staging(8, 64 << 10, T);
-        let off = StagingConfig::default();
+        let off = StagingConfig {
+            mode: StagingMode::Off,
+            ..StagingConfig::default()
+        };
         let mut c = Cluster::staged_per_side(
             tiny_model(false, 2),
             2,

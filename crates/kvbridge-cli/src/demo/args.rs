@@ -1,6 +1,7 @@
 //! `kvbridge demo`'s flags.
 
 use clap::Args;
+use kvbridge_roles::StagingMode;
 
 use super::faults::FaultKind;
 use crate::rank::EngineKind;
@@ -109,14 +110,17 @@ pub struct DemoArgs {
     /// memory goes to the engine, host blocks over zmq. On with `--engine ipc`.
     #[arg(long)]
     pub(super) nvlink_intra: bool,
-    /// Heterogeneous TP through the staging path, as sglang's
-    /// `SGLANG_DISAGG_STAGING_BUFFER=1`: each prefill rank gathers a
-    /// chunk's head slices for a decode rank into one bulk write into that
-    /// rank's staging ring, which the decode scatters into its pages.
-    /// Pairs of equal TP, MLA models and PP stages are not staged.
-    #[arg(long)]
-    pub(super) staging: bool,
-    /// With `--staging`: each decode rank's staging ring, MiB
+    /// Heterogeneous TP through the staging path (`on`, as sglang's
+    /// `SGLANG_DISAGG_STAGING_BUFFER=1`; a bare `--staging` is `on`): each
+    /// prefill rank gathers a chunk's head slices for a decode rank into
+    /// one bulk write into that rank's staging ring, which the decode
+    /// scatters into its pages. `auto` stages where the engine is faster
+    /// staged (UCX; TCP with KV on the GPU), `off` never. Pairs of equal TP,
+    /// MLA models and PP stages are not staged.
+    #[arg(long, value_name = "on|off|auto", default_value = "auto", num_args = 0..=1,
+          default_missing_value = "on", value_parser = parse_staging)]
+    pub(super) staging: StagingMode,
+    /// When staging: each decode rank's staging ring, MiB
     /// (`SGLANG_DISAGG_STAGING_POOL_SIZE_MB`).
     #[arg(long, default_value_t = 256)]
     pub(super) staging_pool_mb: u64,
@@ -158,4 +162,9 @@ pub struct DemoArgs {
     /// workload is reported as drained (a soak sized in time).
     #[arg(long, value_name = "SECONDS", conflicts_with = "kill_decode_after")]
     pub(super) drain_after_s: Option<f64>,
+}
+
+/// Parses `--staging`.
+fn parse_staging(s: &str) -> Result<StagingMode, String> {
+    s.parse()
 }

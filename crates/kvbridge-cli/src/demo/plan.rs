@@ -228,7 +228,7 @@ pub(super) fn plan(args: &DemoArgs, bootstrap: SocketAddr) -> Result<Plan> {
     // The staging grid follows the prefill chunks, as sglang's follows
     // its chunked-prefill size.
     let staging = StagingConfig {
-        enabled: args.staging,
+        mode: args.staging,
         pool_bytes: args.staging_pool_mb.saturating_mul(1 << 20),
         chunk_tokens: workload.chunk_tokens,
         ..StagingConfig::default()

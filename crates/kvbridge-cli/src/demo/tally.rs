@@ -3,6 +3,8 @@
 
 use std::collections::HashMap;
 
+use kvbridge_roles::StagingMode;
+
 use super::DemoArgs;
 use super::plan::Plan;
 use super::summary::{Failure, Summary, percentile};
@@ -121,7 +123,11 @@ pub(super) fn summarize(
                 (Some(d), 0) => format!(", KV on GPU {d}"),
                 (Some(d), n) => format!(", KV on GPU {d} ({n} prefill buffers in host memory)"),
             },
-            if args.staging { ", staging on" } else { "" }
+            match args.staging {
+                StagingMode::On => ", staging on",
+                StagingMode::Off => ", staging off",
+                StagingMode::Auto => "",
+            }
         ),
         requests: requests.len() as u64,
         drained: drained.len() as u64,

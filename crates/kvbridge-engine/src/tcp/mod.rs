@@ -385,6 +385,13 @@ impl TransferEngine for TcpEngine {
         self.inner.cfg.tcp.native_runs
     }
 
+    /// Host KV: strided runs cost what a gather and a scatter cost, without
+    /// the ring's round trips. Device KV (or runs off): every slice would
+    /// cross the host bounce path on its own, so one bulk write is faster.
+    fn prefers_staging(&self, device_kv: bool) -> bool {
+        device_kv || !self.inner.cfg.tcp.native_runs
+    }
+
     fn probe(&self, session: &str) -> Result<(), TransferError> {
         if self.inner.is_shutdown() {
             return Err(shutdown_error(session));

@@ -143,7 +143,8 @@ impl DecodeManager {
         // SAFETY: the caller promises the buffers outlive the manager; the
         // manager deregisters them in `teardown` (a failed start at once).
         let intra = config.nvlink_intra || !engine.moves_host_memory();
-        let staging = staging::DecodeStaging::new(&config.staging, &kv_args, intra)?;
+        let staging =
+            staging::DecodeStaging::new(&config.staging, &kv_args, intra, engine.as_ref())?;
         let extra: Vec<(u64, u64)> = staging.iter().map(staging::DecodeStaging::region).collect();
         // SAFETY: as above; the staging ring lives in `Shared`, which
         // outlives the registration (released by the lifecycle first).

@@ -20,6 +20,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
+use kvbridge_engine::TransferEngine;
 use kvbridge_plan::{PrefillLayout, StagingTarget};
 use kvbridge_wire::{ChunkReady, StagingReq, StagingRsp, Watermark};
 use parking_lot::{Condvar, Mutex, RwLock};
@@ -30,7 +31,7 @@ use super::ring::{Allocation, Ring};
 use crate::config::StagingConfig;
 use crate::error::ConfigError;
 use crate::kv_args::KvArgs;
-use crate::staging_mem::StagingMemory;
+use crate::staging_mem::{StagingMemory, staging_wanted};
 
 /// `STAGING_RSP` offset for a chunk larger than the whole ring (sglang
 /// `StagingAllocator.ALLOC_OVERSIZED`).
@@ -85,8 +86,9 @@ impl DecodeStaging {
         config: &StagingConfig,
         kv_args: &KvArgs,
         intra: bool,
+        engine: &dyn TransferEngine,
     ) -> Result<Option<Self>, ConfigError> {
-        if !config.enabled {
+        if !staging_wanted(config, engine, kv_args, "decode") {
             return Ok(None);
         }
         let layout = &kv_args.layout;

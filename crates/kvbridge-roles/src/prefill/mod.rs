@@ -279,8 +279,13 @@ impl PrefillManager {
         // buffer in `kv_args` outlives the manager; the manager deregisters
         // them in `teardown` before returning (a failed start at once).
         let intra = config.nvlink_intra || !engine.moves_host_memory();
-        let staging =
-            staged::PrefillStaging::new(&config.staging, &kv_args, queue_count.max(1), intra)?;
+        let staging = staged::PrefillStaging::new(
+            &config.staging,
+            &kv_args,
+            queue_count.max(1),
+            intra,
+            engine.as_ref(),
+        )?;
         let extra = staging
             .as_ref()
             .map_or_else(Vec::new, staged::PrefillStaging::regions);

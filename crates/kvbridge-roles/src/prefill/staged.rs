@@ -19,6 +19,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use kvbridge_engine::TransferEngine;
 use kvbridge_mem::RegionRegistry;
 use kvbridge_plan::{Run, StagingSource, watermark_ready};
 use kvbridge_wire::{ChunkReady, StagingReq};
@@ -28,7 +29,7 @@ use super::state::{PeerEntry, TransferInfo};
 use crate::config::{STAGING_SLOTS, StagingConfig};
 use crate::error::ConfigError;
 use crate::kv_args::KvArgs;
-use crate::staging_mem::StagingMemory;
+use crate::staging_mem::{StagingMemory, staging_wanted};
 
 /// `STAGING_RSP` offset for a chunk larger than the whole ring.
 const ALLOC_OVERSIZED: i64 = -2;
@@ -63,8 +64,9 @@ impl PrefillStaging {
         kv_args: &KvArgs,
         workers: usize,
         intra: bool,
+        engine: &dyn TransferEngine,
     ) -> Result<Option<Self>, ConfigError> {
-        if !config.enabled {
+        if !staging_wanted(config, engine, kv_args, "prefill") {
             return Ok(None);
         }
         let layout = &kv_args.layout;

@@ -357,6 +357,24 @@ pub struct Cluster {
     pub shape: Shape,
 }
 
+/// Staging per side, and the decode ranks' engine.
+pub struct Staged {
+    prefill: StagingConfig,
+    decode: StagingConfig,
+    decode_engine: fn() -> Arc<dyn TransferEngine>,
+}
+
+impl Staged {
+    /// `prefill` and `decode` staging, the decode ranks on [`tcp_engine`].
+    fn sides(prefill: StagingConfig, decode: StagingConfig) -> Self {
+        Staged {
+            prefill,
+            decode,
+            decode_engine: tcp_engine,
+        }
+    }
+}
+
 impl Cluster {
     pub fn new(
         model: ModelSpec,
@@ -414,7 +432,7 @@ impl Cluster {
         staging: StagingConfig,
         decode_args: &dyn Fn(KvArgs) -> KvArgs,
     ) -> Self {
-        let both = Some((staging.clone(), staging));
+        let both = Some(Staged::sides(staging.clone(), staging));
         Self::build(
             model,
             Shape::new(prefill_tp, 1, decode_tp),
@@ -422,6 +440,30 @@ impl Cluster {
             tcp_engine,
             both,
             decode_args,
+            None,
+        )
+    }
+
+    /// [`Cluster::staged`] with every rank on an engine made by `engine`.
+    pub fn staged_on(
+        model: ModelSpec,
+        prefill_tp: u64,
+        decode_tp: u64,
+        pages: u64,
+        staging: StagingConfig,
+        engine: fn() -> Arc<dyn TransferEngine>,
+    ) -> Self {
+        let staged = Staged {
+            decode_engine: engine,
+            ..Staged::sides(staging.clone(), staging)
+        };
+        Self::build(
+            model,
+            Shape::new(prefill_tp, 1, decode_tp),
+            pages,
+            engine,
+            Some(staged),
+            &|a| a,
             None,
         )
     }
@@ -436,7 +478,7 @@ impl Cluster {
         prefill: StagingConfig,
         decode: StagingConfig,
     ) -> Self {
-        let sides = Some((prefill, decode));
+        let sides = Some(Staged::sides(prefill, decode));
         Self::build(
             model,
             Shape::new(prefill_tp, 1, decode_tp),
@@ -483,7 +525,7 @@ impl Cluster {
             Shape::new(prefill_tp, 1, decode_tp),
             pages,
             tcp_engine,
-            Some((staging.clone(), staging)),
+            Some(Staged::sides(staging.clone(), staging)),
             &|a| a,
             Some(secret),
         )
@@ -494,7 +536,7 @@ impl Cluster {
         shape: Shape,
         pages: u64,
         engine: impl Fn() -> Arc<dyn TransferEngine>,
-        staging: Option<(StagingConfig, StagingConfig)>,
+        staging: Option<Staged>,
         decode_args: &dyn Fn(KvArgs) -> KvArgs,
         secret: Option<&ClusterSecret>,
     ) -> Self {
@@ -559,8 +601,8 @@ impl Cluster {
                     config.load_balance_method = "round_robin".into();
                 }
                 prefill_dp_ranks.push(dp);
-                if let Some((s, _)) = &staging {
-                    config.staging = s.clone();
+                if let Some(st) = &staging {
+                    config.staging = st.prefill.clone();
                 }
                 config.secret = secret.cloned();
                 let manager = start_prefill(config, kv_args(&pools), engine());
@@ -584,11 +626,14 @@ impl Cluster {
                 RankPools::with_placement(model.clone(), rank, pages, 8, placement).expect("pools");
             let mut config = decode_config(decode_tp);
             config.all_cp_ranks = decode_all_cp_ranks;
-            if let Some((_, s)) = &staging {
-                config.staging = s.clone();
+            if let Some(st) = &staging {
+                config.staging = st.decode.clone();
             }
             config.secret = secret.cloned();
-            let engine = secret.map_or_else(tcp_engine, secret_engine);
+            let decode_engine = staging
+                .as_ref()
+                .map_or(tcp_engine as fn() -> _, |st| st.decode_engine);
+            let engine = secret.map_or_else(decode_engine, secret_engine);
             let manager = start_decode(config, decode_args(kv_args(&pools)), engine);
             decode.push((manager, pools));
         }

@@ -4,7 +4,7 @@
 
 use std::time::{Duration, Instant};
 
-use kvbridge_roles::{KvPoll, KvReceiver, KvSender, StagingConfig};
+use kvbridge_roles::{KvPoll, KvReceiver, KvSender, StagingConfig, StagingMode};
 
 use super::{Cluster, wait_for, wait_terminal};
 
@@ -12,7 +12,7 @@ pub const T: Duration = Duration::from_secs(20);
 
 pub fn staging(chunk_tokens: u64, ring: u64, wait: Duration) -> StagingConfig {
     StagingConfig {
-        enabled: true,
+        mode: StagingMode::On,
         pool_bytes: ring,
         chunk_tokens,
         buffer_bytes: 1 << 20,
