@@ -186,9 +186,21 @@ fn assert_clean(code: i32, v: &serde_json::Value) {
         "verified_bytes",
         "mismatched_bytes",
         "failures",
+        "transfer_seconds",
+        "transfer_gbps",
     ] {
         assert!(v.get(key).is_some(), "missing {key}");
     }
+    // The transfer-only window lies inside the harness window.
+    let (transfer, wall) = (
+        v["transfer_seconds"].as_f64().unwrap(),
+        v["seconds"].as_f64().unwrap(),
+    );
+    assert!(transfer > 0.0 && transfer <= wall * 1.05 + 0.01, "{v}");
+    assert!(
+        v["transfer_gbps"].as_f64().unwrap() >= v["gbps"].as_f64().unwrap() * 0.95,
+        "{v}"
+    );
 }
 
 #[test]

@@ -327,6 +327,7 @@ fn orchestrate(
                 mismatched,
                 aborted,
                 timed_out,
+                end_unix_ms,
                 ..
             }) => {
                 let outcome = Outcome {
@@ -337,6 +338,7 @@ fn orchestrate(
                     mismatched,
                     aborted,
                     timed_out,
+                    end_unix_ms,
                 };
                 if role == "decode" {
                     last_done = Instant::now();

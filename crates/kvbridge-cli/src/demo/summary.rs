@@ -33,8 +33,15 @@ pub struct Summary {
     pub bytes: u64,
     /// Wall time from the first request to the last conclusion.
     pub seconds: f64,
-    /// `bytes / seconds` in 10^9 bytes per second.
+    /// `bytes / seconds` in 10^9 bytes per second: the harness figure,
+    /// whose window also holds the ranks' pattern fill and verification.
     pub gbps: f64,
+    /// Seconds during which at least one verified room was in transfer (a
+    /// prefill rank's first chunk to its Success).
+    pub transfer_seconds: f64,
+    /// `bytes / transfer_seconds` in 10^9 bytes per second: the transfer-only
+    /// figure, without the fill and verification around the rooms.
+    pub transfer_gbps: f64,
     /// Median per-request transfer latency (prefill: first chunk → Success).
     pub p50_ms: f64,
     /// 99th-percentile per-request transfer latency.
@@ -96,10 +103,15 @@ impl Summary {
             ));
         }
         out.push_str(&format!(
-            "  moved      {:>8.1} MiB in {:.2} s = {:.2} GB/s\n",
+            "  moved      {:>8.1} MiB in {:.2} s = {:.2} GB/s (harness: wall time with the \
+             pattern fill and verification)\n",
             self.bytes as f64 / (1 << 20) as f64,
             self.seconds,
             self.gbps
+        ));
+        out.push_str(&format!(
+            "  transfer   {:>8.2} GB/s over the {:.2} s rooms were in transfer (transfer only)\n",
+            self.transfer_gbps, self.transfer_seconds
         ));
         out.push_str(&format!(
             "  latency    p50 {:.1} ms   p99 {:.1} ms\n",

@@ -21,6 +21,31 @@ pub(super) struct Outcome {
     pub mismatched: u64,
     pub aborted: bool,
     pub timed_out: bool,
+    /// When the room concluded (ms since the Unix epoch; 0: not known).
+    pub end_unix_ms: f64,
+}
+
+/// Seconds covered by the union of `intervals` (`(start, end)` in ms):
+/// how long at least one of them was open.
+fn covered_seconds(mut intervals: Vec<(f64, f64)>) -> f64 {
+    intervals.retain(|(s, e)| e > s);
+    intervals.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let mut total = 0.0;
+    let mut open: Option<(f64, f64)> = None;
+    for (s, e) in intervals {
+        open = match open {
+            Some((os, oe)) if s <= oe => Some((os, oe.max(e))),
+            Some((os, oe)) => {
+                total += oe - os;
+                Some((s, e))
+            }
+            None => Some((s, e)),
+        };
+    }
+    if let Some((os, oe)) = open {
+        total += oe - os;
+    }
+    total / 1e3
 }
 
 /// The summary of a run's outcomes; requests from `drained_below` on that
@@ -43,6 +68,9 @@ pub(super) fn summarize(
     let (mut succeeded, mut failed, mut aborted, mut bytes) = (0, 0, 0, 0);
     let (mut verified, mut mismatched) = (0, 0);
     let mut latencies = Vec::new();
+    // Prefill ranks' transfer intervals (first chunk → Success) of the
+    // rooms that succeeded.
+    let mut in_transfer = Vec::new();
     let mut failures = Vec::new();
     for r in &requests {
         let d: Vec<&Outcome> = (0..plan.decode_files.len() as u64)
@@ -61,6 +89,11 @@ pub(super) fn summarize(
         if ok {
             succeeded += 1;
             bytes += d.iter().map(|o| o.verified).sum::<u64>();
+            in_transfer.extend(
+                p.iter()
+                    .filter(|o| o.success && o.end_unix_ms > 0.0 && o.latency_ms > 0.0)
+                    .map(|o| (o.end_unix_ms - o.latency_ms, o.end_unix_ms)),
+            );
             let lat = p
                 .iter()
                 .filter(|o| o.success)
@@ -91,6 +124,7 @@ pub(super) fn summarize(
             });
         }
     }
+    let transfer_seconds = covered_seconds(in_transfer);
     Summary {
         model: plan.model.name.clone(),
         topology: format!(
@@ -141,6 +175,12 @@ pub(super) fn summarize(
         } else {
             0.0
         },
+        transfer_seconds,
+        transfer_gbps: if transfer_seconds > 0.0 {
+            bytes as f64 / transfer_seconds / 1e9
+        } else {
+            0.0
+        },
         p50_ms: percentile(&latencies, 0.5),
         p99_ms: percentile(&latencies, 0.99),
         verified_bytes: verified,
@@ -150,5 +190,25 @@ pub(super) fn summarize(
         fault: None,
         hosts: Vec::new(),
         resources: Vec::new(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::covered_seconds;
+
+    #[test]
+    fn covered_time_is_the_union_of_the_intervals() {
+        assert_eq!(covered_seconds(vec![]), 0.0);
+        // Overlapping, nested, touching and apart; given out of order.
+        let spans = vec![
+            (5_000.0, 6_000.0),
+            (1_000.0, 2_000.0),
+            (1_500.0, 3_000.0),
+            (1_200.0, 1_300.0),
+            (3_000.0, 3_500.0),
+            (7_000.0, 7_000.0),
+        ];
+        assert!((covered_seconds(spans) - 3.5).abs() < 1e-9);
     }
 }

@@ -10,7 +10,7 @@ use kvbridge_roles::{DecodeManager, KvPoll, KvReceiver};
 
 use super::RankFile;
 use super::control::CONTROL;
-use super::events::{Event, emit};
+use super::events::{Event, emit, unix_ms};
 use super::workload::{PageAllocator, Request, alloc_request};
 
 /// Byte written over an aborted room's pages once its ACK arrived; a later
@@ -248,6 +248,7 @@ pub fn run(file: &RankFile) -> Result<bool> {
                 mismatched: verified.mismatched,
                 aborted: a.abort_at.is_some(),
                 timed_out: a.timed_out,
+                end_unix_ms: unix_ms(),
             });
             if reuse_pages {
                 pages.free(&a.pages);

@@ -48,6 +48,11 @@ pub enum Event {
         /// Whether the decode gave it up past its room timeout.
         #[serde(default)]
         timed_out: bool,
+        /// When the room concluded, in milliseconds since the Unix epoch
+        /// (the ranks share the host's clock); with `latency_ms` it gives
+        /// the interval the room was in transfer.
+        #[serde(default)]
+        end_unix_ms: f64,
     },
     /// A decode rank paused (the supervisor's `pause`): it starts no new
     /// room until told which requests still run.
@@ -69,6 +74,13 @@ pub enum Event {
         /// What went wrong.
         message: String,
     },
+}
+
+/// Now, in milliseconds since the Unix epoch.
+pub fn unix_ms() -> f64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64() * 1e3)
 }
 
 /// Writes one event line to stdout (flushed, so a reader sees it at once).

@@ -10,7 +10,7 @@ use kvbridge_roles::{KvPoll, KvSender, PrefillManager};
 
 use super::RankFile;
 use super::control::CONTROL;
-use super::events::{Event, emit};
+use super::events::{Event, emit, unix_ms};
 use super::workload::{PageAllocator, Request, Workload, alloc_request};
 
 struct Active {
@@ -185,6 +185,7 @@ pub fn run(file: &RankFile) -> Result<bool> {
                     mismatched: 0,
                     aborted: false,
                     timed_out: false,
+                    end_unix_ms: unix_ms(),
                 });
                 pages.free(&a.pages);
                 aux_slots.free(&[a.aux]);
