@@ -16,10 +16,14 @@
 //! - `cargo xtask cluster [--full] [--release] [--soak-minutes N]`: a cluster
 //!   of network namespaces on this machine, a workload and every scripted
 //!   fault, each checked against its expected outcome (see `cluster.rs`).
+//! - `cargo xtask bench-guard [--update]`: fails when a planner or engine
+//!   benchmark regressed past its margin against `benches/guard.json`
+//!   (see `guard.rs`); CI runs it after the tests.
 
 mod cluster;
 mod fuzz;
 mod gpu;
+mod guard;
 mod python;
 
 use std::path::{Path, PathBuf};
@@ -52,9 +56,10 @@ fn main() -> ExitCode {
         Some("gpu-test") => gpu::gpu_test(&args[1..]),
         Some("fuzz") => fuzz::fuzz(&args[1..]),
         Some("cluster") => cluster::cluster(&workspace_root(), &args[1..]),
+        Some("bench-guard") => guard::bench_guard(&workspace_root(), &args[1..]),
         _ => {
             eprintln!(
-                "usage: cargo xtask <ci|install-deps|wheel|py-test|gpu-test [--run] [--bench]|fuzz [--seconds N] [--target NAME]|cluster [--full] [--release] [--soak-minutes N [--soak-only]] [--kvbridge PATH] [--save DIR]>"
+                "usage: cargo xtask <ci|install-deps|bench-guard [--update]|wheel|py-test|gpu-test [--run] [--bench]|fuzz [--seconds N] [--target NAME]|cluster [--full] [--release] [--soak-minutes N [--soak-only]] [--kvbridge PATH] [--save DIR]>"
             );
             return ExitCode::from(2);
         }
@@ -162,6 +167,8 @@ fn ci() -> Result<()> {
     if !status.success() {
         bail!("cargo test --workspace failed with {status}");
     }
+    // The planner and the TCP engine against their committed baseline.
+    guard::bench_guard(&workspace_root(), &[])?;
     // A cluster of network namespaces: the workload and every scripted
     // fault (root only: a user without it cannot make namespaces).
     if is_root() {
