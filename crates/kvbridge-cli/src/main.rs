@@ -11,6 +11,7 @@ use clap::{Parser, Subcommand};
 mod bench_cmd;
 mod bootstrap_cmd;
 mod demo;
+mod gpu;
 mod net;
 mod plan_cmd;
 mod rank;

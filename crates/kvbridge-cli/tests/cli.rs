@@ -315,6 +315,7 @@ fn gpu_options_say_no_cuda_without_a_gpu() {
         &["demo", "--engine", "ipc", "--requests", "1"][..],
         &["demo", "--device", "--requests", "1"][..],
         &["bench", "ipc"][..],
+        &["bench", "roles", "--engine", "ipc", "--device", "0"][..],
     ] {
         let out = Command::new(BIN)
             .args(args)

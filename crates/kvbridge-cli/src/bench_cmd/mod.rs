@@ -12,6 +12,7 @@ mod ipc;
 mod ipc_layout;
 mod measure;
 mod plot;
+mod roles;
 mod size;
 mod tcp;
 #[cfg(feature = "ucx")]
@@ -34,6 +35,10 @@ pub enum BenchCommand {
     /// tcp` (same sizes, totals and JSON); `--tls` picks UCX's transports.
     #[cfg(feature = "ucx")]
     Ucx(ucx::UcxArgs),
+    /// Rooms through a real prefill and decode role pair (planner, pipeline,
+    /// control plane) against the same bytes through the raw engine, in one
+    /// run, alternated, per room size.
+    Roles(roles::RolesArgs),
 }
 
 /// Run a bench subcommand.
@@ -44,6 +49,7 @@ pub fn run(cmd: BenchCommand) -> ExitCode {
         BenchCommand::Ipc(args) => ipc::run(args),
         #[cfg(feature = "ucx")]
         BenchCommand::Ucx(args) => ucx::run(args),
+        BenchCommand::Roles(args) => roles::run(args),
     };
     match r {
         Ok(()) => ExitCode::SUCCESS,

@@ -28,14 +28,7 @@ fn check_gpu(args: &DemoArgs) -> Result<()> {
     if !wants_gpu {
         return Ok(());
     }
-    #[cfg(feature = "cuda")]
-    if let Some(why) = kvbridge_mem::cuda::unavailable_reason() {
-        bail!("no CUDA ({why}): --device and --engine ipc need a GPU");
-    }
-    #[cfg(not(feature = "cuda"))]
-    bail!("no CUDA: this build has no `cuda` feature; --device and --engine ipc need it");
-    #[cfg(feature = "cuda")]
-    Ok(())
+    crate::gpu::require_cuda("--device and --engine ipc")
 }
 
 /// The most requests a demo run takes (each prefill rank fills its pages

@@ -1,0 +1,425 @@
+//! `kvbridge bench roles`: what a room costs through the prefill and decode
+//! roles against the same bytes through the raw engine, in one run.
+//!
+//! One process holds a bootstrap server, one prefill rank and one or two
+//! decode ranks (real managers: planner, pipeline, control plane), each on
+//! its own engine of the chosen transport. Per room size, rooms alternate
+//! with raw-engine batches of the same byte count (whole-buffer blocks, the
+//! engine's best case). A room is timed from the prefill's `send` of its
+//! pages (the decode's destinations already known, as when the forward pass
+//! ends) to every decode rank's Success; the first and last rooms of each
+//! size are verified byte for byte (untimed).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use clap::Args;
+use kvbridge_engine::{Batch, Block, ClusterSecret, EngineConfig, Target, TransferEngine, factory};
+use kvbridge_roles::bootstrap::{BootstrapConfig, BootstrapServer};
+use kvbridge_roles::synthetic::{ModelSpec, Placement, RankPools, RankSpec};
+use kvbridge_roles::{
+    DecodeConfig, DecodeManager, KvPoll, KvReceiver, ParallelRank, PrefillConfig, PrefillManager,
+    StagingConfig, StagingMode,
+};
+
+use super::size::{human, parse_size};
+use crate::demo::summary::percentile;
+use crate::rank::EngineKind;
+
+/// The model layouts a room can have.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Layout {
+    /// Llama-3-8B-shaped MHA/GQA, TP 1 → 1.
+    Mha,
+    /// DeepSeek-V3-shaped MLA, TP 1 → 1.
+    Mla,
+    /// Llama-3-8B-shaped MHA, TP 1 → 2 (head slices to two decode ranks).
+    Hetero,
+}
+
+/// Arguments of `kvbridge bench roles`.
+#[derive(Debug, Args)]
+pub struct RolesArgs {
+    /// The transfer engine every rank uses.
+    #[arg(long, value_enum, default_value = "tcp")]
+    engine: EngineKind,
+    /// Put the KV on this GPU (default: host memory). Needs the `cuda` feature.
+    #[arg(long)]
+    device: Option<i32>,
+    /// Room sizes: KV bytes a room delivers to its decode ranks (K, M, G suffixes).
+    #[arg(long, value_delimiter = ',', default_value = "1M,16M,64M,256M", value_parser = parse_size)]
+    sizes: Vec<u64>,
+    /// The model layout and TP pairing.
+    #[arg(long, value_enum, default_value = "mha")]
+    layout: Layout,
+    /// Rooms per size, each alternated with one raw-engine batch.
+    #[arg(long, default_value_t = 8)]
+    rooms: u32,
+    /// The roles' staging mode (`on`, `off` or `auto`).
+    #[arg(long, default_value = "auto", value_parser = parse_staging)]
+    staging: StagingMode,
+    /// One JSON object per room size instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+fn parse_staging(s: &str) -> Result<StagingMode, String> {
+    s.parse()
+}
+
+/// Longest one room or raw batch may take.
+const DEADLINE: Duration = Duration::from_secs(120);
+
+/// What one room size measured.
+#[derive(Debug, serde::Serialize)]
+struct SizeReport {
+    engine: &'static str,
+    layout: &'static str,
+    device: Option<i32>,
+    room_bytes: u64,
+    rooms: u32,
+    roles_gbps: f64,
+    engine_gbps: f64,
+    ratio: f64,
+    p50_ms: f64,
+    p99_ms: f64,
+    engine_p50_ms: f64,
+    verified_bytes: u64,
+}
+
+/// Runs `kvbridge bench roles`.
+pub fn run(args: RolesArgs) -> Result<()> {
+    if args.rooms == 0 {
+        bail!("--rooms must be at least 1");
+    }
+    if args.device.is_some() || args.engine == EngineKind::Ipc {
+        crate::gpu::require_cuda("--device and --engine ipc")?;
+    }
+    if !args.json {
+        println!(
+            "{:>10}  {:>10}  {:>10}  {:>6}  {:>9}  {:>9}",
+            "room", "roles GB/s", "engine GB/s", "ratio", "p50 ms", "p99 ms"
+        );
+    }
+    for &size in &args.sizes {
+        let report = measure_size(&args, size)?;
+        if args.json {
+            println!("{}", serde_json::to_string(&report)?);
+        } else {
+            println!(
+                "{:>10}  {:>10.2}  {:>10.2}  {:>6.2}  {:>9.2}  {:>9.2}",
+                human(report.room_bytes),
+                report.roles_gbps,
+                report.engine_gbps,
+                report.ratio,
+                report.p50_ms,
+                report.p99_ms
+            );
+        }
+    }
+    Ok(())
+}
+
+/// The model of `layout` and the decode TP size.
+fn model(layout: Layout) -> (ModelSpec, u64) {
+    match layout {
+        Layout::Mha => (ModelSpec::llama3_8b(), 1),
+        Layout::Mla => (ModelSpec::deepseek_v3(), 1),
+        Layout::Hetero => (ModelSpec::llama3_8b(), 2),
+    }
+}
+
+fn rank(tp_size: u64, tp_rank: u64) -> RankSpec {
+    RankSpec {
+        tp_size,
+        tp_rank,
+        pp_size: 1,
+        pp_rank: 0,
+        ..Default::default()
+    }
+}
+
+/// One prefill rank and its decode ranks, up and connected.
+struct Pair {
+    // Field order is drop order: managers before the pools they registered.
+    prefill: PrefillManager,
+    decode: Vec<DecodeManager>,
+    prefill_engine: Arc<dyn TransferEngine>,
+    prefill_pools: RankPools,
+    decode_pools: Vec<RankPools>,
+    bootstrap: BootstrapServer,
+    /// Pages a room uses: `1..=pages`.
+    pages: u64,
+}
+
+impl Pair {
+    fn start(args: &RolesArgs, size: u64) -> Result<Self> {
+        let (mut model, decode_tp) = model(args.layout);
+        let placement = Placement {
+            device: args.device,
+            ..Placement::default()
+        };
+        // Secret mode, as a deployment runs by default.
+        let secret = ClusterSecret::generate();
+        let bootstrap = BootstrapServer::start_with(
+            "127.0.0.1:0".parse()?,
+            BootstrapConfig::with_secret(secret.clone()),
+        )?;
+        // Pages so that the decode ranks together receive `size` bytes.
+        let mut probe: u64 = (0..decode_tp)
+            .map(|d| {
+                RankPools::new(model.clone(), rank(decode_tp, d), 1, 1).map(|p| page_bytes(&p))
+            })
+            .sum::<Result<u64, _>>()?;
+        // Rooms of a few pages come out at the size asked for with
+        // one-token pages (a Llama page of 16 tokens is 2 MiB).
+        if size < 4 * probe {
+            probe /= model.page_size.max(1);
+            model.page_size = 1;
+        }
+        let pages = size.div_ceil(probe.max(1)).max(1);
+        let staging = StagingConfig {
+            mode: args.staging,
+            pool_bytes: (size * 2).max(64 << 20),
+            chunk_tokens: pages * model.page_size,
+            ..StagingConfig::default()
+        };
+        let engine = |kind: EngineKind| -> Result<Arc<dyn TransferEngine>> {
+            let transport = match kind {
+                EngineKind::Tcp => factory::Transport::Tcp,
+                EngineKind::Ipc => factory::Transport::Ipc,
+                EngineKind::Ucx => factory::Transport::Ucx,
+            };
+            let config = EngineConfig {
+                listen_host: "127.0.0.1".into(),
+                secret: Some(secret.to_env_value()),
+                ..EngineConfig::default()
+            };
+            Ok(factory::build(transport, &config)?)
+        };
+        let prefill_pools =
+            RankPools::with_placement(model.clone(), rank(1, 0), pages + 1, 2, placement)?;
+        let prefill_engine = engine(args.engine)?;
+        let prefill_config = PrefillConfig {
+            bootstrap_addr: bootstrap.local_addr().to_string(),
+            rank: ParallelRank::default(),
+            staging: staging.clone(),
+            secret: Some(secret.clone()),
+            ..PrefillConfig::default()
+        };
+        // SAFETY: the pools are fields of `Pair`, dropped after the managers
+        // (field order), which deregister them in their teardown.
+        let prefill = unsafe {
+            PrefillManager::start(
+                prefill_config,
+                prefill_pools.kv_args(),
+                prefill_engine.clone(),
+            )
+        }
+        .context("starting the prefill rank")?;
+        let mut decode = Vec::new();
+        let mut decode_pools = Vec::new();
+        for d in 0..decode_tp {
+            let pools = RankPools::with_placement(
+                model.clone(),
+                rank(decode_tp, d),
+                pages + 1,
+                2,
+                placement,
+            )?;
+            let config = DecodeConfig {
+                attn_tp_size: decode_tp,
+                staging: staging.clone(),
+                secret: Some(secret.clone()),
+                ..DecodeConfig::default()
+            };
+            // SAFETY: as for the prefill rank.
+            let manager =
+                unsafe { DecodeManager::start(config, pools.kv_args(), engine(args.engine)?) }
+                    .context("starting a decode rank")?;
+            decode.push(manager);
+            decode_pools.push(pools);
+        }
+        Ok(Pair {
+            prefill,
+            decode,
+            prefill_engine,
+            prefill_pools,
+            decode_pools,
+            bootstrap,
+            pages,
+        })
+    }
+
+    /// KV bytes one room delivers to all decode ranks.
+    fn room_bytes(&self) -> u64 {
+        self.decode_pools
+            .iter()
+            .map(|p| page_bytes(p) * self.pages)
+            .sum()
+    }
+
+    fn page_list(&self) -> Vec<i32> {
+        (1..=self.pages as i32).collect()
+    }
+
+    /// Runs room `room`; the time from the prefill's send to every decode
+    /// rank's Success.
+    fn room(&mut self, room: u64, verify: bool) -> Result<(Duration, u64)> {
+        let pages = self.page_list();
+        self.prefill_pools.fill(room, &pages, 1);
+        let addr = self.bootstrap.local_addr().to_string();
+        let mut receivers: Vec<KvReceiver> = self
+            .decode
+            .iter()
+            .map(|d| d.receiver(&addr, room))
+            .collect();
+        for rx in &mut receivers {
+            rx.init(0);
+            rx.send_metadata(&pages, 1, &[], None);
+        }
+        let mut sender = self.prefill.sender(room);
+        sender.init(pages.len() as u64, Some(1));
+        let deadline = Instant::now() + DEADLINE;
+        // The decode's destinations have arrived when the sender waits for input.
+        loop {
+            match sender.poll() {
+                KvPoll::WaitingForInput => break,
+                KvPoll::Failed => bail!("room {room} failed before its send"),
+                _ if Instant::now() > deadline => {
+                    bail!("room {room}: no destination from the decode")
+                }
+                _ => std::thread::sleep(Duration::from_micros(20)),
+            }
+        }
+        let start = Instant::now();
+        sender
+            .send(
+                &pages,
+                None,
+                Some(self.pages * self.prefill_pools.model().page_size),
+            )
+            .context("queueing the room")?;
+        let mut done = vec![false; receivers.len()];
+        while !done.iter().all(|d| *d) {
+            for (rx, d) in receivers.iter_mut().zip(done.iter_mut()) {
+                if !*d {
+                    match rx.poll() {
+                        KvPoll::Success => *d = true,
+                        KvPoll::Failed => bail!("room {room} failed on a decode rank"),
+                        _ => {}
+                    }
+                }
+            }
+            if Instant::now() > deadline {
+                bail!("room {room} did not conclude within {DEADLINE:?}");
+            }
+            std::thread::sleep(Duration::from_micros(20));
+        }
+        let took = start.elapsed();
+        while sender.poll() != KvPoll::Success {
+            if Instant::now() > deadline {
+                bail!("room {room}: the prefill never saw its Success");
+            }
+            std::thread::sleep(Duration::from_micros(20));
+        }
+        sender.clear();
+        let mut verified = 0;
+        for (rx, pools) in receivers.iter_mut().zip(&self.decode_pools) {
+            rx.clear();
+            if verify {
+                let v = pools.verify(room, &pages, 1);
+                if v.mismatched > 0 {
+                    bail!("room {room}: {} of {} bytes differ", v.mismatched, v.bytes);
+                }
+                verified += v.bytes;
+            }
+        }
+        Ok((took, verified))
+    }
+
+    /// The same bytes as a room, as whole-buffer blocks through the raw
+    /// prefill engine into each decode rank.
+    fn raw(&self) -> Result<Duration> {
+        let src = &self.prefill_pools.kv_args().layout;
+        let start = Instant::now();
+        let handles: Vec<_> = self
+            .decode
+            .iter()
+            .zip(&self.decode_pools)
+            .map(|(d, pools)| {
+                let dst = pools.kv_args().layout;
+                // Pages `1..=pages` of each buffer pair: the decode's bytes,
+                // read from the start of the prefill's page 1.
+                let blocks: Vec<Block> = src
+                    .kv_data_ptrs
+                    .iter()
+                    .zip(&src.kv_item_lens)
+                    .zip(dst.kv_data_ptrs.iter().zip(&dst.kv_item_lens))
+                    .map(|((&s, &src_item), (&t, &item))| Block {
+                        src: s + src_item,
+                        dst: t + item,
+                        len: item * self.pages,
+                    })
+                    .collect();
+                self.prefill_engine
+                    .submit(Target::any(d.session_id()), Batch::Blocks(&blocks))
+            })
+            .collect();
+        for h in handles {
+            match h.wait_timeout(DEADLINE) {
+                Some(r) => r.context("the raw engine batch failed")?,
+                None => bail!("the raw engine batch did not finish within {DEADLINE:?}"),
+            }
+        }
+        Ok(start.elapsed())
+    }
+}
+
+/// KV bytes per page of one rank's pools.
+fn page_bytes(pools: &RankPools) -> u64 {
+    pools.kv_args().layout.kv_item_lens.iter().sum()
+}
+
+fn measure_size(args: &RolesArgs, size: u64) -> Result<SizeReport> {
+    let mut pair = Pair::start(args, size)?;
+    let bytes = pair.room_bytes();
+    // One untimed room and batch: connections, handshakes, first touches.
+    pair.room(1, false)?;
+    pair.raw()?;
+    let (mut roles, mut raw) = (Vec::new(), Vec::new());
+    let mut verified = 0;
+    for i in 0..args.rooms {
+        let verify = i == 0 || i + 1 == args.rooms;
+        let (took, v) = pair.room(100 + u64::from(i), verify)?;
+        verified += v;
+        roles.push(took.as_secs_f64());
+        raw.push(pair.raw()?.as_secs_f64());
+    }
+    let gbps = |t: f64| bytes as f64 / t / 1e9;
+    let roles_p50 = percentile(&roles, 0.5);
+    let engine_p50 = percentile(&raw, 0.5);
+    Ok(SizeReport {
+        engine: match args.engine {
+            EngineKind::Tcp => "tcp",
+            EngineKind::Ipc => "ipc",
+            EngineKind::Ucx => "ucx",
+        },
+        layout: match args.layout {
+            Layout::Mha => "mha",
+            Layout::Mla => "mla",
+            Layout::Hetero => "hetero",
+        },
+        device: args.device,
+        room_bytes: bytes,
+        rooms: args.rooms,
+        roles_gbps: gbps(roles_p50),
+        engine_gbps: gbps(engine_p50),
+        ratio: engine_p50 / roles_p50,
+        p50_ms: roles_p50 * 1e3,
+        p99_ms: percentile(&roles, 0.99) * 1e3,
+        engine_p50_ms: engine_p50 * 1e3,
+        verified_bytes: verified,
+    })
+}

@@ -1,0 +1,70 @@
+//! `kvbridge bench roles`: rooms through a real prefill and decode role
+//! pair against the raw engine, per layout: one JSON line per room size with
+//! both figures, and every verified room byte exact.
+// Test code: a failed unwrap is a failed test.
+#![allow(clippy::unwrap_used)]
+
+use std::process::Command;
+
+const BIN: &str = env!("CARGO_BIN_EXE_kvbridge");
+
+fn bench_roles(args: &[&str]) -> Vec<serde_json::Value> {
+    let out = Command::new(BIN)
+        .args(["bench", "roles", "--rooms", "2", "--json"])
+        .args(args)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{args:?}: {stderr}");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+#[test]
+fn rooms_and_raw_batches_for_every_layout() {
+    for (layout, sizes, expected) in [
+        ("mha", "1M,3M", [1u64 << 20, 3 << 20]),
+        ("mla", "1M,3M", [1 << 20, 3 << 20]),
+        ("hetero", "1M,3M", [1 << 20, 3 << 20]),
+    ] {
+        let lines = bench_roles(&["--layout", layout, "--sizes", sizes]);
+        assert_eq!(lines.len(), 2, "{layout}: one line per size");
+        for (v, want) in lines.iter().zip(expected) {
+            assert_eq!(v["layout"], layout, "{v}");
+            assert_eq!(v["engine"], "tcp", "{v}");
+            let room = v["room_bytes"].as_u64().unwrap();
+            // Whole pages (of one token at these sizes): at least the size
+            // asked for, less than a token of every layer more.
+            assert!(room >= want && room < want + (256 << 10), "{layout}: {v}");
+            // The first and the last room are verified: KV and aux.
+            assert!(v["verified_bytes"].as_u64().unwrap() >= 2 * room, "{v}");
+            for key in ["roles_gbps", "engine_gbps", "ratio", "p50_ms", "p99_ms"] {
+                assert!(v[key].as_f64().unwrap() > 0.0, "{key}: {v}");
+            }
+            assert!(v["p99_ms"].as_f64() >= v["p50_ms"].as_f64(), "{v}");
+        }
+    }
+}
+
+#[test]
+fn staging_on_moves_heterogeneous_rooms_too() {
+    let lines = bench_roles(&["--layout", "hetero", "--sizes", "2M", "--staging", "on"]);
+    assert_eq!(lines.len(), 1);
+    assert!(
+        lines[0]["verified_bytes"].as_u64().unwrap() > 0,
+        "{}",
+        lines[0]
+    );
+}
+
+#[test]
+fn refusals_say_why() {
+    let out = Command::new(BIN)
+        .args(["bench", "roles", "--rooms", "0"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--rooms"));
+}
