@@ -442,6 +442,11 @@ class World:
             batch = ScheduleBatch.init_new(ready, self.req_to_token_pool, self.allocator, self.tree_cache,
                                            self.model_config, False, s.spec_algorithm)
             batch.prepare_for_extend()
+            # As sglang's loop does before it runs a batch: the STAGING_REQs of
+            # its rooms go out now, so a decode allocates during the forward
+            # (without them sglang's own connector waits for ring space forever).
+            if s.enable_staging:
+                s.maybe_prefetch_staging_for_batch(batch)
             s.process_batch_result_disagg_prefill(batch, self.forward(batch))
         return s.process_disagg_prefill_inflight_queue()
 
