@@ -64,6 +64,15 @@ step demo-ipc-deepseek-v4-pp2 "${demo[@]}" --engine ipc --model deepseek-v4 --la
 step demo-tcp-device-deepseek-v4-hisparse "${demo[@]}" --engine tcp --model deepseek-v4 --layers 16 --prefill-pp 2 --hisparse
 step demo-ipc-qwen3-next-abort "${demo[@]}" --engine ipc --model qwen3-next --layers 16 --prefill-tp 2 --decode-tp 1 --abort-fraction 0.3
 if [ "$bench" = 1 ]; then
+  # Rooms through the roles against the raw engine, KV in device memory:
+  # CUDA IPC (MHA, MLA, TP 1->2) and TCP (MHA); one JSON line per room size.
+  for l in mha mla hetero; do
+    step "bench-roles-ipc-$l" "$kv" bench roles --engine ipc --device 0 --layout "$l" \
+      --sizes 1M,16M,64M,256M,1G --rooms 8 --json
+    cat "$logs/bench-roles-ipc-$l.log"
+  done
+  step bench-roles-tcp-device "$kv" bench roles --engine tcp --device 0 --sizes 64M,256M --rooms 6 --json
+  cat "$logs/bench-roles-tcp-device.log"
   # Heterogeneous TP against homogeneous, per-slice against staged, KV in
   # device memory: TCP engine, then CUDA IPC (which copies head slices on
   # the GPU without staging). Two alternated rounds; one JSON line a run.
