@@ -65,16 +65,6 @@ fn model() -> ModelSpec {
     }
 }
 
-fn rank(tp_size: u64, tp_rank: u64) -> RankSpec {
-    RankSpec {
-        tp_size,
-        tp_rank,
-        pp_size: 1,
-        pp_rank: 0,
-        ..Default::default()
-    }
-}
-
 /// Staging on both sides, with a ring small enough to wrap.
 fn staging() -> StagingConfig {
     StagingConfig {
@@ -107,8 +97,8 @@ impl InboxHarness {
         };
         let bootstrap = BootstrapServer::start_with(SocketAddr::from(([127, 0, 0, 1], 0)), config)
             .map_err(|e| e.to_string())?;
-        let mut decode_pools =
-            RankPools::new(model(), rank(1, 0), PAGES, ROOMS + 1).map_err(|e| e.to_string())?;
+        let mut decode_pools = RankPools::new(model(), RankSpec::tp(1, 0), PAGES, ROOMS + 1)
+            .map_err(|e| e.to_string())?;
         // Secret mode: no message of the harness is sent by a rank of the
         // rooms, so not even the rooms' own pages and aux slots may change.
         let canaries: Vec<i32> = (0..PAGES as i32)
@@ -123,7 +113,7 @@ impl InboxHarness {
         let mut prefill = Vec::new();
         let mut prefill_pools = Vec::new();
         for tp in 0..2 {
-            let pools = RankPools::new(model(), rank(2, tp), PAGES, ROOMS + 1)
+            let pools = RankPools::new(model(), RankSpec::tp(2, tp), PAGES, ROOMS + 1)
                 .map_err(|e| e.to_string())?;
             let config = PrefillConfig {
                 bootstrap_addr: bootstrap.local_addr().to_string(),

@@ -130,16 +130,6 @@ fn model(layout: Layout) -> (ModelSpec, u64) {
     }
 }
 
-fn rank(tp_size: u64, tp_rank: u64) -> RankSpec {
-    RankSpec {
-        tp_size,
-        tp_rank,
-        pp_size: 1,
-        pp_rank: 0,
-        ..Default::default()
-    }
-}
-
 /// One prefill rank and its decode ranks, up and connected.
 struct Pair {
     // Field order is drop order: managers before the pools they registered.
@@ -169,7 +159,8 @@ impl Pair {
         // Pages so that the decode ranks together receive `size` bytes.
         let mut probe: u64 = (0..decode_tp)
             .map(|d| {
-                RankPools::new(model.clone(), rank(decode_tp, d), 1, 1).map(|p| page_bytes(&p))
+                RankPools::new(model.clone(), RankSpec::tp(decode_tp, d), 1, 1)
+                    .map(|p| page_bytes(&p))
             })
             .sum::<Result<u64, _>>()?;
         // Rooms of a few pages come out at the size asked for with
@@ -199,7 +190,7 @@ impl Pair {
             Ok(factory::build(transport, &config)?)
         };
         let prefill_pools =
-            RankPools::with_placement(model.clone(), rank(1, 0), pages + 1, 2, placement)?;
+            RankPools::with_placement(model.clone(), RankSpec::tp(1, 0), pages + 1, 2, placement)?;
         let prefill_engine = engine(args.engine)?;
         let prefill_config = PrefillConfig {
             bootstrap_addr: bootstrap.local_addr().to_string(),
@@ -223,7 +214,7 @@ impl Pair {
         for d in 0..decode_tp {
             let pools = RankPools::with_placement(
                 model.clone(),
-                rank(decode_tp, d),
+                RankSpec::tp(decode_tp, d),
                 pages + 1,
                 2,
                 placement,

@@ -381,6 +381,15 @@ impl RankSpec {
         dcp_rank: 0,
     };
 
+    /// Rank `tp_rank` of TP `tp_size`, PP 1, no DCP.
+    pub fn tp(tp_size: u64, tp_rank: u64) -> Self {
+        Self {
+            tp_size,
+            tp_rank,
+            ..Self::SINGLE
+        }
+    }
+
     /// This stage's layers `[start, end)` of `layers`.
     pub fn layer_range(&self, layers: u64) -> (u64, u64) {
         let pp = self.pp_size.max(1);
