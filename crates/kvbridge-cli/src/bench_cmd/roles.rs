@@ -68,6 +68,9 @@ fn parse_staging(s: &str) -> Result<StagingMode, String> {
     s.parse()
 }
 
+/// Longest pause between two polls of a room's decode ranks.
+const POLL_MAX: Duration = Duration::from_micros(200);
+
 /// Longest one room or raw batch may take.
 const DEADLINE: Duration = Duration::from_secs(120);
 
@@ -293,6 +296,9 @@ impl Pair {
             )
             .context("queueing the room")?;
         let mut done = vec![false; receivers.len()];
+        // Polls back off to POLL_MAX, as a scheduler between its iterations,
+        // so that polling does not take the cores the transfer needs.
+        let mut nap = Duration::from_micros(20);
         while !done.iter().all(|d| *d) {
             for (rx, d) in receivers.iter_mut().zip(done.iter_mut()) {
                 if !*d {
@@ -306,7 +312,8 @@ impl Pair {
             if Instant::now() > deadline {
                 bail!("room {room} did not conclude within {DEADLINE:?}");
             }
-            std::thread::sleep(Duration::from_micros(20));
+            std::thread::sleep(nap);
+            nap = (nap * 2).min(POLL_MAX);
         }
         let took = start.elapsed();
         while sender.poll() != KvPoll::Success {
