@@ -17,6 +17,10 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 use serde_json::Value;
 
+/// Older names the configurations still read (serde aliases), as dotted
+/// paths, and the field each one names now.
+const ALIASES: &[(&str, &str)] = &[("staging.enabled", "mode")];
+
 /// Keys of `given` that `defaults` (a configuration serialized) does not
 /// have, as dotted paths, nested objects included.
 fn unknown_keys(given: &Value, defaults: &Value, prefix: &str, out: &mut Vec<String>) {
@@ -25,7 +29,11 @@ fn unknown_keys(given: &Value, defaults: &Value, prefix: &str, out: &mut Vec<Str
     };
     for (key, value) in given {
         let path = format!("{prefix}{key}");
-        match known.get(key) {
+        let field = ALIASES
+            .iter()
+            .find(|(alias, _)| path.ends_with(alias))
+            .map_or(key.as_str(), |(_, now)| now);
+        match known.get(field) {
             None => out.push(path),
             Some(default) => unknown_keys(value, default, &format!("{path}."), out),
         }
@@ -142,6 +150,27 @@ mod tests {
         .unwrap();
         assert_eq!(c.heartbeat_interval, Duration::from_secs(2));
         assert_eq!(c.heartbeat_max_failures, 1);
+    }
+
+    #[test]
+    fn staging_takes_its_mode_or_the_older_enabled_flag() {
+        use kvbridge_roles::StagingMode;
+        let mode = |text: &str| decode_config(text, None).map(|c| c.staging.mode).ok();
+        assert_eq!(mode("{}"), Some(StagingMode::Auto));
+        assert_eq!(
+            mode(r#"{"staging": {"enabled": true}}"#),
+            Some(StagingMode::On)
+        );
+        assert_eq!(
+            mode(r#"{"staging": {"enabled": false}}"#),
+            Some(StagingMode::Off)
+        );
+        assert_eq!(
+            mode(r#"{"staging": {"mode": "auto"}}"#),
+            Some(StagingMode::Auto)
+        );
+        let e = prefill_config(r#"{"staging": {"enabeld": true}}"#, None).unwrap_err();
+        assert!(e.to_string().contains("staging.enabeld"), "{e}");
     }
 
     #[test]
