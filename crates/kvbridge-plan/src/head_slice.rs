@@ -187,9 +187,9 @@ impl HeadSlice {
         } else {
             out.reserve(per_pair.saturating_mul(self.pairs.len()));
         }
-        // Buffer bases of the per-token slices, written after every pair's
-        // addresses were checked.
-        let mut bases = Vec::new();
+        // Per-token slices are written after every pair's addresses were
+        // checked, all pairs at once.
+        let per_token = !whole_tokens && strided.is_none();
         for &(sp, dp) in &self.pairs {
             // numpy int64 in the reference: bases and results must fit i64.
             signed(sp, "prefill KV buffer address")?;
@@ -215,6 +215,7 @@ impl HeadSlice {
                         _ => out.push(blk),
                     }
                 }
+                batch_ends.push(out.len());
             } else if let Some(ro) = strided.as_deref_mut() {
                 // One run per page (its tokens at the token strides);
                 // consecutive pages on both sides continue it.
@@ -237,15 +238,10 @@ impl HeadSlice {
                     }
                 }
                 ro.ends.push(ro.runs.len());
-                continue;
-            } else {
-                bases.push((src_base, dst_base));
-                continue;
             }
-            batch_ends.push(out.len());
         }
-        if !bases.is_empty() {
-            self.emit_token_slices(&bases, src_pages, dst_pages, threads, out, batch_ends)?;
+        if per_token {
+            self.emit_token_slices(src_pages, dst_pages, threads, out, batch_ends)?;
         }
         Ok(())
     }
@@ -255,7 +251,6 @@ impl HeadSlice {
     /// plans there are, so written on up to `threads` threads.
     fn emit_token_slices(
         &self,
-        bases: &[(u64, u64)],
         src_pages: &[i32],
         dst_pages: &[i32],
         threads: usize,
@@ -268,10 +263,13 @@ impl HeadSlice {
         let (st, dt, len) = (self.src_token, self.dst_token, self.len);
         let (src_item, dst_item) = (self.src_item, self.dst_item);
         let start = out.len();
+        let pairs = &self.pairs;
         // Part `p` is page `p % n` of buffer pair `p / n`; the addresses were
         // checked to fit by `emit`.
-        append_parts(out, bases.len().saturating_mul(n), ps, threads, |p| {
-            let (src_base, dst_base) = bases[p / n];
+        append_parts(out, pairs.len().saturating_mul(n), ps, threads, |p| {
+            let (sp, dp) = pairs[p / n];
+            let src_base = sp.wrapping_add(self.src_off);
+            let dst_base = dp.wrapping_add(self.dst_off);
             let (a, b) = (src_pages[p % n], dst_pages[p % n]);
             let s0 = src_base.wrapping_add((a as u64).wrapping_mul(src_item));
             let d0 = dst_base.wrapping_add((b as u64).wrapping_mul(dst_item));
@@ -282,7 +280,7 @@ impl HeadSlice {
             })
         })?;
         let per_pair = n.saturating_mul(ps);
-        batch_ends.extend((1..=bases.len()).map(|k| start + k * per_pair));
+        batch_ends.extend((1..=pairs.len()).map(|k| start + k * per_pair));
         Ok(())
     }
 }
