@@ -57,15 +57,11 @@ pub struct RolesArgs {
     #[arg(long, default_value_t = 8)]
     rooms: u32,
     /// The roles' staging mode (`on`, `off` or `auto`).
-    #[arg(long, default_value = "auto", value_parser = parse_staging)]
+    #[arg(long, value_name = "on|off|auto", default_value = "auto")]
     staging: StagingMode,
     /// One JSON object per room size instead of a table.
     #[arg(long)]
     json: bool,
-}
-
-fn parse_staging(s: &str) -> Result<StagingMode, String> {
-    s.parse()
 }
 
 /// Longest pause between two polls of a room's decode ranks.
@@ -144,6 +140,8 @@ struct Pair {
     bootstrap: BootstrapServer,
     /// Pages a room uses: `1..=pages`.
     pages: u64,
+    /// Each decode rank's raw-engine batch, as many bytes as a room.
+    raw_blocks: Vec<Vec<Block>>,
 }
 
 impl Pair {
@@ -235,6 +233,26 @@ impl Pair {
             decode.push(manager);
             decode_pools.push(pools);
         }
+        // The raw batches, one per decode rank: pages `1..=pages` of each
+        // buffer pair, the decode's bytes read from the start of the
+        // prefill's page 1.
+        let src = prefill_pools.kv_args().layout;
+        let raw_blocks = decode_pools
+            .iter()
+            .map(|pools| {
+                let dst = pools.kv_args().layout;
+                src.kv_data_ptrs
+                    .iter()
+                    .zip(&src.kv_item_lens)
+                    .zip(dst.kv_data_ptrs.iter().zip(&dst.kv_item_lens))
+                    .map(|((&s, &src_item), (&t, &item))| Block {
+                        src: s + src_item,
+                        dst: t + item,
+                        len: item * pages,
+                    })
+                    .collect()
+            })
+            .collect();
         Ok(Pair {
             prefill,
             decode,
@@ -243,6 +261,7 @@ impl Pair {
             decode_pools,
             bootstrap,
             pages,
+            raw_blocks,
         })
     }
 
@@ -340,29 +359,14 @@ impl Pair {
     /// The same bytes as a room, as whole-buffer blocks through the raw
     /// prefill engine into each decode rank.
     fn raw(&self) -> Result<Duration> {
-        let src = &self.prefill_pools.kv_args().layout;
         let start = Instant::now();
         let handles: Vec<_> = self
             .decode
             .iter()
-            .zip(&self.decode_pools)
-            .map(|(d, pools)| {
-                let dst = pools.kv_args().layout;
-                // Pages `1..=pages` of each buffer pair: the decode's bytes,
-                // read from the start of the prefill's page 1.
-                let blocks: Vec<Block> = src
-                    .kv_data_ptrs
-                    .iter()
-                    .zip(&src.kv_item_lens)
-                    .zip(dst.kv_data_ptrs.iter().zip(&dst.kv_item_lens))
-                    .map(|((&s, &src_item), (&t, &item))| Block {
-                        src: s + src_item,
-                        dst: t + item,
-                        len: item * self.pages,
-                    })
-                    .collect();
+            .zip(&self.raw_blocks)
+            .map(|(d, blocks)| {
                 self.prefill_engine
-                    .submit(Target::any(d.session_id()), Batch::Blocks(&blocks))
+                    .submit(Target::any(d.session_id()), Batch::Blocks(blocks))
             })
             .collect();
         for h in handles {

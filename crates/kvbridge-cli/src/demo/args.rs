@@ -118,7 +118,7 @@ pub struct DemoArgs {
     /// staged (UCX; TCP with KV on the GPU), `off` never. Pairs of equal TP,
     /// MLA models and PP stages are not staged.
     #[arg(long, value_name = "on|off|auto", default_value = "auto", num_args = 0..=1,
-          default_missing_value = "on", value_parser = parse_staging)]
+          default_missing_value = "on")]
     pub(super) staging: StagingMode,
     /// When staging: each decode rank's staging ring, MiB
     /// (`SGLANG_DISAGG_STAGING_POOL_SIZE_MB`).
@@ -162,9 +162,4 @@ pub struct DemoArgs {
     /// workload is reported as drained (a soak sized in time).
     #[arg(long, value_name = "SECONDS", conflicts_with = "kill_decode_after")]
     pub(super) drain_after_s: Option<f64>,
-}
-
-/// Parses `--staging`.
-fn parse_staging(s: &str) -> Result<StagingMode, String> {
-    s.parse()
 }

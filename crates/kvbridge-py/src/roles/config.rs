@@ -31,7 +31,7 @@ fn unknown_keys(given: &Value, defaults: &Value, prefix: &str, out: &mut Vec<Str
         let path = format!("{prefix}{key}");
         let field = ALIASES
             .iter()
-            .find(|(alias, _)| path.ends_with(alias))
+            .find(|(alias, _)| path == *alias)
             .map_or(key.as_str(), |(_, now)| now);
         match known.get(field) {
             None => out.push(path),
