@@ -477,22 +477,42 @@ impl IpcHandle {
         check("cuMemGetAddressRange", unsafe {
             sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr)
         })?;
-        // SAFETY: CUipcMemHandle is plain bytes; zeroed is valid.
-        let mut h: sys::CUipcMemHandle = unsafe { std::mem::zeroed() };
-        // SAFETY: writes one handle for the allocation's base.
-        check("cuIpcGetMemHandle", unsafe {
-            sys::cuIpcGetMemHandle(&mut h, base)
-        })?;
-        let mut bytes = [0u8; 64];
-        for (b, c) in bytes.iter_mut().zip(h.reserved.iter()) {
-            *b = *c as u8;
-        }
         Ok(Self {
-            bytes,
+            bytes: handle_of(base)?,
             base,
             size: size as u64,
         })
     }
+
+    /// Whether this handle names an allocation of this very process (the
+    /// same base and size here, and the handle the driver gives for it now).
+    fn is_own(&self) -> bool {
+        let (mut base, mut size) = (0u64, 0usize);
+        // SAFETY: writes the base and size of the allocation holding the
+        // address, or fails (not an allocation of this process).
+        let found = check("cuMemGetAddressRange", unsafe {
+            sys::cuMemGetAddressRange_v2(&mut base, &mut size, self.base)
+        });
+        found.is_ok()
+            && base == self.base
+            && size as u64 == self.size
+            && handle_of(base).is_ok_and(|b| b == self.bytes)
+    }
+}
+
+/// The IPC handle bytes of the allocation at `base` (a context current).
+fn handle_of(base: u64) -> Result<[u8; 64], CudaError> {
+    // SAFETY: CUipcMemHandle is plain bytes; zeroed is valid.
+    let mut h: sys::CUipcMemHandle = unsafe { std::mem::zeroed() };
+    // SAFETY: writes one handle for the allocation's base.
+    check("cuIpcGetMemHandle", unsafe {
+        sys::cuIpcGetMemHandle(&mut h, base)
+    })?;
+    let mut bytes = [0u8; 64];
+    for (b, c) in bytes.iter_mut().zip(h.reserved.iter()) {
+        *b = *c as u8;
+    }
+    Ok(bytes)
 }
 
 impl fmt::Debug for IpcHandle {
@@ -505,10 +525,17 @@ impl fmt::Debug for IpcHandle {
 }
 
 /// A peer's allocation opened in this process; closed on drop.
+///
+/// CUDA refuses to open a handle in the process that exported it, so a
+/// peer in this very process (several ranks in one process, `kvbridge bench
+/// roles`) is reached at the allocation's own address, with nothing to
+/// close: the handle is taken as ours only when the driver gives the same
+/// handle for an allocation of the same base and size here.
 pub struct IpcMapping {
     ptr: u64,
     size: u64,
     ctx: &'static Context,
+    own: bool,
 }
 
 // SAFETY: a mapped device address is usable from any thread of the process.
@@ -521,6 +548,17 @@ impl IpcMapping {
     pub fn open(ordinal: i32, handle: &IpcHandle) -> Result<Self, CudaError> {
         let ctx = context(ordinal)?;
         ctx.make_current()?;
+        if handle.is_own() {
+            if let crate::MemoryKind::Device { ordinal: theirs } = super::probe(handle.base) {
+                enable_peer_access(ctx, theirs)?;
+            }
+            return Ok(Self {
+                ptr: handle.base,
+                size: handle.size,
+                ctx,
+                own: true,
+            });
+        }
         // SAFETY: CUipcMemHandle is plain bytes.
         let mut h: sys::CUipcMemHandle = unsafe { std::mem::zeroed() };
         for (c, b) in h.reserved.iter_mut().zip(handle.bytes.iter()) {
@@ -539,7 +577,13 @@ impl IpcMapping {
             ptr,
             size: handle.size,
             ctx,
+            own: false,
         })
+    }
+
+    /// Whether the allocation is this process's own (not an IPC mapping).
+    pub fn is_own(&self) -> bool {
+        self.own
     }
 
     /// Where the peer's allocation base is mapped here.
@@ -555,6 +599,9 @@ impl IpcMapping {
 
 impl Drop for IpcMapping {
     fn drop(&mut self) {
+        if self.own {
+            return;
+        }
         let _ = self.ctx.make_current();
         // SAFETY: closes the mapping opened in `open`, once.
         let r = unsafe { sys::cuIpcCloseMemHandle(self.ptr) };
@@ -569,6 +616,21 @@ impl fmt::Debug for IpcMapping {
         f.debug_struct("IpcMapping")
             .field("addr", &format_args!("{:#x}", self.ptr))
             .field("size", &self.size)
+            .field("own", &self.own)
             .finish()
     }
+}
+
+/// Let kernels in `ctx` reach GPU `theirs`'s memory (no-op on the same GPU).
+fn enable_peer_access(ctx: &Context, theirs: i32) -> Result<(), CudaError> {
+    if ctx.ordinal() == theirs {
+        return Ok(());
+    }
+    let peer = context(theirs)?;
+    // SAFETY: both are live, retained primary contexts; `ctx` is current.
+    let r = unsafe { sys::cuCtxEnablePeerAccess(peer.raw, 0) };
+    if r == sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED {
+        return Ok(());
+    }
+    check("cuCtxEnablePeerAccess", r)
 }
