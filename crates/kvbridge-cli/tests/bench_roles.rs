@@ -10,8 +10,13 @@ const BIN: &str = env!("CARGO_BIN_EXE_kvbridge");
 
 fn bench_roles(args: &[&str]) -> Vec<serde_json::Value> {
     let out = Command::new(BIN)
-        .args(["bench", "roles", "--rooms", "2", "--json"])
+        .args(["bench", "roles", "--json"])
         .args(args)
+        .args(if args.contains(&"--rooms") {
+            &[][..]
+        } else {
+            &["--rooms", "2"][..]
+        })
         .output()
         .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
@@ -46,6 +51,21 @@ fn rooms_and_raw_batches_for_every_layout() {
             assert!(v["p99_ms"].as_f64() >= v["p50_ms"].as_f64(), "{v}");
         }
     }
+}
+
+#[test]
+fn rooms_in_flight_each_land_on_their_own_pages() {
+    // Three rooms at once on three page slots, twice, plus a wave of one:
+    // every room of the first and last waves is verified byte for byte, so
+    // a room written over another's pages fails the run.
+    let lines = bench_roles(&["--sizes", "1M", "--rooms", "7", "--in-flight", "3"]);
+    assert_eq!(lines.len(), 1);
+    let v = &lines[0];
+    assert_eq!(v["in_flight"], 3, "{v}");
+    assert_eq!(v["rooms"], 7, "{v}");
+    let room = v["room_bytes"].as_u64().unwrap();
+    // Waves of 3, 3 and 1: the first (3 rooms) and the last (1) verified.
+    assert!(v["verified_bytes"].as_u64().unwrap() >= 4 * room, "{v}");
 }
 
 #[test]

@@ -3,12 +3,15 @@
 //!
 //! One process holds a bootstrap server, one prefill rank and one or two
 //! decode ranks (real managers: planner, pipeline, control plane), each on
-//! its own engine of the chosen transport. Per room size, rooms alternate
-//! with raw-engine batches of the same byte count (whole-buffer blocks, the
-//! engine's best case). A room is timed from the prefill's `send` of its
-//! pages (the decode's destinations already known, as when the forward pass
-//! ends) to every decode rank's Success; the first and last rooms of each
-//! size are verified byte for byte (untimed).
+//! its own engine of the chosen transport. Per room size, waves of
+//! `--in-flight` rooms (each on its own pages, as a scheduler keeps several
+//! requests transferring) alternate with waves of as many raw-engine
+//! batches of the same byte count (whole-buffer blocks, the engine's best
+//! case). A room is timed from the prefill's `send` of its pages (the
+//! decode's destinations already known, as when the forward pass ends) to
+//! every decode rank's Success, a wave from its first send to its last
+//! Success; the rooms of the first and last waves of each size are verified
+//! byte for byte (untimed).
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -53,9 +56,12 @@ pub struct RolesArgs {
     /// The model layout and TP pairing.
     #[arg(long, value_enum, default_value = "mha")]
     layout: Layout,
-    /// Rooms per size, each alternated with one raw-engine batch.
+    /// Rooms per size, in waves alternated with raw-engine waves.
     #[arg(long, default_value_t = 8)]
     rooms: u32,
+    /// Rooms transferring at once (and raw batches in flight at once).
+    #[arg(long, default_value_t = 4)]
+    in_flight: u32,
     /// The roles' staging mode (`on`, `off` or `auto`).
     #[arg(long, value_name = "on|off|auto", default_value = "auto")]
     staging: StagingMode,
@@ -64,8 +70,8 @@ pub struct RolesArgs {
     json: bool,
 }
 
-/// Longest pause between two polls of a room's decode ranks.
-const POLL_MAX: Duration = Duration::from_micros(200);
+/// Longest pause between two polls of a wave's decode ranks.
+const POLL_MAX: Duration = Duration::from_micros(50);
 
 /// Longest one room or raw batch may take.
 const DEADLINE: Duration = Duration::from_secs(120);
@@ -78,6 +84,7 @@ struct SizeReport {
     device: Option<i32>,
     room_bytes: u64,
     rooms: u32,
+    in_flight: u32,
     roles_gbps: f64,
     engine_gbps: f64,
     ratio: f64,
@@ -89,8 +96,8 @@ struct SizeReport {
 
 /// Runs `kvbridge bench roles`.
 pub fn run(args: RolesArgs) -> Result<()> {
-    if args.rooms == 0 {
-        bail!("--rooms must be at least 1");
+    if args.rooms == 0 || args.in_flight == 0 {
+        bail!("--rooms and --in-flight must be at least 1");
     }
     if args.device.is_some() || args.engine == EngineKind::Ipc {
         crate::gpu::require_cuda("--device and --engine ipc")?;
@@ -138,10 +145,11 @@ struct Pair {
     prefill_pools: RankPools,
     decode_pools: Vec<RankPools>,
     bootstrap: BootstrapServer,
-    /// Pages a room uses: `1..=pages`.
+    /// Pages one room uses (slot `i`: `i * pages + 1..=(i + 1) * pages`).
     pages: u64,
-    /// Each decode rank's raw-engine batch, as many bytes as a room.
-    raw_blocks: Vec<Vec<Block>>,
+    /// Per room slot, each decode rank's raw-engine batch: the slot's pages,
+    /// as many bytes as a room.
+    raw_blocks: Vec<Vec<Vec<Block>>>,
 }
 
 impl Pair {
@@ -190,8 +198,15 @@ impl Pair {
             };
             Ok(factory::build(transport, &config)?)
         };
-        let prefill_pools =
-            RankPools::with_placement(model.clone(), RankSpec::tp(1, 0), pages + 1, 2, placement)?;
+        let slots = u64::from(args.in_flight);
+        let (pool_pages, aux_slots) = (pages * slots + 1, slots + 1);
+        let prefill_pools = RankPools::with_placement(
+            model.clone(),
+            RankSpec::tp(1, 0),
+            pool_pages,
+            aux_slots,
+            placement,
+        )?;
         let prefill_engine = engine(args.engine)?;
         let prefill_config = PrefillConfig {
             bootstrap_addr: bootstrap.local_addr().to_string(),
@@ -216,8 +231,8 @@ impl Pair {
             let pools = RankPools::with_placement(
                 model.clone(),
                 RankSpec::tp(decode_tp, d),
-                pages + 1,
-                2,
+                pool_pages,
+                aux_slots,
                 placement,
             )?;
             let config = DecodeConfig {
@@ -233,22 +248,27 @@ impl Pair {
             decode.push(manager);
             decode_pools.push(pools);
         }
-        // The raw batches, one per decode rank: pages `1..=pages` of each
-        // buffer pair, the decode's bytes read from the start of the
-        // prefill's page 1.
+        // The raw batches, per slot one per decode rank: the slot's pages
+        // of each buffer pair, the decode's bytes read from the start of
+        // the prefill's first page of the slot.
         let src = prefill_pools.kv_args().layout;
-        let raw_blocks = decode_pools
-            .iter()
-            .map(|pools| {
-                let dst = pools.kv_args().layout;
-                src.kv_data_ptrs
+        let raw_blocks = (0..slots)
+            .map(|slot| {
+                let first = slot * pages + 1;
+                decode_pools
                     .iter()
-                    .zip(&src.kv_item_lens)
-                    .zip(dst.kv_data_ptrs.iter().zip(&dst.kv_item_lens))
-                    .map(|((&s, &src_item), (&t, &item))| Block {
-                        src: s + src_item,
-                        dst: t + item,
-                        len: item * pages,
+                    .map(|pools| {
+                        let dst = pools.kv_args().layout;
+                        src.kv_data_ptrs
+                            .iter()
+                            .zip(&src.kv_item_lens)
+                            .zip(dst.kv_data_ptrs.iter().zip(&dst.kv_item_lens))
+                            .map(|((&s, &src_item), (&t, &item))| Block {
+                                src: s + src_item * first,
+                                dst: t + item * first,
+                                len: item * pages,
+                            })
+                            .collect()
                     })
                     .collect()
             })
@@ -273,110 +293,170 @@ impl Pair {
             .sum()
     }
 
-    fn page_list(&self) -> Vec<i32> {
-        (1..=self.pages as i32).collect()
+    /// The pages of room slot `slot`.
+    fn slot_pages(&self, slot: u64) -> Vec<i32> {
+        let first = slot * self.pages + 1;
+        (first..first + self.pages).map(|p| p as i32).collect()
     }
 
-    /// Runs room `room`; the time from the prefill's send to every decode
-    /// rank's Success.
-    fn room(&mut self, room: u64, verify: bool) -> Result<(Duration, u64)> {
-        let pages = self.page_list();
-        self.prefill_pools.fill(room, &pages, 1);
+    /// Runs rooms `first..first + count` at once, room `first + i` on slot
+    /// `i`; the wave's time (first send to last Success) and each room's.
+    fn wave(&mut self, first: u64, count: u64, verify: bool) -> Result<Wave> {
         let addr = self.bootstrap.local_addr().to_string();
-        let mut receivers: Vec<KvReceiver> = self
-            .decode
-            .iter()
-            .map(|d| d.receiver(&addr, room))
-            .collect();
-        for rx in &mut receivers {
-            rx.init(0);
-            rx.send_metadata(&pages, 1, &[], None);
+        let tokens = self.pages * self.prefill_pools.model().page_size;
+        let mut rooms = Vec::new();
+        for slot in 0..count {
+            let (room, pages) = (first + slot, self.slot_pages(slot));
+            self.prefill_pools.fill(room, &pages, slot + 1);
+            let mut receivers: Vec<KvReceiver> = self
+                .decode
+                .iter()
+                .map(|d| d.receiver(&addr, room))
+                .collect();
+            for rx in &mut receivers {
+                rx.init(0);
+                rx.send_metadata(&pages, slot + 1, &[], None);
+            }
+            let mut sender = self.prefill.sender(room);
+            sender.init(pages.len() as u64, Some(slot + 1));
+            rooms.push(Flying {
+                room,
+                pages,
+                receivers,
+                sender,
+                done: Vec::new(),
+                sent: None,
+                took: None,
+            });
         }
-        let mut sender = self.prefill.sender(room);
-        sender.init(pages.len() as u64, Some(1));
         let deadline = Instant::now() + DEADLINE;
-        // The decode's destinations have arrived when the sender waits for input.
-        loop {
-            match sender.poll() {
-                KvPoll::WaitingForInput => break,
-                KvPoll::Failed => bail!("room {room} failed before its send"),
-                _ if Instant::now() > deadline => {
-                    bail!("room {room}: no destination from the decode")
+        // The decode's destinations have arrived when a sender waits for input.
+        for r in &mut rooms {
+            loop {
+                match r.sender.poll() {
+                    KvPoll::WaitingForInput => break,
+                    KvPoll::Failed => bail!("room {} failed before its send", r.room),
+                    _ if Instant::now() > deadline => {
+                        bail!("room {}: no destination from the decode", r.room)
+                    }
+                    _ => std::thread::sleep(Duration::from_micros(20)),
                 }
-                _ => std::thread::sleep(Duration::from_micros(20)),
             }
         }
         let start = Instant::now();
-        sender
-            .send(
-                &pages,
-                None,
-                Some(self.pages * self.prefill_pools.model().page_size),
-            )
-            .context("queueing the room")?;
-        let mut done = vec![false; receivers.len()];
+        for r in &mut rooms {
+            r.sender
+                .send(&r.pages, None, Some(tokens))
+                .context("queueing the room")?;
+            r.sent = Some(Instant::now());
+            r.done = vec![false; r.receivers.len()];
+        }
         // Polls back off to POLL_MAX, as a scheduler between its iterations,
         // so that polling does not take the cores the transfer needs.
         let mut nap = Duration::from_micros(20);
-        while !done.iter().all(|d| *d) {
-            for (rx, d) in receivers.iter_mut().zip(done.iter_mut()) {
-                if !*d {
-                    match rx.poll() {
-                        KvPoll::Success => *d = true,
-                        KvPoll::Failed => bail!("room {room} failed on a decode rank"),
-                        _ => {}
+        while rooms.iter().any(|r| r.took.is_none()) {
+            for r in rooms.iter_mut().filter(|r| r.took.is_none()) {
+                for (rx, d) in r.receivers.iter_mut().zip(r.done.iter_mut()) {
+                    if !*d {
+                        match rx.poll() {
+                            KvPoll::Success => *d = true,
+                            KvPoll::Failed => bail!("room {} failed on a decode rank", r.room),
+                            _ => {}
+                        }
                     }
+                }
+                if r.done.iter().all(|d| *d) {
+                    r.took = r.sent.map(|t| t.elapsed());
                 }
             }
             if Instant::now() > deadline {
-                bail!("room {room} did not conclude within {DEADLINE:?}");
+                bail!("rooms {first}.. did not conclude within {DEADLINE:?}");
             }
             std::thread::sleep(nap);
             nap = (nap * 2).min(POLL_MAX);
         }
-        let took = start.elapsed();
-        while sender.poll() != KvPoll::Success {
-            if Instant::now() > deadline {
-                bail!("room {room}: the prefill never saw its Success");
-            }
-            std::thread::sleep(Duration::from_micros(20));
-        }
-        sender.clear();
-        let mut verified = 0;
-        for (rx, pools) in receivers.iter_mut().zip(&self.decode_pools) {
-            rx.clear();
-            if verify {
-                let v = pools.verify(room, &pages, 1);
-                if v.mismatched > 0 {
-                    bail!("room {room}: {} of {} bytes differ", v.mismatched, v.bytes);
+        let wall = start.elapsed();
+        let mut wave = Wave {
+            wall,
+            rooms: rooms.iter().filter_map(|r| r.took).collect(),
+            verified: 0,
+        };
+        for r in &mut rooms {
+            while r.sender.poll() != KvPoll::Success {
+                if Instant::now() > deadline {
+                    bail!("room {}: the prefill never saw its Success", r.room);
                 }
-                verified += v.bytes;
+                std::thread::sleep(Duration::from_micros(20));
+            }
+            r.sender.clear();
+        }
+        for (slot, r) in rooms.iter_mut().enumerate() {
+            for (rx, pools) in r.receivers.iter_mut().zip(&self.decode_pools) {
+                rx.clear();
+                if verify {
+                    let v = pools.verify(r.room, &r.pages, slot as u64 + 1);
+                    if v.mismatched > 0 {
+                        bail!(
+                            "room {}: {} of {} bytes differ",
+                            r.room,
+                            v.mismatched,
+                            v.bytes
+                        );
+                    }
+                    wave.verified += v.bytes;
+                }
             }
         }
-        Ok((took, verified))
+        Ok(wave)
     }
 
-    /// The same bytes as a room, as whole-buffer blocks through the raw
-    /// prefill engine into each decode rank.
-    fn raw(&self) -> Result<Duration> {
+    /// The same bytes as a wave of `count` rooms, as whole-buffer blocks
+    /// through the raw prefill engine into each decode rank, every batch
+    /// in flight at once; per slot, the time to its last batch.
+    fn raw(&self, count: u64) -> Result<Wave> {
         let start = Instant::now();
-        let handles: Vec<_> = self
-            .decode
-            .iter()
-            .zip(&self.raw_blocks)
-            .map(|(d, blocks)| {
-                self.prefill_engine
-                    .submit(Target::any(d.session_id()), Batch::Blocks(blocks))
-            })
-            .collect();
-        for h in handles {
+        let mut handles = Vec::new();
+        for (slot, blocks) in self.raw_blocks.iter().take(count as usize).enumerate() {
+            for (d, b) in self.decode.iter().zip(blocks) {
+                let h = self
+                    .prefill_engine
+                    .submit(Target::any(d.session_id()), Batch::Blocks(b));
+                handles.push((slot, h));
+            }
+        }
+        let mut rooms = vec![Duration::ZERO; count as usize];
+        for (slot, h) in handles {
             match h.wait_timeout(DEADLINE) {
                 Some(r) => r.context("the raw engine batch failed")?,
                 None => bail!("the raw engine batch did not finish within {DEADLINE:?}"),
             }
+            rooms[slot] = start.elapsed();
         }
-        Ok(start.elapsed())
+        Ok(Wave {
+            wall: start.elapsed(),
+            rooms,
+            verified: 0,
+        })
     }
+}
+
+/// A room of a wave.
+struct Flying {
+    room: u64,
+    pages: Vec<i32>,
+    receivers: Vec<KvReceiver>,
+    sender: kvbridge_roles::KvSender,
+    done: Vec<bool>,
+    sent: Option<Instant>,
+    took: Option<Duration>,
+}
+
+/// What one wave measured.
+struct Wave {
+    wall: Duration,
+    /// Each room's (or raw slot's) time.
+    rooms: Vec<Duration>,
+    verified: u64,
 }
 
 /// KV bytes per page of one rank's pools.
@@ -387,21 +467,30 @@ fn page_bytes(pools: &RankPools) -> u64 {
 fn measure_size(args: &RolesArgs, size: u64) -> Result<SizeReport> {
     let mut pair = Pair::start(args, size)?;
     let bytes = pair.room_bytes();
-    // One untimed room and batch: connections, handshakes, first touches.
-    pair.room(1, false)?;
-    pair.raw()?;
+    let in_flight = u64::from(args.in_flight);
+    // One untimed wave of each: connections, handshakes, first touches.
+    pair.wave(1, in_flight, false)?;
+    pair.raw(in_flight)?;
     let (mut roles, mut raw) = (Vec::new(), Vec::new());
+    let (mut roles_wall, mut raw_wall, mut moved) = (0.0, 0.0, 0u64);
     let mut verified = 0;
-    for i in 0..args.rooms {
-        let verify = i == 0 || i + 1 == args.rooms;
-        let (took, v) = pair.room(100 + u64::from(i), verify)?;
-        verified += v;
-        roles.push(took.as_secs_f64());
-        raw.push(pair.raw()?.as_secs_f64());
+    let mut next = 0u64;
+    let total = u64::from(args.rooms);
+    while next < total {
+        let count = in_flight.min(total - next);
+        let verify = next == 0 || next + count == total;
+        let w = pair.wave(100 + next, count, verify)?;
+        verified += w.verified;
+        roles_wall += w.wall.as_secs_f64();
+        roles.extend(w.rooms.iter().map(Duration::as_secs_f64));
+        let r = pair.raw(count)?;
+        raw_wall += r.wall.as_secs_f64();
+        raw.extend(r.rooms.iter().map(Duration::as_secs_f64));
+        moved += count * bytes;
+        next += count;
     }
-    let gbps = |t: f64| bytes as f64 / t / 1e9;
-    let roles_p50 = percentile(&roles, 0.5);
-    let engine_p50 = percentile(&raw, 0.5);
+    let roles_gbps = moved as f64 / roles_wall / 1e9;
+    let engine_gbps = moved as f64 / raw_wall / 1e9;
     Ok(SizeReport {
         engine: match args.engine {
             EngineKind::Tcp => "tcp",
@@ -416,12 +505,13 @@ fn measure_size(args: &RolesArgs, size: u64) -> Result<SizeReport> {
         device: args.device,
         room_bytes: bytes,
         rooms: args.rooms,
-        roles_gbps: gbps(roles_p50),
-        engine_gbps: gbps(engine_p50),
-        ratio: engine_p50 / roles_p50,
-        p50_ms: roles_p50 * 1e3,
+        in_flight: args.in_flight,
+        roles_gbps,
+        engine_gbps,
+        ratio: roles_gbps / engine_gbps,
+        p50_ms: percentile(&roles, 0.5) * 1e3,
         p99_ms: percentile(&roles, 0.99) * 1e3,
-        engine_p50_ms: engine_p50 * 1e3,
+        engine_p50_ms: percentile(&raw, 0.5) * 1e3,
         verified_bytes: verified,
     })
 }
