@@ -1,6 +1,7 @@
 //! GPU-gated engine tests (feature `cuda`): the batched copy kernel on
 //! random descriptor sets, the TCP engine with device memory on both sides,
-//! and the CUDA IPC engine between two processes on one GPU. Run by
+//! and the CUDA IPC engine between two processes on one GPU (and between
+//! two engines of one process). Run by
 //! `cargo xtask gpu-test --run`; without a GPU each test prints one skip
 //! line and returns.
 #![cfg(feature = "cuda")]
@@ -170,6 +171,68 @@ fn tcp_engine_moves_device_memory_on_both_sides() {
     assert!(host_dst.as_slice()[7..7 + (3 << 20)] == data[5..5 + (3 << 20)]);
     a.batch_deregister(&[src.addr()]).unwrap();
     b.batch_deregister(&[dst.addr(), host_dst.addr()]).unwrap();
+}
+
+#[test]
+fn ipc_engine_between_two_engines_of_one_process() {
+    if !gpu("ipc_engine_between_two_engines_of_one_process") {
+        return;
+    }
+    // CUDA refuses to open a handle in the process that exported it: the
+    // target's allocation is reached at its own address instead.
+    let a = IpcEngine::new(common::cfg(), CopyTuning::default()).unwrap();
+    let b = IpcEngine::new(common::cfg(), CopyTuning::default()).unwrap();
+    let len = 8 << 20;
+    let src = DeviceBuffer::new(0, len).unwrap();
+    let dst = DeviceBuffer::new(0, len).unwrap();
+    let data = random_bytes(len, 11);
+    src.write(0, &data).unwrap();
+    dst.fill(0).unwrap();
+    // SAFETY: the buffers outlive the engines' use; deregistered below.
+    unsafe {
+        a.batch_register(&[src.region()]).unwrap();
+        b.batch_register(&[dst.region()]).unwrap();
+    }
+    let mut blocks = vec![Block {
+        src: src.addr(),
+        dst: dst.addr() + 4096,
+        len: 4 << 20,
+    }];
+    for i in 0..512u64 {
+        blocks.push(Block {
+            src: src.addr() + (4 << 20) + i * 3000,
+            dst: dst.addr() + (5 << 20) + i * 3000,
+            len: 2999,
+        });
+    }
+    a.batch_transfer_sync(b.session_id(), &blocks).unwrap();
+    let mut got = vec![0u8; len];
+    dst.read(0, &mut got).unwrap();
+    assert!(
+        got[..4096].iter().all(|b| *b == 0),
+        "wrote before the block"
+    );
+    assert!(got[4096..4096 + (4 << 20)] == data[..4 << 20]);
+    for i in 0..512usize {
+        let (s, d) = ((4 << 20) + i * 3000, (5 << 20) + i * 3000);
+        assert!(got[d..d + 2999] == data[s..s + 2999], "small block {i}");
+        assert_eq!(got[d + 2999], 0, "small block {i} overran");
+    }
+    // Outside the target's registered region: refused, nothing written.
+    let bad = [Block {
+        src: src.addr(),
+        dst: dst.addr() + len as u64 - 16,
+        len: 32,
+    }];
+    let err = a.batch_transfer_sync(b.session_id(), &bad).unwrap_err();
+    assert_eq!(err.kind, ErrorKind::OutOfRegion(Side::Remote), "{err}");
+    // The target deregisters (revoking the hold) and registers again.
+    b.batch_deregister(&[dst.addr()]).unwrap();
+    // SAFETY: as above.
+    unsafe { b.batch_register(&[dst.region()]) }.unwrap();
+    a.batch_transfer_sync(b.session_id(), &blocks[..1]).unwrap();
+    a.batch_deregister(&[src.addr()]).unwrap();
+    b.batch_deregister(&[dst.addr()]).unwrap();
 }
 
 /// The other process of the IPC tests: the target (spawned from this test binary).
