@@ -13,6 +13,7 @@
 //!   `kvbridge plan` format, blocks returned as a numpy array.
 //! * [`roles`]: the Rust prefill/decode roles and bootstrap server behind
 //!   sglang's transfer-backend classes (`kvbridge.sglang_backend`).
+//! * [`errors`]: the exceptions, and the one mapping of Rust errors to them.
 //!
 //! **Owns:** turning Python arguments into Rust values (pointers, lists,
 //! scenario JSON), Mooncake's conventions (codes vs. exceptions), the
@@ -25,6 +26,7 @@
 //! Cargo (maturin does, so `cargo test` links libpython).
 
 pub mod engine;
+pub mod errors;
 pub mod log;
 pub mod options;
 pub mod plan;
@@ -41,8 +43,11 @@ fn _kvbridge(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<engine::PyTransferEngine>()?;
     m.add_function(wrap_pyfunction!(plan::plan, m)?)?;
     roles::register(m)?;
-    m.add("PlanError", py.get_type::<plan::exc::PlanError>())?;
-    m.add("ScenarioError", py.get_type::<plan::exc::ScenarioError>())?;
+    m.add("PlanError", py.get_type::<errors::PlanError>())?;
+    m.add("ScenarioError", py.get_type::<errors::ScenarioError>())?;
+    m.add("KvArgsError", py.get_type::<errors::KvArgsError>())?;
+    m.add("RoleStartError", py.get_type::<errors::RoleStartError>())?;
+    m.add("KvSendError", py.get_type::<errors::KvSendError>())?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

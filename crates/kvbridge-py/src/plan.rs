@@ -12,21 +12,7 @@ use numpy::{IntoPyArray, PyArray2, PyArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyString};
 
-/// The Python exceptions of `plan()`, named after the Rust errors they carry.
-pub mod exc {
-    pyo3::create_exception!(
-        kvbridge,
-        ScenarioError,
-        pyo3::exceptions::PyValueError,
-        "The scenario is not in the `kvbridge plan` format (bad JSON, unknown key, out-of-format value)."
-    );
-    pyo3::create_exception!(
-        kvbridge,
-        PlanError,
-        pyo3::exceptions::PyValueError,
-        "The planner rejected the scenario (what `kvbridge plan` prints as {\"error\": ...})."
-    );
-}
+use crate::errors::ToPyErr;
 
 /// Why [`plan_text`] returned no blocks.
 #[derive(Debug, thiserror::Error)]
@@ -76,7 +62,7 @@ pub fn plan<'py>(
         s.to_cow()?.into_owned()
     } else if let Ok(b) = scenario.cast::<PyBytes>() {
         String::from_utf8(b.as_bytes().to_vec()).map_err(|e| {
-            exc::ScenarioError::new_err(format!("scenario bytes are not UTF-8: {e}"))
+            crate::errors::ScenarioError::new_err(format!("scenario bytes are not UTF-8: {e}"))
         })?
     } else {
         py.import("json")?
@@ -85,10 +71,7 @@ pub fn plan<'py>(
     };
     let flat = py
         .detach(|| plan_text(&text, canonical))
-        .map_err(|e| match e {
-            PlanFailure::Unreadable(e) => exc::ScenarioError::new_err(e.to_string()),
-            PlanFailure::Rejected(e) => exc::PlanError::new_err(e.to_string()),
-        })?;
+        .map_err(ToPyErr::to_py_err)?;
     let rows = flat.len() / 3;
     flat.into_pyarray(py).reshape([rows, 3])
 }

@@ -14,7 +14,8 @@
   (``KVBRIDGE_SGLANG=backend``: ``kvbridge.sglang_backend``, sglang's
   ``KVManager``/``KVSender``/``KVReceiver``/``KVBootstrapServer`` over
   kvbridge's Rust roles; ``PrefillManager``, ``DecodeManager``,
-  ``BootstrapServer`` here are those roles).
+  ``BootstrapServer`` here are those roles; ``KvSender`` / ``KvReceiver``
+  are the rooms their ``sender`` / ``receiver`` return).
 
 See docs/python.md and docs/sglang.md in the kvbridge repository.
 """
@@ -23,6 +24,8 @@ from ._kvbridge import (
     BootstrapServer,
     DecodeManager,
     KvArgsError,
+    KvReceiver,
+    KvSender,
     KvSendError,
     PlanError,
     PrefillManager,
@@ -37,6 +40,8 @@ __all__ = [
     "BootstrapServer",
     "DecodeManager",
     "KvArgsError",
+    "KvReceiver",
+    "KvSender",
     "KvSendError",
     "PlanError",
     "PrefillManager",

@@ -10,8 +10,8 @@ use kvbridge_roles::bootstrap::{BootstrapConfig, BootstrapServer};
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 
-use super::exc::RoleStartError;
 use super::prefill::lock;
+use crate::errors::{ToPyErr, role_start};
 
 /// A running bootstrap server.
 #[derive(Debug)]
@@ -26,9 +26,9 @@ fn resolve(host: &str, port: u16) -> PyResult<SocketAddr> {
     let host = host.trim_start_matches('[').trim_end_matches(']');
     (host, port)
         .to_socket_addrs()
-        .map_err(|e| RoleStartError::new_err(format!("bootstrap host {host:?}: {e}")))?
+        .map_err(|e| role_start(format_args!("bootstrap host {host:?}"), e))?
         .next()
-        .ok_or_else(|| RoleStartError::new_err(format!("bootstrap host {host:?} has no address")))
+        .ok_or_else(|| role_start(format_args!("bootstrap host {host:?}"), "no address"))
 }
 
 #[pymethods]
@@ -41,11 +41,9 @@ impl PyBootstrapServer {
     #[pyo3(signature = (host, port, cleanup_interval_s = 0.0))]
     fn new(py: Python<'_>, host: &str, port: u16, cleanup_interval_s: f64) -> PyResult<Self> {
         let addr = resolve(host, port)?;
-        let secret = kvbridge_engine::ClusterSecret::from_env()
-            .map_err(|e| RoleStartError::new_err(format!("loading the cluster secret: {e}")))?;
-        let cleanup = Duration::try_from_secs_f64(cleanup_interval_s).map_err(|e| {
-            RoleStartError::new_err(format!("cleanup interval {cleanup_interval_s}: {e}"))
-        })?;
+        let secret = kvbridge_engine::ClusterSecret::from_env().map_err(ToPyErr::to_py_err)?;
+        let cleanup = Duration::try_from_secs_f64(cleanup_interval_s)
+            .map_err(|e| role_start(format_args!("cleanup interval {cleanup_interval_s}"), e))?;
         let open = secret.is_none();
         let config = BootstrapConfig {
             secret,
@@ -54,7 +52,7 @@ impl PyBootstrapServer {
         };
         let server = py
             .detach(|| BootstrapServer::start_with(addr, config))
-            .map_err(|e| RoleStartError::new_err(format!("bootstrap server on {addr}: {e}")))?;
+            .map_err(|e| role_start(format_args!("bootstrap server on {addr}"), e))?;
         if open {
             kvbridge_engine::secret::warn_open_mode("bootstrap server");
         }

@@ -10,10 +10,11 @@ use kvbridge_roles::{DecodeManager, KvReceiver};
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 
-use super::exc::{config_error, role_inputs, start_error};
 use super::indices::{Indices, state_lists_i32};
+use super::inputs::role_inputs;
 use super::prefill::{lock, poll_code};
 use crate::engine::PyTransferEngine;
+use crate::errors::ToPyErr;
 
 /// A running decode role over this process's `kvbridge.TransferEngine`.
 #[derive(Debug)]
@@ -44,11 +45,11 @@ impl PyDecodeManager {
     ) -> PyResult<Self> {
         let inputs = role_inputs(spec, super::args::Side::Decode)?;
         let mut config =
-            super::config::decode_config(config, inputs.secret).map_err(config_error)?;
+            super::config::decode_config(config, inputs.secret).map_err(ToPyErr::to_py_err)?;
         config.kv_layout = inputs
             .spec
             .kv_layout_with(config.kv_layout.take())
-            .map_err(config_error)?;
+            .map_err(ToPyErr::to_py_err)?;
         let kv_args = inputs.kv_args;
         let engine = engine.get().shared_engine()?;
         let manager = py
@@ -62,7 +63,7 @@ impl PyDecodeManager {
                 // and the manager deregisters them when torn down or dropped.
                 unsafe { DecodeManager::start(config, kv_args, engine) }
             })
-            .map_err(start_error)?;
+            .map_err(ToPyErr::to_py_err)?;
         tracing::info!(
             session = manager.session_id(),
             rank_port = manager.rank_port(),
@@ -119,7 +120,7 @@ impl PyDecodeManager {
     fn set_kv_heads(&self, kv_head_num: u64, total_kv_head_num: Option<u64>) -> PyResult<()> {
         self.manager()?
             .set_kv_heads(kv_head_num, total_kv_head_num.unwrap_or(0))
-            .map_err(config_error)
+            .map_err(ToPyErr::to_py_err)
     }
 
     /// `(address, length)` of the staging ring when staging is on, else None.

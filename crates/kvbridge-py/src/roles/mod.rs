@@ -10,7 +10,8 @@
 //! * [`args`]: sglang's `KVArgs` + parallel layout → [`kvbridge_roles::KvArgs`];
 //!   [`config`]: the shell's settings → the roles' configurations; both
 //!   pure and unit-tested, refusing what cannot work at start.
-//! * [`indices`]: index arrays read in place; [`exc`]: the exceptions.
+//! * [`indices`]: index arrays read in place; [`inputs`]: what a manager
+//!   starts from (exceptions: `crate::errors`).
 //!
 //! **Never:** plans, moves bytes or keeps room state in Python objects (the
 //! roles do), or holds the GIL while a role blocks.
@@ -19,22 +20,18 @@ pub mod args;
 pub mod bootstrap;
 pub mod config;
 pub mod decode;
-pub mod exc;
 pub mod indices;
+pub mod inputs;
 pub mod prefill;
 
 use pyo3::prelude::*;
 
-/// Adds the role classes and their exceptions to the extension module.
+/// Adds the role classes to the extension module.
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    let py = m.py();
     m.add_class::<prefill::PyPrefillManager>()?;
     m.add_class::<prefill::PyKvSender>()?;
     m.add_class::<decode::PyDecodeManager>()?;
     m.add_class::<decode::PyKvReceiver>()?;
     m.add_class::<bootstrap::PyBootstrapServer>()?;
-    m.add("KvArgsError", py.get_type::<exc::KvArgsError>())?;
-    m.add("RoleStartError", py.get_type::<exc::RoleStartError>())?;
-    m.add("KvSendError", py.get_type::<exc::KvSendError>())?;
     Ok(())
 }

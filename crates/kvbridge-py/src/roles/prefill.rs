@@ -11,9 +11,10 @@ use kvbridge_roles::{KvPoll, KvSender, PrefillManager};
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 
-use super::exc::{config_error, role_inputs, send_error, start_error};
 use super::indices::{Indices, state_lists};
+use super::inputs::role_inputs;
 use crate::engine::PyTransferEngine;
+use crate::errors::ToPyErr;
 
 /// How often `status_changes` looks for a change while it waits.
 const CHANGE_POLL: Duration = Duration::from_millis(1);
@@ -55,11 +56,11 @@ impl PyPrefillManager {
     ) -> PyResult<Self> {
         let inputs = role_inputs(spec, super::args::Side::Prefill)?;
         let mut config =
-            super::config::prefill_config(config, inputs.secret).map_err(config_error)?;
+            super::config::prefill_config(config, inputs.secret).map_err(ToPyErr::to_py_err)?;
         config.kv_layout = inputs
             .spec
             .kv_layout_with(config.kv_layout.take())
-            .map_err(config_error)?;
+            .map_err(ToPyErr::to_py_err)?;
         let kv_args = inputs.kv_args;
         let engine = engine.get().shared_engine()?;
         let kv_item_lens_sum = kv_args.layout.kv_item_lens.iter().sum();
@@ -77,7 +78,7 @@ impl PyPrefillManager {
                 // registered regions.
                 unsafe { PrefillManager::start(config, kv_args, engine) }
             })
-            .map_err(start_error)?;
+            .map_err(ToPyErr::to_py_err)?;
         tracing::info!(
             session = manager.session_id(),
             rank_port = manager.rank_port(),
@@ -260,7 +261,7 @@ impl PyKvSender {
             }
             st.sender.send(&pages, states, num_kv_tokens)
         })
-        .map_err(send_error)
+        .map_err(ToPyErr::to_py_err)
     }
 
     /// The room's state as an int (`KVPoll`); a room stuck bootstrapping
