@@ -13,7 +13,8 @@ use kvbridge_roles::{ConfigError, SendError, StartError};
 use pyo3::PyErr;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 
-use crate::plan::PlanFailure;
+use kvbridge_plan::PlanError as RustPlanError;
+use kvbridge_plan::scenario::ScenarioError as RustScenarioError;
 
 pyo3::create_exception!(
     kvbridge,
@@ -45,6 +46,17 @@ pyo3::create_exception!(
     PyRuntimeError,
     "A chunk was refused (send before init, more pages than announced, no aux index, manager stopped)."
 );
+
+/// Why `plan::plan_text` returned no blocks.
+#[derive(Debug, thiserror::Error)]
+pub enum PlanFailure {
+    /// The scenario cannot be read (`kvbridge plan` exits 2).
+    #[error(transparent)]
+    Unreadable(#[from] RustScenarioError),
+    /// The planner rejected it (`kvbridge plan` prints `{"error": ...}`).
+    #[error(transparent)]
+    Rejected(#[from] RustPlanError),
+}
 
 /// A Rust error as the Python exception it raises.
 pub trait ToPyErr {

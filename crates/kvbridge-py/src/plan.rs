@@ -5,25 +5,14 @@
 //! **Never:** plans anything itself (that is `kvbridge-plan`), or copies
 //! the block list on its way to numpy.
 
+use kvbridge_plan::Block;
 use kvbridge_plan::canonicalize;
-use kvbridge_plan::scenario::{Scenario, ScenarioError, plan_scenario};
-use kvbridge_plan::{Block, PlanError};
+use kvbridge_plan::scenario::{Scenario, plan_scenario};
 use numpy::{IntoPyArray, PyArray2, PyArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyString};
 
-use crate::errors::ToPyErr;
-
-/// Why [`plan_text`] returned no blocks.
-#[derive(Debug, thiserror::Error)]
-pub enum PlanFailure {
-    /// The scenario cannot be read (`kvbridge plan` exits 2).
-    #[error(transparent)]
-    Unreadable(#[from] ScenarioError),
-    /// The planner rejected it (`kvbridge plan` prints `{"error": ...}`).
-    #[error(transparent)]
-    Rejected(#[from] PlanError),
-}
+use crate::errors::{PlanFailure, ToPyErr};
 
 /// The blocks for the scenario JSON `text`, flattened to `src, dst, len`
 /// triples; in canonical form (what `kvbridge plan` prints) when

@@ -14,6 +14,7 @@
 //! Driver-API errors (unlike the runtime's) are not sticky: a failed call
 //! leaves nothing to clear and never poisons the context.
 
+mod ipc;
 mod kernel;
 mod mem;
 
@@ -26,8 +27,9 @@ pub use crate::CudaError;
 use crate::MemError;
 use crate::kind::{KindProber, MemoryAccess, MemoryKind};
 
+pub use ipc::{IpcHandle, IpcMapping};
 pub use kernel::Kernel;
-pub use mem::{DeviceBuffer, Event, IpcHandle, IpcMapping, ManagedBuffer, PinnedBuffer, Stream};
+pub use mem::{DeviceBuffer, Event, ManagedBuffer, PinnedBuffer, Stream};
 
 /// Turns a `CUresult` into a `Result`.
 pub(crate) fn check(call: &'static str, r: sys::CUresult) -> Result<(), CudaError> {
