@@ -9,7 +9,7 @@ use kvbridge_plan::{PreparedPeer, StagingSource, TransferRequest};
 use kvbridge_wire::{Abort, KvPoll, Limits, Register, StagingRsp, ToPrefill, Transfer, Watermark};
 
 use super::Shared;
-use super::staged::{self, StagingDest};
+use super::staging::{self as staged, StagingDest};
 use super::state::{AckTarget, Concluded, Peer, PeerEntry, RoomsState, TransferInfo};
 use crate::control::PullSocket;
 use crate::kv_args::peer_registration;

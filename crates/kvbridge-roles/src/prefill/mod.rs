@@ -14,9 +14,7 @@ mod probe;
 mod refresh;
 mod sender;
 mod ship;
-mod staged;
-mod staged_writes;
-mod stager;
+mod staging;
 pub(crate) mod state;
 mod worker;
 
@@ -71,7 +69,7 @@ pub(crate) struct Shared {
     /// Our buffers for local reads, and what the engine has registered.
     pub local: crate::local::LocalMemory,
     /// The staging gather buffers, when staging is on.
-    pub staging: Option<staged::PrefillStaging>,
+    pub staging: Option<staging::PrefillStaging>,
 }
 
 impl Shared {
@@ -279,7 +277,7 @@ impl PrefillManager {
         // buffer in `kv_args` outlives the manager; the manager deregisters
         // them in `teardown` before returning (a failed start at once).
         let intra = config.nvlink_intra || !engine.moves_host_memory();
-        let staging = staged::PrefillStaging::new(
+        let staging = staging::PrefillStaging::new(
             &config.staging,
             &kv_args,
             queue_count.max(1),
@@ -288,7 +286,7 @@ impl PrefillManager {
         )?;
         let extra = staging
             .as_ref()
-            .map_or_else(Vec::new, staged::PrefillStaging::regions);
+            .map_or_else(Vec::new, staging::PrefillStaging::regions);
         // SAFETY: as above; the gather buffers live in `Shared`, which
         // outlives the registration (released by the lifecycle first).
         let (local, registration) =

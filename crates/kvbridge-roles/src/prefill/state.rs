@@ -4,9 +4,20 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kvbridge_plan::{PreparedPeer, TransferRequest};
+use kvbridge_plan::{PreparedPeer, StagingSource, TransferRequest};
 
 use crate::rooms::RoomTable;
+
+/// A decode rank's staging ring, and how we stage towards it.
+#[derive(Debug)]
+pub(crate) struct StagingDest {
+    /// Our gather geometry towards that rank.
+    pub source: StagingSource,
+    /// The ring's address in the decode's memory.
+    pub ring_base: u64,
+    /// The ring's size.
+    pub ring_size: u64,
+}
 
 /// One decode rank's destination for one room (sglang `TransferInfo`).
 #[derive(Debug, Clone)]
@@ -69,7 +80,7 @@ pub(crate) struct PeerEntry {
     /// The registration, prepared or rejected.
     pub peer: Peer,
     /// The decode rank's staging ring, when we stage towards it.
-    pub staging: Option<super::staged::StagingDest>,
+    pub staging: Option<StagingDest>,
     /// The key binding our staging messages with this decode rank (secret
     /// mode: from its registration).
     pub pair_key: Option<kvbridge_wire::PairKey>,
@@ -157,6 +168,14 @@ pub(crate) struct RoomsState {
 pub(crate) type FailedNotice = (Vec<(String, u16)>, Option<String>);
 
 impl RoomsState {
+    /// Whether the room is gone or failed here (nothing more of it is sent).
+    pub(crate) fn is_stopped(&self, room: u64) -> bool {
+        matches!(
+            self.table.get(room),
+            None | Some(kvbridge_wire::KvPoll::Failed)
+        )
+    }
+
     /// Every non-dummy decode endpoint of a room, each once.
     pub fn notify_targets(&self, room: u64) -> Vec<(String, u16)> {
         let mut targets: Vec<(String, u16)> = Vec::new();

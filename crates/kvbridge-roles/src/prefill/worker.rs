@@ -24,9 +24,9 @@ use kvbridge_wire::KvPoll;
 use super::flight::Flight;
 use super::pipeline::{Event, Failure, Part, Submitted, Ticket};
 use super::ship;
-use super::staged::{self, Grid, StagedTask};
-use super::stager::Stager;
-use super::state::{Peer, PeerEntry, RoomsState, TransferInfo};
+use super::staging::ledger::Stager;
+use super::staging::{self as staged, Grid, StagedTask};
+use super::state::{Peer, PeerEntry, TransferInfo};
 use super::{QueuedChunk, Shared};
 
 /// Batches a worker keeps in flight at least, whatever the thread pool size:
@@ -564,14 +564,10 @@ pub(super) fn fail(shared: &Shared, room: u64, reason: String) {
 }
 
 pub(super) fn room_failed(shared: &Shared, room: u64) -> bool {
-    is_stopped(&shared.rooms.lock(), room)
+    shared.rooms.lock().is_stopped(room)
 }
 
 /// Whether `room` takes no more writes (failed, aborted or cleared).
-pub(crate) fn is_stopped(rooms: &RoomsState, room: u64) -> bool {
-    matches!(rooms.table.get(room), None | Some(KvPoll::Failed))
-}
-
 /// Counts an engine failure and blacklists the session, only on
 /// session-level evidence: a restarted peer is alive, and a block outside
 /// the peer's regions (one bad transfer request) or a malformed call is the

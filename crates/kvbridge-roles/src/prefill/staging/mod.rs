@@ -15,16 +15,20 @@
 //! outside the allocation the decode answered, or sends `CHUNK_READY`
 //! before its bytes are written.
 
+pub(super) mod ledger;
+mod writes;
+
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvbridge_engine::TransferEngine;
 use kvbridge_mem::RegionRegistry;
-use kvbridge_plan::{Run, StagingSource, watermark_ready};
+use kvbridge_plan::{Run, watermark_ready};
 use kvbridge_wire::{ChunkReady, StagingReq};
 
 use super::Shared;
+pub(crate) use super::state::StagingDest;
 use super::state::{PeerEntry, TransferInfo};
 use crate::config::{STAGING_SLOTS, StagingConfig};
 use crate::error::ConfigError;
@@ -33,17 +37,6 @@ use crate::staging_mem::{StagingMemory, staging_wanted};
 
 /// `STAGING_RSP` offset for a chunk larger than the whole ring.
 const ALLOC_OVERSIZED: i64 = -2;
-
-/// A decode rank's staging ring, and how we stage towards it.
-#[derive(Debug)]
-pub(crate) struct StagingDest {
-    /// Our gather geometry towards that rank.
-    pub source: StagingSource,
-    /// The ring's address in the decode's memory.
-    pub ring_base: u64,
-    /// The ring's size.
-    pub ring_size: u64,
-}
 
 /// The prefill's staging memory: one gather buffer per transfer worker,
 /// where the KV pool lives (host memory, or the same GPU).
@@ -287,7 +280,7 @@ pub(crate) fn check(shared: &Shared, task: &StagedTask) -> Readiness {
     let session = task.info.session.as_str();
     let (alloc, watermark) = {
         let rooms = shared.rooms.lock();
-        if super::worker::is_stopped(&rooms, room) {
+        if rooms.is_stopped(room) {
             return Readiness::Dropped;
         }
         let alloc = rooms

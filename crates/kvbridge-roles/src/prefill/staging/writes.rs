@@ -5,7 +5,7 @@
 //! announcing a chunk (`CHUNK_READY`) once every write of it succeeded.
 //!
 //! **Owns:** the worker's side of the staged path; the bookkeeping is
-//! [`Stager`](super::stager::Stager)'s, the arithmetic the planner's.
+//! [`Stager`](super::ledger::Stager)'s, the arithmetic the planner's.
 //! **Never:** writes a chunk the ring has not released, or announces one
 //! before its bytes are written.
 
@@ -14,18 +14,18 @@ use std::sync::Arc;
 use kvbridge_engine::Batch;
 use kvbridge_plan::Block;
 
-use super::pipeline::{Part, Ticket};
-use super::staged::{self, Readiness, StagedTask};
-use super::stager::Completion;
-use super::state::TransferInfo;
-use super::worker::{Worker, fail, room_failed};
+use super::ledger::Completion;
+use super::{self as staged, Readiness, StagedTask};
+use crate::prefill::pipeline::{Part, Ticket};
+use crate::prefill::state::TransferInfo;
+use crate::prefill::worker::{Worker, fail, room_failed};
 
 impl Worker<'_> {
     /// Tries a staged chunk now: written (its bulk writes submitted under
     /// its ticket), dropped (room stopped), or kept until its ring space is
     /// there (its ticket stays open, so the room's status waits for it).
     /// Returns whether it was handled (not kept).
-    pub(super) fn stage(&mut self, task: StagedTask) -> bool {
+    pub(in crate::prefill) fn stage(&mut self, task: StagedTask) -> bool {
         match staged::check(self.shared, &task) {
             Readiness::Dropped => true,
             Readiness::NotReady => {
@@ -92,7 +92,7 @@ impl Worker<'_> {
     }
 
     /// Sends `CHUNK_READY` for a chunk whose writes all succeeded.
-    pub(super) fn staged_done(&mut self, done: Completion) {
+    pub(in crate::prefill) fn staged_done(&mut self, done: Completion) {
         if let Completion::Ready(task) = done
             && let Err(reason) = staged::chunk_ready(self.shared, &task)
         {
@@ -101,7 +101,7 @@ impl Worker<'_> {
     }
 
     /// Retries every waiting staged chunk once, in order.
-    pub(super) fn retry_deferred(&mut self) {
+    pub(in crate::prefill) fn retry_deferred(&mut self) {
         for _ in 0..self.stager.deferred.len() {
             let Some(task) = self.stager.deferred.pop_front() else {
                 break;

@@ -10,8 +10,8 @@
 
 use std::collections::{HashMap, VecDeque};
 
-use super::pipeline::Ticket;
-use super::staged::StagedTask;
+use super::StagedTask;
+use crate::prefill::pipeline::Ticket;
 
 /// A staged chunk whose writes are being submitted or are in flight.
 #[derive(Debug)]
