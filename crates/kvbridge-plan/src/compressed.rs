@@ -11,86 +11,8 @@
 
 use std::collections::HashSet;
 
+use crate::error::CompressedMlaError;
 use crate::layout::{PeerRegistration, PrefillLayout, StateType};
-use crate::pairing::Entry;
-
-/// Why a compressed-MLA layout cannot be paired or addressed.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
-pub enum CompressedMlaError {
-    /// A stage must name its end layer to be sliced out of a whole-model list.
-    #[error("slicing a whole-model decode list to a PP stage needs prefill_end_layer")]
-    MissingEndLayer,
-    /// The stage's layers run past the model's ratio list.
-    #[error("stage layers {start}..{end} run past the model's {layers} compression ratios")]
-    StageOutsideModel {
-        /// First layer of the stage.
-        start: u64,
-        /// End layer of the stage.
-        end: u64,
-        /// Layers the ratio list describes.
-        layers: usize,
-    },
-    /// One peer uses the single-pool layout, the other the fp8 two-pool one.
-    #[error(
-        "PD peers disagree on the compressed-MLA KV layout: prefill {src} buffers, decode {dst} \
-         (single pool {single}, two-pool {two}); use the same KV layout on both"
-    )]
-    LayoutDisagreement {
-        /// Prefill buffers.
-        src: usize,
-        /// Decode buffers.
-        dst: usize,
-        /// Buffers of the single-pool layout.
-        single: usize,
-        /// Buffers of the two-pool layout.
-        two: usize,
-    },
-    /// The decode's KV list is not the three-group layout a stage slices
-    /// out of (draft entries, the two-pool layout, ratio-1/2 layers).
-    #[error(
-        "the decode's {dst} KV buffers are not the compressed layout of {kv_len} (C4 KV, C4 \
-         indexer, C128 KV), so a PP stage cannot be sliced out of them"
-    )]
-    UnsliceableKv {
-        /// Decode buffers.
-        dst: usize,
-        /// Buffers of the three-group layout.
-        kv_len: usize,
-    },
-    /// An SWA-state list that cannot hold the model's C4 groups.
-    #[error(
-        "the decode's {dst} SWA-state buffers cannot hold {c4} C4 layers twice plus the SWA layers"
-    )]
-    SwaStateLayout {
-        /// Decode buffers.
-        dst: usize,
-        /// C4 layers of the model.
-        c4: usize,
-    },
-    /// The sliced decode list is shorter than the stage's.
-    #[error("the stage's buffer {entry} has no decode buffer (the slice holds {dst_entries})")]
-    SliceShort {
-        /// Prefill buffer without a partner.
-        entry: usize,
-        /// Buffers in the slice.
-        dst_entries: usize,
-    },
-    /// HiSparse device pages for a pool that has no compression ratios.
-    #[error("HiSparse device destinations (dst_device_kv_indices) need a compressed-MLA pool")]
-    DeviceWithoutCompression,
-    /// HiSparse device pages through the DCP relayout.
-    #[error("HiSparse device destinations cannot be combined with the DCP relayout")]
-    DeviceWithDcp,
-    /// Fewer device pages than prefill pages in a chunk.
-    #[error("HiSparse: {device} device destination pages for {pages} prefill pages")]
-    DeviceIndicesShort {
-        /// Device pages available for the chunk.
-        device: usize,
-        /// Prefill pages of the chunk.
-        pages: usize,
-    },
-}
 
 fn count(ratios: &[u64], ratio: u64) -> usize {
     ratios.iter().filter(|&&r| r == ratio).count()
@@ -169,16 +91,16 @@ pub(crate) fn stage_positions(
     Ok(positions)
 }
 
-/// Which paired KV entries take HiSparse's device page space: the decode
+/// Which paired KV entries (given by their decode buffers) take HiSparse's device page space: the decode
 /// buffers after its C4 KV group (C4 layers of the stage when both sides
 /// list the same buffers, of the model otherwise), matched by address.
 pub(crate) fn device_entries(
     layout: &PrefillLayout,
     reg: &PeerRegistration,
-    entries: &[Entry],
+    entry_dsts: &[u64],
 ) -> Vec<bool> {
     let Some(ratios) = &layout.mla_compression_ratios else {
-        return vec![false; entries.len()];
+        return vec![false; entry_dsts.len()];
     };
     let stage = if reg.dst_kv_ptrs.len() == layout.kv_data_ptrs.len() {
         let s = usize::try_from(layout.prefill_start_layer).unwrap_or(usize::MAX);
@@ -192,7 +114,7 @@ pub(crate) fn device_entries(
     };
     let c4 = count(stage, 4);
     let device: HashSet<u64> = reg.dst_kv_ptrs.iter().skip(c4).copied().collect();
-    entries.iter().map(|e| device.contains(&e.dst)).collect()
+    entry_dsts.iter().map(|d| device.contains(d)).collect()
 }
 
 #[cfg(test)]

@@ -449,7 +449,7 @@ pub enum PlanError {
     },
     /// A compressed-MLA (DeepSeek-V4) layout cannot be paired or addressed.
     #[error("compressed MLA: {0}")]
-    CompressedMla(#[from] crate::compressed::CompressedMlaError),
+    CompressedMla(#[from] CompressedMlaError),
     /// DSA tail ring remapping failed.
     #[error("dsa_tail (component {component}): {reason}")]
     DsaTail {
@@ -586,5 +586,83 @@ pub enum DsaTailError {
         src: u64,
         /// Decode bytes per slot.
         dst: u64,
+    },
+}
+
+/// Why a compressed-MLA layout cannot be paired or addressed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum CompressedMlaError {
+    /// A stage must name its end layer to be sliced out of a whole-model list.
+    #[error("slicing a whole-model decode list to a PP stage needs prefill_end_layer")]
+    MissingEndLayer,
+    /// The stage's layers run past the model's ratio list.
+    #[error("stage layers {start}..{end} run past the model's {layers} compression ratios")]
+    StageOutsideModel {
+        /// First layer of the stage.
+        start: u64,
+        /// End layer of the stage.
+        end: u64,
+        /// Layers the ratio list describes.
+        layers: usize,
+    },
+    /// One peer uses the single-pool layout, the other the fp8 two-pool one.
+    #[error(
+        "PD peers disagree on the compressed-MLA KV layout: prefill {src} buffers, decode {dst} \
+         (single pool {single}, two-pool {two}); use the same KV layout on both"
+    )]
+    LayoutDisagreement {
+        /// Prefill buffers.
+        src: usize,
+        /// Decode buffers.
+        dst: usize,
+        /// Buffers of the single-pool layout.
+        single: usize,
+        /// Buffers of the two-pool layout.
+        two: usize,
+    },
+    /// The decode's KV list is not the three-group layout a stage slices
+    /// out of (draft entries, the two-pool layout, ratio-1/2 layers).
+    #[error(
+        "the decode's {dst} KV buffers are not the compressed layout of {kv_len} (C4 KV, C4 \
+         indexer, C128 KV), so a PP stage cannot be sliced out of them"
+    )]
+    UnsliceableKv {
+        /// Decode buffers.
+        dst: usize,
+        /// Buffers of the three-group layout.
+        kv_len: usize,
+    },
+    /// An SWA-state list that cannot hold the model's C4 groups.
+    #[error(
+        "the decode's {dst} SWA-state buffers cannot hold {c4} C4 layers twice plus the SWA layers"
+    )]
+    SwaStateLayout {
+        /// Decode buffers.
+        dst: usize,
+        /// C4 layers of the model.
+        c4: usize,
+    },
+    /// The sliced decode list is shorter than the stage's.
+    #[error("the stage's buffer {entry} has no decode buffer (the slice holds {dst_entries})")]
+    SliceShort {
+        /// Prefill buffer without a partner.
+        entry: usize,
+        /// Buffers in the slice.
+        dst_entries: usize,
+    },
+    /// HiSparse device pages for a pool that has no compression ratios.
+    #[error("HiSparse device destinations (dst_device_kv_indices) need a compressed-MLA pool")]
+    DeviceWithoutCompression,
+    /// HiSparse device pages through the DCP relayout.
+    #[error("HiSparse device destinations cannot be combined with the DCP relayout")]
+    DeviceWithDcp,
+    /// Fewer device pages than prefill pages in a chunk.
+    #[error("HiSparse: {device} device destination pages for {pages} prefill pages")]
+    DeviceIndicesShort {
+        /// Device pages available for the chunk.
+        device: usize,
+        /// Prefill pages of the chunk.
+        pages: usize,
     },
 }

@@ -58,7 +58,8 @@ pub(crate) fn prepare_page_copy(
         &mut pairs,
         &mut entries,
     )?;
-    let device = crate::compressed::device_entries(layout, reg, &entries);
+    let dsts: Vec<u64> = entries.iter().map(|e| e.dst).collect();
+    let device = crate::compressed::device_entries(layout, reg, &dsts);
     Ok(PageCopy { entries, device })
 }
 

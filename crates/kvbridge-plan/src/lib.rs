@@ -78,9 +78,8 @@ pub mod synthetic;
 
 pub use aux::aux_slot;
 pub use block::{Block, Run, canonicalize, expand_runs, total_bytes};
-pub use compressed::CompressedMlaError;
 pub use cp::{cp_filter_chunk, cp_page_share};
-pub use error::{DsaTailError, PlanError};
+pub use error::{CompressedMlaError, DsaTailError, PlanError};
 pub use layout::{
     PeerRegistration, PrefillLayout, StateComponent, StateType, TransferChunk, TransferRequest,
     UnknownStateType,

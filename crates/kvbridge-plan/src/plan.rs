@@ -5,8 +5,8 @@ use std::ops::Range;
 
 use crate::aux::plan_aux;
 use crate::block::{Block, Run, canonicalize};
-use crate::compressed::CompressedMlaError;
 use crate::dcp::DcpChunk;
+use crate::error::CompressedMlaError;
 use crate::error::PlanError;
 use crate::head_slice::RunOut;
 use crate::index_runs::{IndexRuns, py_slice};
