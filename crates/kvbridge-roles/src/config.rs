@@ -6,39 +6,8 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-/// Reads a setting by its environment variable name (the process
-/// environment, or a map in tests).
-pub type Vars<'a> = &'a dyn Fn(&str) -> Option<String>;
-
-/// The process environment as [`Vars`].
-fn process_env(name: &str) -> Option<String> {
-    std::env::var(name).ok()
-}
-
-/// Parses an environment variable, ignoring it (with a warning) when it is
-/// malformed rather than failing start-up on a typo.
-fn env<T: std::str::FromStr>(get: Vars<'_>, name: &str) -> Option<T> {
-    let raw = get(name)?;
-    match raw.trim().parse() {
-        Ok(v) => Some(v),
-        Err(_) => {
-            tracing::warn!(variable = name, value = %raw, "ignoring malformed environment variable");
-            None
-        }
-    }
-}
-
-fn env_bool(get: Vars<'_>, name: &str) -> Option<bool> {
-    let raw = get(name)?;
-    match raw.trim().to_ascii_lowercase().as_str() {
-        "1" | "true" | "yes" | "on" => Some(true),
-        "0" | "false" | "no" | "off" | "" => Some(false),
-        _ => {
-            tracing::warn!(variable = name, value = %raw, "ignoring malformed boolean environment variable");
-            None
-        }
-    }
-}
+pub use crate::env::Vars;
+use crate::env::{env, env_bool, nvlink_intra_vars, process_env};
 
 fn secs(s: f64) -> Duration {
     Duration::try_from_secs_f64(s).unwrap_or(Duration::ZERO)
@@ -479,7 +448,7 @@ impl PrefillConfig {
         if let Some(v) = env::<f64>(get, "SGLANG_FAILED_SESSION_IDLE_TIMEOUT_S") {
             self.probe.idle_timeout = secs(v);
         }
-        self.nvlink_intra |= crate::local::nvlink_intra_vars(get);
+        self.nvlink_intra |= nvlink_intra_vars(get);
         self.staging = self.staging.with_vars(get);
         self
     }
@@ -646,7 +615,7 @@ impl DecodeConfig {
             &mut self.all_cp_ranks,
             &mut self.force_query_dp_rank,
         );
-        self.nvlink_intra |= crate::local::nvlink_intra_vars(get);
+        self.nvlink_intra |= nvlink_intra_vars(get);
         self.staging = self.staging.with_vars(get);
         self
     }

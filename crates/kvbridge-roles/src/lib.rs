@@ -107,6 +107,7 @@
 pub mod bootstrap;
 pub mod config;
 pub mod control;
+mod env;
 pub mod error;
 #[cfg(feature = "synthetic")]
 #[doc(hidden)]
@@ -126,10 +127,10 @@ mod stop;
 pub use config::{
     DecodeConfig, ParallelRank, PrefillConfig, ProbeConfig, StagingConfig, StagingMode,
 };
+pub use env::{nvlink_intra_env, nvlink_intra_vars};
 pub use error::{ConfigError, KvTransferError, SendError, StartError};
 pub use kv_args::KvArgs;
 pub use kvbridge_wire::KvPoll;
-pub use local::{nvlink_intra_env, nvlink_intra_vars};
 pub use prefill::{KvSender, PrefillManager};
 pub mod decode;
 

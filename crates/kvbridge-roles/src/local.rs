@@ -15,26 +15,6 @@ use kvbridge_mem::{MemError, RegionRegistry, probe_kind};
 
 use crate::kv_args::KvArgs;
 
-/// Whether sglang's environment selects the intra-node NVLink transport
-/// (the reference's `_nvlink_intra_transport_active`: either variable set to
-/// anything non-empty, or the protocol named).
-pub fn nvlink_intra_env() -> bool {
-    nvlink_intra_vars(&|name| std::env::var(name).ok())
-}
-
-/// [`nvlink_intra_env`] over any variable source.
-pub fn nvlink_intra_vars(get: crate::config::Vars<'_>) -> bool {
-    let set = |name: &str| get(name).is_some_and(|v| !v.is_empty());
-    if set("MC_INTRANODE_NVLINK") || set("MC_INTRA_NVLINK") {
-        return true;
-    }
-    let proto = get("MOONCAKE_PROTOCOL").unwrap_or_default();
-    matches!(
-        proto.trim().to_ascii_lowercase().as_str(),
-        "nvlink_intra" | "nvlink-intra" | "intra_nvlink"
-    )
-}
-
 /// A rank's own view of its buffers.
 #[derive(Debug)]
 pub(crate) struct LocalMemory {
