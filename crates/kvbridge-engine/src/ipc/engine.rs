@@ -16,7 +16,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -25,11 +25,10 @@ use kvbridge_mem::cuda::{self, IpcHandle};
 use kvbridge_mem::{MemError, MemoryKind, Region};
 use parking_lot::Mutex;
 
-use super::copier::Slot;
 use super::peer::PeerState;
+use super::pipe::{Counters, FREE_SLOTS, InFlight, Pipe, Shared};
 use super::schedule::CopyTuning;
 use super::table::{self, Export};
-use crate::batch::Completer;
 use crate::session::control::ControlHost;
 use crate::{
     Batch, BatchHandle, EngineConfig, ErrorKind, Target, TcpEngine, TransferEngine, TransferError,
@@ -37,48 +36,6 @@ use crate::{
 
 /// How often an idle session holding regions looks for revokes.
 const IDLE_TICK: Duration = Duration::from_millis(2);
-/// An idle session releases its holds after this long.
-pub(super) const IDLE_RELEASE: Duration = Duration::from_millis(500);
-/// Free descriptor slots a session keeps.
-pub(super) const FREE_SLOTS: usize = 8;
-/// Passes over one batch (re-fetched table, new mappings, revokes) before giving up.
-pub(super) const MAX_ATTEMPTS: usize = 6;
-
-/// Counters of an IPC engine.
-#[derive(Debug, Default)]
-pub(super) struct Counters {
-    pub(super) mappings_opened: AtomicU64,
-    pub(super) mappings_closed: AtomicU64,
-    pub(super) bytes_sent: AtomicU64,
-}
-
-/// What the engine shares with its sessions.
-#[derive(Debug)]
-pub(super) struct Shared {
-    pub(super) tcp: TcpEngine,
-    pub(super) tuning: CopyTuning,
-    pub(super) counters: Counters,
-}
-
-/// A launched batch for the completion thread.
-pub(super) struct InFlight {
-    pub(super) slot: Slot,
-    pub(super) bytes: u64,
-    pub(super) done: Completer,
-}
-
-/// What a session's submitters and its completion thread share.
-#[derive(Debug, Default)]
-pub(super) struct Pipe {
-    /// Idle descriptor slots.
-    pub(super) free: Mutex<Vec<Slot>>,
-    /// Batches launched and not completed.
-    pub(super) in_flight: AtomicUsize,
-    /// Whether the session holds regions of the peer (the completion thread
-    /// then watches for revokes while idle).
-    pub(super) holding: AtomicBool,
-}
-
 /// A peer session: its state, its completion thread's queue, its pipe.
 #[derive(Debug)]
 struct Session {

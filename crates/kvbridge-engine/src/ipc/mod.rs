@@ -55,6 +55,8 @@ mod engine;
 mod local;
 #[cfg(feature = "cuda")]
 mod peer;
+#[cfg(feature = "cuda")]
+mod pipe;
 
 #[cfg(feature = "cuda")]
 pub use bench::{BenchError, Copies, CopyBench, KernelPieces};

@@ -10,7 +10,7 @@ use kvbridge_mem::MemoryKind;
 use kvbridge_mem::cuda::{CudaError, IpcHandle, IpcMapping};
 
 use super::copier::{self, Copier, Slot};
-use super::engine::{FREE_SLOTS, IDLE_RELEASE, MAX_ATTEMPTS, Pipe, Shared};
+use super::pipe::{FREE_SLOTS, IDLE_RELEASE, MAX_ATTEMPTS, Pipe, Shared};
 use super::schedule::{self, Batch, Context, CopyTuning, Miss, Prepared, RangeMap, RunSplit};
 use super::table::{self, Export};
 use crate::session::control::{Control, ControlHost};
