@@ -27,6 +27,7 @@
 mod conn;
 mod fence;
 mod handshake;
+mod lane;
 mod receive_runs;
 mod request;
 mod runs;
@@ -130,7 +131,7 @@ impl Inner {
             let (inner, info, rx) = (self.clone(), info.clone(), rx.clone());
             let spawned = std::thread::Builder::new()
                 .name(format!("kvb-tcp-lane{lane}"))
-                .spawn(move || conn::lane(inner, info, rx));
+                .spawn(move || lane::lane(inner, info, rx));
             if let Err(e) = spawned {
                 return Err(TransferError::new(
                     session,
