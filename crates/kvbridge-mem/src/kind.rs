@@ -63,29 +63,6 @@ impl KindProber for HostOnlyProber {
     }
 }
 
-#[cfg_attr(feature = "cuda", allow(dead_code))]
-static HOST_ONLY: HostOnlyProber = HostOnlyProber;
-
-/// The process-wide prober of this build: CUDA's when the `cuda` feature is
-/// on (it answers host for everything when no driver or GPU is there),
-/// host-only otherwise.
-pub fn default_prober() -> &'static dyn KindProber {
-    #[cfg(feature = "cuda")]
-    {
-        static CUDA: crate::cuda::CudaProber = crate::cuda::CudaProber;
-        &CUDA
-    }
-    #[cfg(not(feature = "cuda"))]
-    {
-        &HOST_ONLY
-    }
-}
-
-/// Probe the kind of the memory at `addr` with [`default_prober`].
-pub fn probe_kind(addr: u64) -> MemoryKind {
-    default_prober().probe(addr)
-}
-
 /// Reads and writes bytes of one memory kind on behalf of the registry and the engines.
 ///
 /// Host kinds copy directly; device kinds (with `cuda`) copy through the
@@ -120,7 +97,7 @@ pub trait MemoryAccess: Send + Sync + fmt::Debug {
 
 /// Plain CPU copies, for every host-accessible kind.
 #[derive(Debug, Clone, Copy, Default)]
-struct HostAccess;
+pub(crate) struct HostAccess;
 
 impl MemoryAccess for HostAccess {
     unsafe fn read(&self, addr: u64, out: &mut [u8]) -> Result<(), MemError> {
@@ -143,7 +120,7 @@ impl MemoryAccess for HostAccess {
 /// Device memory in a build without a device runtime: every access is refused.
 #[derive(Debug, Clone, Copy, Default)]
 #[cfg_attr(feature = "cuda", allow(dead_code))]
-struct NoDeviceAccess;
+pub(crate) struct NoDeviceAccess;
 
 impl MemoryAccess for NoDeviceAccess {
     unsafe fn read(&self, _addr: u64, _out: &mut [u8]) -> Result<(), MemError> {
@@ -159,37 +136,9 @@ impl MemoryAccess for NoDeviceAccess {
     }
 }
 
-static HOST_ACCESS: HostAccess = HostAccess;
-#[cfg(not(feature = "cuda"))]
-static NO_DEVICE_ACCESS: NoDeviceAccess = NoDeviceAccess;
-
-/// The byte access for memory of `kind`.
-pub fn access_for(kind: MemoryKind) -> &'static dyn MemoryAccess {
-    if kind.is_host_accessible() {
-        &HOST_ACCESS
-    } else {
-        #[cfg(feature = "cuda")]
-        {
-            &crate::cuda::DEVICE_ACCESS
-        }
-        #[cfg(not(feature = "cuda"))]
-        {
-            &NO_DEVICE_ACCESS
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn host_only_prober_says_host() {
-        assert_eq!(probe_kind(0x1000), MemoryKind::Host);
-        assert!(MemoryKind::Managed.is_host_accessible());
-        assert!(MemoryKind::PinnedHost.is_host_accessible());
-        assert!(!MemoryKind::Device { ordinal: 0 }.is_host_accessible());
-    }
 
     #[test]
     fn device_access_is_refused_without_cuda() {

@@ -43,12 +43,12 @@ pub mod cuda;
 pub mod host;
 pub mod kind;
 pub mod registry;
+mod select;
 
 pub use host::HostBuffer;
-pub use kind::{
-    HostOnlyProber, KindProber, MemoryAccess, MemoryKind, access_for, default_prober, probe_kind,
-};
+pub use kind::{HostOnlyProber, KindProber, MemoryAccess, MemoryKind};
 pub use registry::{Region, RegionRegistry};
+pub use select::{access_for, default_prober, probe_kind};
 
 /// Errors of region registration, lookup and byte I/O.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

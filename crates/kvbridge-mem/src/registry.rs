@@ -6,7 +6,8 @@ use std::sync::Arc;
 use kvbridge_block::Run;
 
 use crate::MemError;
-use crate::kind::{KindProber, MemoryKind, access_for, default_prober};
+use crate::kind::{KindProber, MemoryKind};
+use crate::select::{access_for, default_prober};
 
 /// One registered memory region: `[addr, addr + len)` of one memory kind.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
