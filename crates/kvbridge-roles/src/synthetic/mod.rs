@@ -14,6 +14,7 @@ mod buf;
 mod model;
 mod pattern;
 mod pools;
+mod state_spec;
 mod states;
 
 use kvbridge_mem::MemError;
@@ -21,7 +22,7 @@ use kvbridge_mem::MemError;
 pub use model::{CompressedSpec, ModelSpec, Placement, RankSpec};
 pub use pattern::Verified;
 pub use pools::RankPools;
-pub use states::{StateBuffer, StateLayers, StateSpec};
+pub use state_spec::{StateBuffer, StateLayers, StateSpec};
 
 /// Where one request lives on one rank.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]

@@ -3,7 +3,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::states::{StateBuffer, StateLayers, StateSpec};
+use super::state_spec::{StateBuffer, StateLayers, StateSpec};
 
 /// The shape of a model's KV cache and per-request state.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
