@@ -50,7 +50,7 @@ from __future__ import annotations
 
 from typing import Dict, List, Tuple
 
-import sched_world
+import sched_models
 
 #: Tags of the byte patterns per buffer group (``kv_pattern``'s K/V argument).
 KV, SWA_STATE, REQUEST_STATE = 4, 5, 6
@@ -151,7 +151,7 @@ def items(world, req, n: int, swa_from: int = 0) -> Dict[int, Tuple[object, rang
 
 def _pattern(world, room: int, tag: int, index: int, ordinals: range, item_bytes: int):
     device = world.shape.device.split(":")[0]
-    return sched_world.kv_pattern(room, index, tag, ordinals, [0], item_bytes, device)[:, 0]
+    return sched_models.kv_pattern(room, index, tag, ordinals, [0], item_bytes, device)[:, 0]
 
 
 def write(world, req) -> None:
@@ -187,7 +187,7 @@ def expected_bytes(layers: int, tokens: int) -> int:
     nope values and a pad byte per token, pages padded to 576 bytes; fp8
     indexer keys with an fp32 scale; fp32 compressor states, rings of 8 (C4,
     overlapping: two blocks) and 128 (C128) rows)."""
-    m = sched_world.MODELS["dsv4"]
+    m = sched_models.MODELS["dsv4"]
     page, window = m["_page_size"], m["sliding_window"]
     nope, rope, index = m["qk_nope_head_dim"], m["qk_rope_head_dim"], m["index_head_dim"]
     ratios = [m["compress_ratios"][i % len(m["compress_ratios"])] for i in range(layers)]

@@ -45,7 +45,7 @@ import types
 from typing import Dict, List, Tuple
 
 import sched_dsv4
-import sched_world
+import sched_models
 
 #: Tags of the state byte patterns (``kv_pattern``'s K/V argument).
 CONV, TEMPORAL = 2, 3
@@ -53,7 +53,7 @@ CONV, TEMPORAL = 2, 3
 
 def kind(layout: str) -> str:
     """"mamba", "swa", "dsv4" (``sched_dsv4``) or "" (not a hybrid layout)."""
-    return sched_world.MODELS[layout].get("_hybrid", "")
+    return sched_models.MODELS[layout].get("_hybrid", "")
 
 
 def server_args_extra(layout: str, mode: str, shape) -> dict:
@@ -232,7 +232,7 @@ def mamba_slot(world, req) -> int:
 
 
 def _state_pattern(world, room: int, layer: int, tag: int, rows: List[int], row_bytes: int):
-    return sched_world.kv_pattern(room, layer, tag, [0], rows, row_bytes, world.shape.device.split(":")[0])[0]
+    return sched_models.kv_pattern(room, layer, tag, [0], rows, row_bytes, world.shape.device.split(":")[0])[0]
 
 
 def write_state(world, req) -> None:
@@ -289,8 +289,8 @@ def expected_bytes(layout: str, layers: int, decode_tp: int, rank: int, tokens: 
     ``rank`` of ``decode_tp`` (bf16 KV, bf16 conv and fp32 temporal state)."""
     if kind(layout) == "dsv4":
         return sched_dsv4.expected_bytes(layers, tokens)  # replicated on every rank (MLA)
-    m = sched_world.MODELS[layout]
-    heads = len(sched_world.local_kv_heads(m["num_key_value_heads"], decode_tp, rank))
+    m = sched_models.MODELS[layout]
+    heads = len(sched_models.local_kv_heads(m["num_key_value_heads"], decode_tp, rank))
     per_token_layer = 2 * heads * m["head_dim"] * 2
     if kind(layout) == "swa":
         kinds = [m["layer_types"][i % len(m["layer_types"])] for i in range(layers)]
