@@ -1,9 +1,11 @@
-//! Memory kinds, the one probing entry point, and per-kind byte access.
+//! Memory kinds, the probing and byte-access traits, and host memory's
+//! implementations of them.
 //!
 //! Code above this crate never asks CUDA what a pointer is: it calls
-//! [`probe_kind`] (or a [`KindProber`] it was handed) and moves bytes through
-//! [`access_for`]. Without the `cuda` feature everything is host memory;
-//! with it, [`default_prober`] asks the CUDA driver (when one is there) and
+//! [`probe_kind`](crate::probe_kind) (or a [`KindProber`] it was handed) and
+//! moves bytes through [`access_for`](crate::access_for). Without the `cuda`
+//! feature everything is host memory; with it,
+//! [`default_prober`](crate::default_prober) asks the CUDA driver (when one is there) and
 //! device memory is read and written through copies staged in pinned host
 //! memory, without changing any caller.
 
