@@ -29,15 +29,12 @@ impl Pair {
     /// they hold (the untimed [`Pair::check`] verifies the slots' rooms).
     pub(super) fn stream(&mut self, first: u64, count: u64, in_flight: usize) -> Result<Flow> {
         let tokens = self.room_tokens();
-        let mut free: VecDeque<u64> = (0..self.slots()).collect();
-        let mut ready: VecDeque<Flying> = VecDeque::new();
-        let mut next = 0;
-        while next < count
-            && let Some(slot) = free.pop_front()
-        {
-            ready.push_back(self.open_room(first + next, slot, false));
-            next += 1;
-        }
+        // One room per slot to begin with; a slot takes the next room as
+        // soon as its room is cleared.
+        let mut next = count.min(self.slots());
+        let mut ready: VecDeque<Flying> = (0..next)
+            .map(|slot| self.open_room(first + slot, slot, false))
+            .collect();
         // Timing starts once the first rooms could go, as when a forward
         // pass ends with the decode's destinations already known.
         let deadline = Instant::now() + DEADLINE;
@@ -76,8 +73,6 @@ impl Pair {
                 if next < count {
                     ready.push_back(self.open_room(first + next, r.slot, false));
                     next += 1;
-                } else {
-                    free.push_back(r.slot);
                 }
                 moved = true;
             }
