@@ -34,8 +34,11 @@ pub struct UcxArgs {
     /// Block sizes, comma-separated: 4096,65536 or 4K,64K,1M,16M.
     #[arg(long, value_delimiter = ',', default_value = "4K,64K,1M,16M", value_parser = parse_size)]
     sizes: Vec<u64>,
-    /// Blocks per submitted batch.
-    #[arg(long, default_value_t = 1024)]
+    /// Blocks per submitted batch. The default is the batch the roles
+    /// submit for a head-sliced layer (they go up to 65,536): each batch ends
+    /// with a remote completion round trip, so small batches measure that
+    /// round trip rather than the puts.
+    #[arg(long, default_value_t = 16_384)]
     batch_blocks: usize,
     /// Batches in flight at once.
     #[arg(long, default_value_t = 4)]
