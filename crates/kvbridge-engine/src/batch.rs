@@ -8,10 +8,37 @@ use parking_lot::{Condvar, Mutex};
 
 use crate::TransferError;
 
+/// What runs once when a batch finishes (on the thread that finishes it).
+type Waker = Box<dyn FnOnce() + Send>;
+
 #[derive(Default)]
 struct Completion {
-    result: Mutex<Option<Result<(), TransferError>>>,
+    state: Mutex<State>,
     cond: Condvar,
+}
+
+#[derive(Default)]
+struct State {
+    result: Option<Result<(), TransferError>>,
+    wakers: Vec<Waker>,
+}
+
+impl Completion {
+    /// Publishes `result` unless one is there, wakes every waiter and runs
+    /// the wakers.
+    fn finish(&self, result: Result<(), TransferError>) {
+        let mut g = self.state.lock();
+        if g.result.is_some() {
+            return;
+        }
+        g.result = Some(result);
+        let wakers = std::mem::take(&mut g.wakers);
+        drop(g);
+        self.cond.notify_all();
+        for wake in wakers {
+            wake();
+        }
+    }
 }
 
 /// The handle of a submitted batch: poll it or wait on it. Cloneable.
@@ -41,20 +68,33 @@ impl BatchHandle {
 
     /// The result if the batch has finished, without blocking.
     pub fn poll(&self) -> Option<Result<(), TransferError>> {
-        self.inner.result.lock().clone()
+        self.inner.state.lock().result.clone()
+    }
+
+    /// Runs `wake` once the batch finishes: at once when it has, else on the
+    /// engine thread that finishes it, so `wake` must be quick and never
+    /// block (a channel's `try_send`, an unpark).
+    pub fn on_done(&self, wake: impl FnOnce() + Send + 'static) {
+        let mut g = self.inner.state.lock();
+        if g.result.is_some() {
+            drop(g);
+            wake();
+        } else {
+            g.wakers.push(Box::new(wake));
+        }
     }
 
     /// Whether the batch has finished.
     pub fn is_done(&self) -> bool {
-        self.inner.result.lock().is_some()
+        self.inner.state.lock().result.is_some()
     }
 
     /// Block until the batch finishes. Engines bound every I/O step with a
     /// timeout, so this returns even when the peer dies.
     pub fn wait(&self) -> Result<(), TransferError> {
-        let mut g = self.inner.result.lock();
+        let mut g = self.inner.state.lock();
         loop {
-            if let Some(r) = g.as_ref() {
+            if let Some(r) = g.result.as_ref() {
                 return r.clone();
             }
             self.inner.cond.wait(&mut g);
@@ -64,13 +104,13 @@ impl BatchHandle {
     /// Block up to `timeout`; `None` if the batch is still running then.
     pub fn wait_timeout(&self, timeout: Duration) -> Option<Result<(), TransferError>> {
         let deadline = Instant::now() + timeout;
-        let mut g = self.inner.result.lock();
+        let mut g = self.inner.state.lock();
         loop {
-            if let Some(r) = g.as_ref() {
+            if let Some(r) = g.result.as_ref() {
                 return Some(r.clone());
             }
             if self.inner.cond.wait_until(&mut g, deadline).timed_out() {
-                return g.as_ref().cloned();
+                return g.result.clone();
             }
         }
     }
@@ -79,7 +119,7 @@ impl BatchHandle {
 impl fmt::Debug for BatchHandle {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("BatchHandle")
-            .field("result", &*self.inner.result.lock())
+            .field("result", &self.inner.state.lock().result)
             .finish()
     }
 }
@@ -92,12 +132,7 @@ pub(crate) struct Completer {
 impl Completer {
     /// Publish the result and wake every waiter.
     pub(crate) fn complete(self, result: Result<(), TransferError>) {
-        let mut g = self.inner.result.lock();
-        if g.is_none() {
-            *g = Some(result);
-        }
-        drop(g);
-        self.inner.cond.notify_all();
+        self.inner.finish(result);
     }
 }
 
@@ -106,16 +141,13 @@ impl Drop for Completer {
     /// early) completes its batch with a `Shutdown` error, so no waiter
     /// waits for ever (as tokio's oneshot sender does on drop).
     fn drop(&mut self) {
-        let mut g = self.inner.result.lock();
-        if g.is_none() {
-            *g = Some(Err(TransferError::new(
+        if self.inner.state.lock().result.is_none() {
+            self.inner.finish(Err(TransferError::new(
                 String::new(),
                 None,
                 crate::ErrorKind::Shutdown,
                 "the engine dropped the batch without finishing it",
             )));
-            drop(g);
-            self.inner.cond.notify_all();
         }
     }
 }
@@ -151,5 +183,33 @@ mod tests {
             Some(Ok(())),
             "completing then dropping keeps the result"
         );
+    }
+
+    #[test]
+    fn on_done_runs_once_whenever_it_is_registered() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        let count = Arc::new(AtomicUsize::new(0));
+        let counter = || {
+            let c = count.clone();
+            move || {
+                c.fetch_add(1, Ordering::SeqCst);
+            }
+        };
+        // Registered before the result: runs when it comes, once.
+        let (handle, completer) = BatchHandle::pending();
+        handle.on_done(counter());
+        handle.on_done(counter());
+        assert_eq!(count.load(Ordering::SeqCst), 0);
+        completer.complete(Ok(()));
+        assert_eq!(count.load(Ordering::SeqCst), 2);
+        // Registered after: runs at once.
+        handle.on_done(counter());
+        assert_eq!(count.load(Ordering::SeqCst), 3);
+        // A dropped completer runs them too.
+        let (handle, completer) = BatchHandle::pending();
+        handle.on_done(counter());
+        drop(completer);
+        assert_eq!(count.load(Ordering::SeqCst), 4);
+        assert!(handle.poll().is_some_and(|r| r.is_err()));
     }
 }

@@ -9,12 +9,13 @@
 
 use std::time::Duration;
 
+use crossbeam_channel::{Receiver, RecvError, Sender};
 use kvbridge_engine::{Batch, BatchHandle, TransferEngine};
 
 use super::pipeline::{BatchId, Event, Pipeline, Submitted, Ticket};
 
-/// How long a wait on the oldest batch lasts before the others are looked
-/// at again.
+/// Longest wait for a batch to finish before the handles are looked at
+/// again (every handle also signals its end; this only bounds a lost one).
 const NEXT_POLL: Duration = Duration::from_millis(1);
 
 /// A worker's batches in flight: the pipeline and the handles it stands for.
@@ -22,14 +23,22 @@ const NEXT_POLL: Duration = Duration::from_millis(1);
 pub(crate) struct Flight {
     pipe: Pipeline,
     handles: Vec<(BatchId, BatchHandle)>,
+    /// One token when some batch finished since the worker last looked
+    /// (each handle's `on_done` sends it), so a wait ends at the first
+    /// batch to finish, not the oldest.
+    finished_tx: Sender<()>,
+    finished: Receiver<()>,
 }
 
 impl Flight {
     /// At most `depth` batches in flight.
     pub fn new(depth: usize) -> Self {
+        let (finished_tx, finished) = crossbeam_channel::bounded(1);
         Self {
             pipe: Pipeline::new(depth),
             handles: Vec::new(),
+            finished_tx,
+            finished,
         }
     }
 
@@ -81,7 +90,13 @@ impl Flight {
             return;
         };
         let to = kvbridge_engine::Target::exact(&dest.session, incarnation);
-        self.handles.push((id, engine.submit(to, batch)));
+        let handle = engine.submit(to, batch);
+        let tx = self.finished_tx.clone();
+        // A full channel already holds the token that wakes the worker.
+        handle.on_done(move || {
+            let _ = tx.try_send(());
+        });
+        self.handles.push((id, handle));
     }
 
     /// Feeds every finished batch to the pipeline; whether there was one.
@@ -102,14 +117,28 @@ impl Flight {
     }
 
     /// Feeds finished batches to the pipeline; when none has finished,
-    /// waits a moment on the oldest (woken at once when it finishes).
+    /// waits until one does (at most a moment).
     pub fn wait(&mut self) {
-        if self.reap() {
-            return;
+        let never = crossbeam_channel::never::<()>();
+        let _ = self.wait_or(&never);
+    }
+
+    /// Feeds finished batches to the pipeline; when none has finished,
+    /// waits until one does or `queue` delivers (at most a moment), and
+    /// returns what `queue` delivered (`None`: a batch finished, or the
+    /// moment passed).
+    pub fn wait_or<T>(&mut self, queue: &Receiver<T>) -> Option<Result<T, RecvError>> {
+        // Tokens of batches about to be reaped; any later end sends anew.
+        while self.finished.try_recv().is_ok() {}
+        if self.reap() || self.handles.is_empty() {
+            return None;
         }
-        if let Some((_, oldest)) = self.handles.first() {
-            let _ = oldest.wait_timeout(NEXT_POLL);
-            self.reap();
+        crossbeam_channel::select! {
+            recv(queue) -> next => return Some(next),
+            recv(self.finished) -> _ => {}
+            default(NEXT_POLL) => {}
         }
+        self.reap();
+        None
     }
 }

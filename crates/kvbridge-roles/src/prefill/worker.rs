@@ -64,9 +64,13 @@ pub(crate) fn run(shared: &Shared, queue: &Receiver<Option<QueuedChunk>>, index:
                 Ok(next) => next,
                 Err(TryRecvError::Empty) => {
                     // Account for finished batches while watching the
-                    // queue: a stuck batch never keeps new chunks waiting.
-                    worker.flight.wait();
-                    continue;
+                    // queue: whichever comes first, a batch's end or a new
+                    // chunk, is acted on at once.
+                    match worker.flight.wait_or(queue) {
+                        Some(Ok(next)) => next,
+                        Some(Err(_)) => None,
+                        None => continue,
+                    }
                 }
                 Err(TryRecvError::Disconnected) => None,
             }
