@@ -15,7 +15,9 @@
 
 mod flow;
 mod pair;
+mod threads;
 
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use anyhow::{Result, bail};
@@ -65,6 +67,11 @@ pub struct RolesArgs {
     /// One JSON object per room size instead of a table.
     #[arg(long)]
     json: bool,
+    /// Also report each thread's CPU time per room over the timed room
+    /// streams, by thread name (`main` is the thread driving the rooms,
+    /// as a scheduler would); Linux only.
+    #[arg(long)]
+    threads: bool,
 }
 
 /// Longest one room or raw batch may take.
@@ -86,6 +93,9 @@ struct SizeReport {
     p99_ms: f64,
     engine_p50_ms: f64,
     verified_bytes: u64,
+    /// With `--threads`: CPU microseconds per room, by thread name.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    thread_cpu_us_per_room: Option<BTreeMap<String, f64>>,
 }
 
 /// Runs `kvbridge bench roles`.
@@ -106,15 +116,29 @@ pub fn run(args: RolesArgs) -> Result<()> {
         let report = measure_size(&args, size)?;
         if args.json {
             println!("{}", serde_json::to_string(&report)?);
-        } else {
+            continue;
+        }
+        println!(
+            "{:>10}  {:>10.2}  {:>10.2}  {:>6.2}  {:>9.2}  {:>9.2}",
+            human(report.room_bytes),
+            report.roles_gbps,
+            report.engine_gbps,
+            report.ratio,
+            report.p50_ms,
+            report.p99_ms
+        );
+        if let Some(threads) = &report.thread_cpu_us_per_room {
+            // The wall time per room of the timed streams, to set beside.
+            let wall_us = report.room_bytes as f64 / (report.roles_gbps * 1e3);
+            let spent: Vec<String> = threads
+                .iter()
+                .filter(|(_, us)| **us >= 1.0)
+                .map(|(name, us)| format!("{name} {us:.0}"))
+                .collect();
             println!(
-                "{:>10}  {:>10.2}  {:>10.2}  {:>6.2}  {:>9.2}  {:>9.2}",
-                human(report.room_bytes),
-                report.roles_gbps,
-                report.engine_gbps,
-                report.ratio,
-                report.p50_ms,
-                report.p99_ms
+                "{:>10}  CPU µs per room by thread (wall {wall_us:.0} µs per room): {}",
+                "",
+                spent.join(" · ")
             );
         }
     }
@@ -143,11 +167,14 @@ fn measure_size(args: &RolesArgs, size: u64) -> Result<SizeReport> {
     // Two rounds, alternated: a stream of rooms, then one of raw batches.
     let total = u64::from(args.rooms);
     let mut first = 1_000;
+    let mut cpu = BTreeMap::new();
     for count in [total.div_ceil(2), total / 2] {
         if count == 0 {
             continue;
         }
+        let before = threads::CpuTimes::now();
         let f = pair.stream(first, count, in_flight)?;
+        threads::accumulate(&mut cpu, threads::CpuTimes::now().since(&before));
         roles_wall += f.wall.as_secs_f64();
         roles.extend(f.rooms.iter().map(Duration::as_secs_f64));
         let r = pair.raw_stream(count, in_flight)?;
@@ -181,5 +208,10 @@ fn measure_size(args: &RolesArgs, size: u64) -> Result<SizeReport> {
         p99_ms: percentile(&roles, 0.99) * 1e3,
         engine_p50_ms: percentile(&raw, 0.5) * 1e3,
         verified_bytes: verified,
+        thread_cpu_us_per_room: args.threads.then(|| {
+            cpu.into_iter()
+                .map(|(name, ns)| (name, ns as f64 / 1e3 / total as f64))
+                .collect()
+        }),
     })
 }
