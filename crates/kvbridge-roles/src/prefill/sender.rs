@@ -8,7 +8,7 @@ use kvbridge_plan::{TransferChunk, cp_filter_chunk};
 use kvbridge_wire::KvPoll;
 
 use super::cp::CpRole;
-use super::state::{Concluded, TransferInfo};
+use super::state::Concluded;
 use super::{QueuedChunk, Shared};
 use crate::error::{KvTransferError, SendError};
 
@@ -165,10 +165,21 @@ impl KvSender {
                 // nothing to send.
                 return Ok(());
             };
-            let shard = shard_of(room, infos, self.shared.queues.len());
+            // Same destinations → same shard, so a failed session fails its
+            // rooms in order (sglang's port-sum sharding).
+            let port_sum: u64 = infos
+                .iter()
+                .map(|i| {
+                    i.session
+                        .rsplit(':')
+                        .next()
+                        .and_then(|p| p.parse::<u64>().ok())
+                        .unwrap_or(0)
+                })
+                .sum();
             rooms.started.entry(room).or_insert_with(Instant::now);
             rooms.table.update(room, KvPoll::Transferring);
-            shard
+            (port_sum % self.shared.queues.len().max(1) as u64) as usize
         };
         let chunk = TransferChunk {
             prefill_kv_indices: kv_indices.to_vec(),
@@ -298,22 +309,4 @@ impl KvSender {
         }
         self.shared.ack_if_drained(self.room);
     }
-}
-
-/// The shard queue of `room`: sglang's port sum of the destination sessions,
-/// offset by the room, so that a room's chunks stay in order on one worker
-/// while the rooms of one decode spread over every worker (one worker per
-/// peer made a worker's per-room time the ceiling of a fast engine).
-fn shard_of(room: u64, infos: &[Arc<TransferInfo>], queues: usize) -> usize {
-    let port_sum = infos
-        .iter()
-        .map(|i| {
-            i.session
-                .rsplit(':')
-                .next()
-                .and_then(|p| p.parse::<u64>().ok())
-                .unwrap_or(0)
-        })
-        .fold(0u64, u64::wrapping_add);
-    (port_sum.wrapping_add(room) % queues.max(1) as u64) as usize
 }
