@@ -141,6 +141,7 @@ impl Drop for Completer {
     /// early) completes its batch with a `Shutdown` error, so no waiter
     /// waits for ever (as tokio's oneshot sender does on drop).
     fn drop(&mut self) {
+        // Checked first so that the usual drop, after `complete`, builds no error.
         if self.inner.state.lock().result.is_none() {
             self.inner.finish(Err(TransferError::new(
                 String::new(),

@@ -172,9 +172,12 @@ fn measure_size(args: &RolesArgs, size: u64) -> Result<SizeReport> {
         if count == 0 {
             continue;
         }
-        let before = threads::CpuTimes::now();
+        // Read only when asked: /proc is listed and read for every thread.
+        let before = args.threads.then(threads::CpuTimes::now);
         let f = pair.stream(first, count, in_flight)?;
-        threads::accumulate(&mut cpu, threads::CpuTimes::now().since(&before));
+        if let Some(before) = &before {
+            threads::accumulate(&mut cpu, threads::CpuTimes::now().since(before));
+        }
         roles_wall += f.wall.as_secs_f64();
         roles.extend(f.rooms.iter().map(Duration::as_secs_f64));
         let r = pair.raw_stream(count, in_flight)?;

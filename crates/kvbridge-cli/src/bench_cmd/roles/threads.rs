@@ -4,6 +4,18 @@
 //! one that limits the rate.
 
 use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+
+/// Nanoseconds a thread has run, from its `schedstat` file (`None` when it
+/// cannot be read: no `/proc`, or the thread ended).
+fn on_cpu_ns(schedstat: &Path) -> Option<u64> {
+    std::fs::read_to_string(schedstat)
+        .ok()?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
+}
 
 /// CPU nanoseconds per thread id, with the thread's name.
 #[derive(Debug, Default)]
@@ -27,10 +39,7 @@ impl CpuTimes {
             };
             let path = entry.path();
             // Threads may end between the listing and the reads: skip them.
-            let Some(ns) = std::fs::read_to_string(path.join("schedstat"))
-                .ok()
-                .and_then(|s| s.split_whitespace().next()?.parse::<u64>().ok())
-            else {
+            let Some(ns) = on_cpu_ns(&path.join("schedstat")) else {
                 continue;
             };
             let name = if tid == pid {
@@ -69,10 +78,7 @@ mod tests {
 
     /// This thread's CPU nanoseconds.
     fn own_ns() -> u64 {
-        std::fs::read_to_string("/proc/thread-self/schedstat")
-            .ok()
-            .and_then(|s| s.split_whitespace().next()?.parse().ok())
-            .unwrap_or(0)
+        on_cpu_ns(Path::new("/proc/thread-self/schedstat")).unwrap_or(0)
     }
 
     #[test]
