@@ -241,3 +241,66 @@ fn batches_pinned_to_an_incarnation_never_reach_its_successor() {
     .unwrap();
     assert_eq!(d2.as_slice(), src.as_slice());
 }
+
+/// Bytes of `dst` that hold `src`'s byte at the same offset (a zeroed
+/// destination against a random source: about the bytes written).
+fn written(src: &HostBuffer, dst: &HostBuffer) -> usize {
+    src.as_slice()
+        .iter()
+        .zip(dst.as_slice())
+        .filter(|(s, d)| **s != 0 && s == d)
+        .count()
+}
+
+/// A batch that failed because its peer stopped reading leaves nothing
+/// behind: the requests the sender had queued in the kernel are reset, not
+/// delivered once the peer reads again, so no byte of the failed batch is
+/// written after its failure was reported (into pages a decode may have
+/// handed to another request by then).
+#[test]
+fn a_failed_batch_writes_nothing_once_its_failure_is_reported() {
+    let request = 256usize << 10;
+    let c = EngineConfig {
+        io_timeout_ms: 400,
+        tcp: TcpConfig {
+            request_bytes: request,
+            ..TcpConfig::default()
+        },
+        ..cfg()
+    };
+    let a = tcp(c);
+    let hung = tcp(cfg());
+    let len = 64u64 << 20;
+    let src = patterned(len as usize, 7);
+    let dst = HostBuffer::new(len as usize).unwrap();
+    register(&a, &src);
+    register(&hung, &dst);
+    // The peer stops reading after the first MiB: the rest of the batch
+    // waits in both kernels' socket buffers.
+    hung.debug_freeze_after(1 << 20);
+    let e = a
+        .batch_transfer_sync(hung.session_id(), &whole(&src, &dst, len))
+        .unwrap_err();
+    assert_eq!(e.kind, ErrorKind::Timeout, "{e}");
+    let at_failure = written(&src, &dst);
+    // The peer reads again: whatever was still queued must not land.
+    hung.debug_freeze_after(u64::MAX);
+    hung.debug_freeze(false);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while hung.stats().resets_by_sender == 0 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    let late = written(&src, &dst) - at_failure;
+    assert_eq!(
+        late, 0,
+        "{late} bytes of the failed batch landed after its failure"
+    );
+    assert!(hung.stats().resets_by_sender >= 1, "{:?}", hung.stats());
+    // The peer is usable again, over a fresh connection.
+    let fresh = HostBuffer::new(8 << 20).unwrap();
+    register(&hung, &fresh);
+    a.batch_transfer_sync(hung.session_id(), &whole(&src, &fresh, 8 << 20))
+        .unwrap();
+    assert_eq!(fresh.as_slice(), &src.as_slice()[..8 << 20]);
+}

@@ -369,6 +369,51 @@ pub(crate) fn idle_peer_gone(fd: RawFd) -> bool {
     wait_readable(fd, 0).unwrap_or(true)
 }
 
+/// Whether the peer reset the connection, even while bytes it sent before
+/// the reset still wait to be read (the kernel keeps them readable): a
+/// sender resets a connection when it gives up on its requests, so what is
+/// still queued must not be acted on.
+pub(crate) fn reset_by_peer(fd: RawFd) -> bool {
+    let mut err: libc::c_int = 0;
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: `err` and `len` are live locals of the sizes passed; the
+    // kernel writes at most `len` bytes into `err`.
+    let r = unsafe {
+        libc::getsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_ERROR,
+            (&raw mut err).cast(),
+            &mut len,
+        )
+    };
+    r != 0 || err != 0
+}
+
+/// Make closing `fd` a reset: the kernel then drops what it has not yet
+/// sent instead of delivering it later (an orphaned socket keeps
+/// retransmitting its queue for minutes, e.g. across a healed partition).
+pub(crate) fn reset_on_close(fd: RawFd) {
+    let linger = libc::linger {
+        l_onoff: 1,
+        l_linger: 0,
+    };
+    // SAFETY: `linger` is a live local of the size passed; the kernel only
+    // reads it.
+    let r = unsafe {
+        libc::setsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_LINGER,
+            (&raw const linger).cast(),
+            std::mem::size_of::<libc::linger>() as libc::socklen_t,
+        )
+    };
+    if r != 0 {
+        tracing::debug!(error = %io::Error::last_os_error(), "SO_LINGER 0 not set");
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

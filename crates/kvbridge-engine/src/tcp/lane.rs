@@ -67,6 +67,18 @@ fn close(info: &PeerInfo, conn: &mut Option<Conn>) {
     }
 }
 
+/// Drop a connection whose requests failed: reset, not closed, so that
+/// nothing still queued in the kernel reaches the peer after the failure
+/// was reported (once a partition heals, say, into pages the decode has
+/// since given to another request). The peer drops what it had received
+/// but not yet read (`io::reset_by_peer`).
+fn abandon(info: &PeerInfo, conn: &mut Option<Conn>) {
+    if let Some(c) = conn.as_ref() {
+        io::reset_on_close(c.fd());
+    }
+    close(info, conn);
+}
+
 /// Make sure `conn` is usable: reconnect if absent, stale (peer restarted) or closed by the peer.
 fn ensure_conn(
     inner: &Inner,
@@ -176,7 +188,7 @@ pub(crate) fn lane(inner: Arc<Inner>, info: Arc<PeerInfo>, rx: Receiver<Item>) {
                     tracing::debug!(error = %e, "send failed; dropping connection");
                     fail_all(&mut inflight, &e);
                     item.finish(Err(e));
-                    close(&info, &mut conn);
+                    abandon(&info, &mut conn);
                 }
             }
             continue;
@@ -210,14 +222,14 @@ pub(crate) fn lane(inner: Arc<Inner>, info: Arc<PeerInfo>, rx: Receiver<Item>) {
                 tracing::warn!(error = %e, "dropping connection");
                 fail_all(&mut inflight, &e);
                 item.finish(Err(e));
-                close(&info, &mut conn);
+                abandon(&info, &mut conn);
             }
             Err(io_e) => {
                 let e = item.io_error(&io_e);
                 tracing::debug!(error = %e, "ack read failed; dropping connection");
                 fail_all(&mut inflight, &e);
                 item.finish(Err(e));
-                close(&info, &mut conn);
+                abandon(&info, &mut conn);
             }
         }
     }

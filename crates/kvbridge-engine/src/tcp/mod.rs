@@ -220,6 +220,9 @@ impl TcpEngine {
         let peers: Vec<Arc<Peer>> = self.inner.peers.lock().drain().map(|(_, p)| p).collect();
         for p in &peers {
             for s in p.info.live.lock().values() {
+                // Batches still in flight fail with `Shutdown`: what they
+                // had queued must not reach the peer afterwards.
+                session::io::reset_on_close(s.as_raw_fd());
                 let _ = s.shutdown(std::net::Shutdown::Both);
             }
         }

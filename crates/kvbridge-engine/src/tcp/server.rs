@@ -432,7 +432,7 @@ impl ServerConn<'_> {
             }
             let Some(wake) = self.holder.wake() else {
                 if io::wait_readable(self.fd, IDLE_TICK_MS)? {
-                    return Ok(true);
+                    return Ok(!self.abandoned());
                 }
                 continue;
             };
@@ -443,9 +443,24 @@ impl ServerConn<'_> {
                 Holder::drained(&wake);
             }
             if request {
-                return Ok(true);
+                return Ok(!self.abandoned());
             }
         }
+    }
+
+    /// Whether the sender reset the connection: it gave up on what it had
+    /// sent (its batch failed), so requests still queued here are dropped
+    /// unread, never written after that failure.
+    fn abandoned(&self) -> bool {
+        if !io::reset_by_peer(self.fd) {
+            return false;
+        }
+        bump(&self.inner.stats.resets_by_sender);
+        tracing::debug!(
+            peer = %self.peer.session,
+            "sender reset the connection; its queued requests are dropped unread"
+        );
+        true
     }
 
     /// Count a malformed frame, answer `BadRequest` when possible; the

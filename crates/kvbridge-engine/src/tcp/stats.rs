@@ -48,6 +48,9 @@ pub struct EngineStats {
     pub requests_aborted: u64,
     /// Connections and requests refused because the peer is fenced.
     pub fenced_refusals: u64,
+    /// Connections the sender reset (it gave up on its batch): the requests
+    /// still queued on them were dropped unread, never written.
+    pub resets_by_sender: u64,
     /// Submitted batches whose state is still alive (a gauge; 0 when idle).
     pub live_batches: u64,
 }
@@ -101,6 +104,7 @@ pub(crate) struct Stats {
     pub request_timeouts: AtomicU64,
     pub requests_aborted: AtomicU64,
     pub fenced_refusals: AtomicU64,
+    pub resets_by_sender: AtomicU64,
     /// Shared with every batch state (which counts itself in and out).
     pub live_batches: Arc<AtomicU64>,
     pub log_refused: Burst,
@@ -140,6 +144,7 @@ impl Stats {
             request_timeouts: l(&self.request_timeouts),
             requests_aborted: l(&self.requests_aborted),
             fenced_refusals: l(&self.fenced_refusals),
+            resets_by_sender: l(&self.resets_by_sender),
             live_batches: l(&self.live_batches),
         }
     }
