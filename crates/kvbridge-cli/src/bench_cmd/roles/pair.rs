@@ -96,7 +96,9 @@ impl Pair {
             rank: ParallelRank::default(),
             staging: staging.clone(),
             secret: Some(secret.clone()),
-            ..PrefillConfig::default()
+            // sglang's variables (worker queues and threads, batch sizes),
+            // as a deployment reads them.
+            ..PrefillConfig::default().with_env()
         };
         // SAFETY: the pools are fields of `Pair`, dropped after the managers
         // (field order), which deregister them in their teardown.
@@ -122,7 +124,7 @@ impl Pair {
                 attn_tp_size: decode_tp,
                 staging: staging.clone(),
                 secret: Some(secret.clone()),
-                ..DecodeConfig::default()
+                ..DecodeConfig::default().with_env()
             };
             // SAFETY: as for the prefill rank.
             let manager =
