@@ -44,11 +44,11 @@ struct Sources<'a> {
     generation: u64,
 }
 
-impl Sources<'_> {
+impl<'a> Sources<'a> {
     /// The guard for one step; fails on shutdown, or when a source was
     /// deregistered since the check (bytes may be on the wire: the
     /// connection is dropped).
-    fn guard(&mut self) -> Result<RwLockReadGuard<'_, RegionRegistry>, SendError> {
+    fn guard(&mut self) -> Result<RwLockReadGuard<'a, RegionRegistry>, SendError> {
         let g = self.inner.regions.read_recursive();
         if self.inner.is_shutdown() {
             return Err(SendError::Conn(
@@ -209,6 +209,7 @@ pub(super) fn send_item(
         (0..n).map(move |c| (p, kind, p.copy_at(c).0, len))
     });
     let ranges: Vec<(&Piece, MemoryKind, u64, u64)> = ranges.collect();
+    let mut held: Option<RwLockReadGuard<'_, RegionRegistry>> = None;
     for (p, kind, from, len64) in ranges {
         let len = len64 as usize;
         if len == 0 {
@@ -218,6 +219,7 @@ pub(super) fn send_item(
             let ptr = std::ptr::with_exposed_provenance::<u8>(from as usize);
             iovs.push(io::iov(ptr, len));
             if iovs.len() >= io::MAX_IOV {
+                held = None;
                 src.send(fd, iovs, &mut b)?;
                 used = 0;
             }
@@ -226,6 +228,7 @@ pub(super) fn send_item(
         let mut off = 0usize;
         while off < len {
             if used == FRAME_CAP {
+                held = None;
                 src.send(fd, iovs, &mut b)?;
                 used = 0;
             }
@@ -233,13 +236,15 @@ pub(super) fn send_item(
             // SAFETY: `used + k <= FRAME_CAP == frame.len()`, so the slice is in
             // bounds; no iovec currently covers `frame[used..]`.
             let dst = unsafe { std::slice::from_raw_parts_mut(frame_ptr.add(used), k) };
-            let r = {
-                let _g = src.guard()?;
-                // SAFETY: `[from + off, +k)` lies in a registered region of
-                // `kind` (checked, and re-checked by `guard` if a region went
-                // away), kept registered by the guard.
-                unsafe { access_for(kind).read(from + off as u64, dst) }
-            };
+            // One guard for a frame's worth of copies (released before the
+            // frame is sent): a guard per short copy costs more than it.
+            if held.is_none() {
+                held = Some(src.guard()?);
+            }
+            // SAFETY: `[from + off, +k)` lies in a registered region of
+            // `kind` (checked, and re-checked by `guard` if a region went
+            // away), kept registered by the guard `held`.
+            let r = unsafe { access_for(kind).read(from + off as u64, dst) };
             if let Err(e) = r {
                 // Bytes of this request may already be on the wire: drop the connection.
                 let err = TransferError::new(
@@ -261,11 +266,13 @@ pub(super) fn send_item(
             used += k;
             off += k;
             if iovs.len() >= io::MAX_IOV {
+                held = None;
                 src.send(fd, iovs, &mut b)?;
                 used = 0;
             }
         }
     }
+    drop(held);
     if !iovs.is_empty() {
         src.send(fd, iovs, &mut b)?;
     }
