@@ -281,7 +281,7 @@ pub struct PrefillConfig {
     pub queue_size: usize,
     /// Transfer threads in total (`SGLANG_DISAGGREGATION_THREAD_POOL_SIZE`);
     /// each shard's worker keeps `thread_pool_size / queue_size` engine
-    /// batches in flight (at least 4). `None`: sglang's default from the CPU count.
+    /// batches in flight (at least 16). `None`: sglang's default from the CPU count.
     pub thread_pool_size: Option<usize>,
     /// Fail a room still bootstrapping after this long
     /// (`SGLANG_DISAGGREGATION_BOOTSTRAP_TIMEOUT`).

@@ -5,10 +5,11 @@
 
 mod common;
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::*;
-use kvbridge_engine::ClusterSecret;
+use kvbridge_engine::{ClusterSecret, TransferEngine};
 use kvbridge_roles::bootstrap::{BootstrapConfig, BootstrapServer};
 use kvbridge_roles::synthetic::{ModelSpec, RankPools, RankSpec};
 use kvbridge_roles::{DecodeManager, KvPoll, KvReceiver, KvSender, PrefillManager, StartError};
@@ -173,7 +174,11 @@ fn dead_decode_fails_in_flight_rooms_and_its_session_recovers() {
     pconfig.probe.interval = Duration::from_millis(100);
     let prefill = start_prefill(pconfig, ppools.kv_args(), tcp_engine());
 
-    let decode_engine = engine_on(0);
+    let decode_tcp = tcp_engine_on(0);
+    // The decode stops reading after the room's first request, so that it
+    // dies with the room in flight however fast the transfer runs.
+    decode_tcp.debug_freeze_after(1);
+    let decode_engine: Arc<dyn TransferEngine> = decode_tcp.clone();
     let port: u16 = decode_engine
         .session_id()
         .rsplit(':')
@@ -196,6 +201,7 @@ fn dead_decode_fails_in_flight_rooms_and_its_session_recovers() {
         tx.send(pages, None, None).unwrap();
     }
     decode.teardown();
+    drop(decode_tcp);
     drop(dpools);
     drop(rx);
     assert_eq!(wait_terminal(T, || tx.poll()), KvPoll::Failed);

@@ -30,8 +30,10 @@ use super::state::{Peer, PeerEntry, TransferInfo};
 use super::{QueuedChunk, Shared};
 
 /// Batches a worker keeps in flight at least, whatever the thread pool size:
-/// enough to overlap planning, sending and acknowledgements.
-const MIN_IN_FLIGHT: usize = 4;
+/// enough to overlap planning, sending and acknowledgements for the many
+/// rooms of one decode (all on this worker's shard); with 4, small rooms
+/// waited on completions (docs/roles.md, "workers").
+const MIN_IN_FLIGHT: usize = 16;
 
 /// How long a worker with staged chunks waiting (allocation, ring space)
 /// sleeps between attempts when nothing else is to be done.

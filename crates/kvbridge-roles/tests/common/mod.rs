@@ -117,6 +117,11 @@ pub fn pattern(seed: u64, buffer: u64, i: u64) -> u8 {
 
 /// A TCP engine on `port` (0: any), with short I/O timeouts.
 pub fn engine_on(port: u16) -> Arc<dyn TransferEngine> {
+    tcp_engine_on(port)
+}
+
+/// [`engine_on`], as the TCP engine itself (for its test hooks).
+pub fn tcp_engine_on(port: u16) -> Arc<TcpEngine> {
     Arc::new(
         TcpEngine::new(EngineConfig {
             port,
