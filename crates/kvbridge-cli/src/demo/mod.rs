@@ -192,6 +192,9 @@ fn orchestrate(
     // Decode rank 0's rooms concluded (what faults count from).
     let mut rank0_done: u64 = 0;
     let mut last_done = Instant::now();
+    // The same window on the ranks' shared clock (Unix ms): events reach
+    // this loop late when the host is busy, the ranks' stamps do not.
+    let (mut first_start_ms, mut last_done_ms) = (f64::INFINITY, 0.0f64);
     let mut finished: HashSet<ChildId> = HashSet::new();
     loop {
         let all_done = ranks
@@ -313,8 +316,11 @@ fn orchestrate(
                     );
                 }
             }
-            Some(Event::Started { room }) => {
+            Some(Event::Started { room, unix_ms }) => {
                 first_start.get_or_insert_with(Instant::now);
+                if unix_ms > 0.0 {
+                    first_start_ms = first_start_ms.min(unix_ms);
+                }
                 started.entry(rank).or_default().insert(room);
             }
             Some(Event::Done {
@@ -340,6 +346,8 @@ fn orchestrate(
                     timed_out,
                     end_unix_ms,
                 };
+                // Both roles: a prefill may see its room's end after the decode.
+                last_done_ms = last_done_ms.max(outcome.end_unix_ms);
                 if role == "decode" {
                     last_done = Instant::now();
                     // Counted, not scanned for: a soak has millions of outcomes.
@@ -384,9 +392,13 @@ fn orchestrate(
     }
     bar.finish_and_clear();
     children.wait_all(Duration::from_secs(10));
-    let seconds = first_start.map_or(0.0, |t| {
-        last_done.saturating_duration_since(t).as_secs_f64()
-    });
+    let seconds = if first_start_ms.is_finite() && last_done_ms > first_start_ms {
+        (last_done_ms - first_start_ms) / 1e3
+    } else {
+        first_start.map_or(0.0, |t| {
+            last_done.saturating_duration_since(t).as_secs_f64()
+        })
+    };
     let fault_report = fault.map(|f| f.finish(site, &children, ranks.decode[0]));
     let rogue_report = rogue.map(rogue::Rogue::stop);
     let mut summary = tally::summarize(args, plan, &decode, &prefill, seconds, drained_below);

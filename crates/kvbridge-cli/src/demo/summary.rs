@@ -31,7 +31,7 @@ pub struct Summary {
     pub aborted: u64,
     /// KV and aux bytes that arrived in verified rooms.
     pub bytes: u64,
-    /// Wall time from the first request to the last conclusion.
+    /// Wall time from the first room's start to the last conclusion, on the ranks' clock.
     pub seconds: f64,
     /// `bytes / seconds` in 10^9 bytes per second: the harness figure,
     /// whose window also holds the ranks' pattern fill and verification.

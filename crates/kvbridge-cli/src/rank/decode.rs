@@ -134,6 +134,9 @@ pub fn run(file: &RankFile) -> Result<bool> {
                     None => std::thread::sleep(Duration::from_millis(2)),
                 }
             };
+            // Before the destination goes out: the prefill's transfer of
+            // this room starts after this instant.
+            let started_unix_ms = unix_ms();
             let mut state = match dp {
                 Some(dp) => receiver.init(dp),
                 None => KvPoll::Failed,
@@ -146,7 +149,10 @@ pub fn run(file: &RankFile) -> Result<bool> {
                     None => receiver.send_metadata(&p, a as u64, &states, None),
                 };
             }
-            emit(&Event::Started { room: request.room });
+            emit(&Event::Started {
+                room: request.room,
+                unix_ms: started_unix_ms,
+            });
             jitter ^= jitter << 13;
             jitter ^= jitter >> 7;
             jitter ^= jitter << 17;

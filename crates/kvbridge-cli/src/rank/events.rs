@@ -24,6 +24,10 @@ pub enum Event {
     Started {
         /// The room.
         room: u64,
+        /// When the decode began the room (before it sent the destination),
+        /// in milliseconds since the Unix epoch; 0 from older ranks.
+        #[serde(default)]
+        unix_ms: f64,
     },
     /// A room concluded on this rank.
     Done {
