@@ -126,12 +126,27 @@ impl Children {
             .with_context(|| format!("starting {role} rank {rank}"))?;
         let stdout = child.stdout.take().context("child stdout")?;
         let tx = self.tx.clone();
+        let who = format!("{role} rank {rank}");
         std::thread::Builder::new()
             .name(format!("demo-{role}-{rank}"))
             .spawn(move || {
-                for line in BufReader::new(stdout).lines() {
-                    let Ok(line) = line else { break };
-                    match serde_json::from_str::<Event>(&line) {
+                let mut reader = BufReader::new(stdout);
+                let mut raw = Vec::new();
+                loop {
+                    raw.clear();
+                    // Bytes, not `lines()`: a stray non-UTF-8 write by a
+                    // library must not end the event stream.
+                    match reader.read_until(b'\n', &mut raw) {
+                        Ok(0) => break,
+                        Ok(_) => {}
+                        Err(err) => {
+                            eprintln!("reading {who}'s events: {err}");
+                            break;
+                        }
+                    }
+                    let line = String::from_utf8_lossy(&raw);
+                    let line = line.trim_end_matches(['\n', '\r']);
+                    match serde_json::from_str::<Event>(line) {
                         Ok(event) => {
                             if tx.send((id, Some(event))).is_err() {
                                 return;
@@ -198,10 +213,12 @@ impl Children {
                     });
                     sessions[k] = Some(session);
                 }
-                (Some(_), Some(Event::Error { message })) => {
+                // A rank already ready may run its whole workload (and end)
+                // while another is still starting: its later events wait.
+                (Some(k), Some(Event::Error { message })) if sessions[k].is_none() => {
                     bail!("{} failed to start: {message}", self.name(id))
                 }
-                (Some(_), None) => bail!(
+                (Some(k), None) if sessions[k].is_none() => bail!(
                     "{} exited during start-up ({}; its log lines, if any, are above)",
                     self.name(id),
                     self.exit_status(id)
@@ -370,5 +387,54 @@ impl Drop for Children {
                 let _ = e.child.wait();
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ready(rank: u64) -> Event {
+        Event::Ready {
+            role: "decode".into(),
+            rank,
+            session: format!("127.0.0.1:{}", 5000 + rank),
+            control_port: 0,
+        }
+    }
+
+    #[test]
+    fn a_rank_that_finishes_while_another_starts_is_not_a_start_up_failure() {
+        let mut children = Children::new(std::env::temp_dir(), None);
+        let finished = Event::Finished {
+            role: "decode".into(),
+            rank: 0,
+        };
+        for event in [
+            (0, Some(ready(0))),
+            (0, Some(finished)),
+            (0, None),
+            (1, Some(ready(1))),
+        ] {
+            children.tx.send(event).expect("channel open");
+        }
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let sessions = children.wait_ready(&[0, 1], deadline).expect("both ready");
+        assert_eq!(sessions, ["127.0.0.1:5000", "127.0.0.1:5001"]);
+        // Rank 0's later events wait, in order, for the main loop.
+        assert!(matches!(
+            children.backlog.pop_front(),
+            Some((0, Some(Event::Finished { .. })))
+        ));
+        assert!(matches!(children.backlog.pop_front(), Some((0, None))));
+    }
+
+    #[test]
+    fn a_rank_that_ends_before_ready_fails_the_start() {
+        let mut children = Children::new(std::env::temp_dir(), None);
+        children.tx.send((0, Some(ready(0)))).expect("channel open");
+        children.tx.send((1, None)).expect("channel open");
+        let deadline = Instant::now() + Duration::from_secs(5);
+        assert!(children.wait_ready(&[0, 1], deadline).is_err());
     }
 }
