@@ -14,15 +14,11 @@ const MAX_RESENDS: usize = 4096;
 /// with it every transfer from that rank) for ever. A rank acknowledges an
 /// ABORT for a room it no longer knows at once.
 fn resend_owed_aborts(shared: &Shared) {
-    let owed: Vec<(u64, String, Option<u64>)> = shared
-        .rooms
-        .lock()
-        .fences
-        .values()
-        .flat_map(|owed| owed.iter())
-        .filter_map(|(&(room, _), ack)| Some((room, ack.endpoint.clone()?, ack.generation)))
-        .take(MAX_RESENDS)
-        .collect();
+    let super::room::Output::Owed(owed) =
+        shared.step(super::room::Input::OwedAborts { max: MAX_RESENDS })
+    else {
+        return;
+    };
     for (room, endpoint, generation) in owed {
         let message = kvbridge_wire::Abort {
             room,

@@ -10,16 +10,13 @@
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use kvbridge_wire::{AbortAck, AuxData, KvPoll, Limits, PairKey, StateData, Status, ToDecode};
+use kvbridge_wire::{AbortAck, AuxData, Limits, PairKey, StateData, Status, ToDecode};
 
 use super::bound::{self, Bound};
-use super::state::DecodeRooms;
+use super::room::{Input, Output, StatusEffect};
 use super::{Shared, staging};
 use crate::control::PullSocket;
 use crate::role;
-
-const DEFAULT_PREFILL_FAILURE_REASON: &str =
-    "Failed to get kvcache from prefill instance, it might be dead";
 
 /// Most `STATE_DATA` bytes held before they are written.
 const STATE_BATCH_BYTES: usize = 16 << 20;
@@ -109,89 +106,54 @@ pub(crate) fn handle(shared: &Shared, frames: &[Vec<u8>], batch: &mut StateBatch
 /// own prefill ranks are heard, each only under its own pair key (secret
 /// mode).
 fn on_status(shared: &Shared, s: &Status<'_>, bound: &Bound) {
-    let mut rooms = shared.rooms.lock();
-    if !rooms.table.contains(s.room) {
-        tracing::debug!(room = s.room, "dropping late status for a cleared room");
+    let key = match shared.step(Input::StatusSender {
+        room: s.room,
+        rank: s.prefill_rank,
+    }) {
+        Output::Sender(Ok(key)) => key,
+        Output::Sender(Err(StatusEffect::Foreign)) => {
+            shared.metrics.dropped("status_foreign");
+            tracing::warn!(
+                room = s.room,
+                rank = s.prefill_rank,
+                "dropping a status from a rank that does not serve this room"
+            );
+            return;
+        }
+        _ => {
+            tracing::debug!(room = s.room, "dropping late status for a cleared room");
+            return;
+        }
+    };
+    if !bound::from_ranks(shared, key.as_ref(), bound, ("status", s.room)) {
         return;
     }
-    let expected = rooms.expected.get(&s.room);
-    let from_rank = expected.is_some_and(|e| e.status.contains(&s.prefill_rank));
-    let key = expected.and_then(|e| e.keys.get(&s.prefill_rank));
-    if from_rank && !bound::from_ranks(shared, key, bound, ("status", s.room)) {
-        return;
-    }
-    if !from_rank {
-        drop(rooms);
-        shared.metrics.dropped("status_foreign");
-        tracing::warn!(
-            room = s.room,
-            rank = s.prefill_rank,
-            "dropping a status from a rank that does not serve this room"
-        );
-        return;
-    }
-    match s.status {
-        KvPoll::Success => {
-            let expected = rooms.required_responses.get(&s.room).copied();
-            let Some(responded) = rooms.responded.get_mut(&s.room) else {
-                return;
-            };
-            responded.insert(s.prefill_rank);
-            let count = responded.len() as u64;
-            match expected {
-                Some(n) if count >= n => {
-                    // Every writer's CHUNK_READY precedes its status on the
-                    // same socket: a chunk still unscattered now was never
-                    // written, and the room is not complete.
-                    let pending = rooms.staging.get(&s.room).map_or(0, |r| r.pending());
-                    if pending > 0 {
-                        let reason = format!(
-                            "{pending} staging chunk(s) of room {} were allocated but never \
-                             written before every prefill rank reported success",
-                            s.room
-                        );
-                        rooms.table.fail(s.room, reason);
-                        drop(rooms);
-                        shared.metrics.room_concluded(false);
-                        return;
-                    }
-                    rooms.table.update(s.room, KvPoll::Success);
-                    let delivered = rooms.slots.get(&s.room).map(|slots| {
-                        (
-                            slots.capacity_bytes(&shared.kv_args.layout),
-                            slots.asked_at.elapsed(),
-                        )
-                    });
-                    drop(rooms);
-                    shared.metrics.room_concluded(true);
-                    if let Some((bytes, latency)) = delivered {
-                        shared.metrics.bytes.inc_by(bytes);
-                        shared
-                            .metrics
-                            .transfer_latency
-                            .observe(latency.as_secs_f64());
-                    }
-                }
-                Some(_) => {}
-                None => tracing::warn!(room = s.room, "no expected prefill response count"),
+    let effect = shared.step(Input::Status {
+        room: s.room,
+        rank: s.prefill_rank,
+        status: s.status,
+        reason: s.failure_reason.as_deref(),
+        layout: &shared.kv_args.layout,
+    });
+    match effect {
+        Output::Status(StatusEffect::Succeeded(delivered)) => {
+            shared.metrics.room_concluded(true);
+            if let Some((bytes, latency)) = delivered {
+                shared.metrics.bytes.inc_by(bytes);
+                shared
+                    .metrics
+                    .transfer_latency
+                    .observe(latency.as_secs_f64());
             }
         }
-        KvPoll::Failed => {
-            let reason = s
-                .failure_reason
-                .as_deref()
-                .unwrap_or(DEFAULT_PREFILL_FAILURE_REASON);
-            if rooms.table.get(s.room) == Some(KvPoll::Failed) {
-                // Already failed here (an abort, a timeout): keep that root
-                // cause; the prefill's message is its echo.
-                rooms.table.first_failure(s.room, reason);
-                return;
-            }
-            rooms.table.fail(s.room, reason);
-            drop(rooms);
-            shared.metrics.room_concluded(false);
+        Output::Status(StatusEffect::Failed) => shared.metrics.room_concluded(false),
+        Output::Status(StatusEffect::NoCount) => {
+            tracing::warn!(room = s.room, "no expected prefill response count");
         }
-        other => tracing::warn!(room = s.room, status = %other, "ignoring non-terminal status"),
+        Output::Status(StatusEffect::Ignored) => {
+            tracing::warn!(room = s.room, status = %s.status, "ignoring non-terminal status");
+        }
+        _ => {}
     }
 }
 
@@ -199,12 +161,21 @@ fn on_status(shared: &Shared, s: &Status<'_>, bound: &Bound) {
 /// waits for its KV (told its ranks where, not concluded) and the range
 /// lies in its own slots.
 fn room_takes(shared: &Shared, room: u64, dst: u64, len: u64) -> bool {
-    let rooms = shared.rooms.lock();
-    rooms.takes_writes(room)
-        && rooms
-            .slots
-            .get(&room)
-            .is_some_and(|s| s.allows(&shared.kv_args.layout, dst, len))
+    shared.step(Input::Takes {
+        room,
+        layout: &shared.kv_args.layout,
+        dst,
+        len,
+    }) == Output::Flag(true)
+}
+
+/// The pair keys a message about `room` may be bound by (`rank`'s, or
+/// every rank's of the room for `None`).
+fn room_keys(shared: &Shared, room: u64, rank: Option<u64>) -> Vec<PairKey> {
+    match shared.step(Input::Keys { room, rank }) {
+        Output::Keys(keys) => keys,
+        _ => Vec::new(),
+    }
 }
 
 /// Whether a message that writes `room`'s slots comes from one of the
@@ -213,14 +184,7 @@ fn from_room(shared: &Shared, room: u64, bound: &Bound, kind: &'static str) -> b
     if shared.pair_keys.is_none() {
         return true;
     }
-    let keys: Vec<PairKey> = shared
-        .rooms
-        .lock()
-        .expected
-        .get(&room)
-        .map(|e| e.keys.values().copied().collect())
-        .unwrap_or_default();
-    bound::from_ranks(shared, &keys, bound, (kind, room))
+    bound::from_ranks(shared, &room_keys(shared, room, None), bound, (kind, room))
 }
 
 fn on_aux(shared: &Shared, a: &AuxData<'_>, bound: &Bound) {
@@ -275,95 +239,25 @@ fn on_state(shared: &Shared, s: &StateData<'_>, bound: &Bound, batch: &mut State
     batch.items.push((s.room, s.dst_addr, s.data.to_vec()));
 }
 
-/// An ACK counts once per rank of the room, and only with the generation
-/// our ABORT carried: a missing or older generation is stale or forged.
-/// The reference's unranked 2-frame form counts only when our ABORT
-/// carried no generation (deferred release off), as sglang answers then.
-/// A fenced rank's late ACK for `room`: it drained the room (which may be
-/// cleared here by now). Lifts its fence once it owes no other room an ACK.
-/// Whether the ACK was one owed.
-fn settle_fence(
-    shared: &Shared,
-    rooms: &mut DecodeRooms,
-    room: u64,
-    rank: u64,
-    generation: Option<u64>,
-) -> bool {
-    let session = rooms.fences.iter().find_map(|(session, owed)| {
-        owed.get(&(room, rank))
-            .filter(|o| o.generation == generation)
-            .map(|_| session.clone())
-    });
-    let Some(session) = session else {
-        return false;
-    };
-    if let Some(owed) = rooms.fences.get_mut(&session) {
-        owed.remove(&(room, rank));
-        if owed.is_empty() {
-            rooms.fences.remove(&session);
-            shared.engine.unfence_peer(&session);
-            tracing::info!(%session, "fenced prefill rank acknowledged its aborts; fence lifted");
-        }
-    }
-    true
-}
-
-/// The pair keys an ACK for `room` may be bound by: the named rank's (from
-/// the room, or from the fence it owes the ACK under), or any of the room's
-/// ranks for the unranked form.
-fn ack_keys(shared: &Shared, rooms: &DecodeRooms, a: &AbortAck) -> Vec<PairKey> {
-    let expected = rooms.expected.get(&a.room);
-    let Some(rank) = a.prefill_rank else {
-        return expected
-            .map(|e| e.keys.values().copied().collect())
-            .unwrap_or_default();
-    };
-    let owed = rooms
-        .fences
-        .values()
-        .filter_map(|owed| owed.get(&(a.room, rank))?.endpoint.as_deref())
-        .filter_map(|endpoint| shared.pair_key(endpoint));
-    expected
-        .and_then(|e| e.keys.get(&rank).copied())
-        .into_iter()
-        .chain(owed)
-        .collect()
-}
-
+/// An ABORT_ACK from one of the room's ranks (or a fenced rank that owes
+/// it); the rooms decide whether it counts (see `room.rs`).
 fn on_abort_ack(shared: &Shared, a: &AbortAck, bound: &Bound) {
-    let mut rooms = shared.rooms.lock();
-    let rooms = &mut *rooms;
     if shared.pair_keys.is_some()
         && !bound::from_ranks(
             shared,
-            &ack_keys(shared, rooms, a),
+            &room_keys(shared, a.room, a.prefill_rank),
             bound,
             ("ABORT_ACK", a.room),
         )
     {
         return;
     }
-    let settled = a
-        .prefill_rank
-        .is_some_and(|rank| settle_fence(shared, rooms, a.room, rank, a.generation));
-    let (Some(acks), Some(expected)) = (
-        rooms.abort_acks.get_mut(&a.room),
-        rooms.expected.get(&a.room),
-    ) else {
-        return;
-    };
-    let accepted = match a.prefill_rank {
-        Some(rank) if expected.all.contains(&rank) && a.generation == acks.generation => {
-            acks.ranks.insert(rank);
-            true
-        }
-        None if acks.generation.is_none() && acks.unranked < expected.all.len() => {
-            acks.unranked += 1;
-            true
-        }
-        _ => settled,
-    };
-    if !accepted {
+    let accepted = shared.step(Input::AbortAck {
+        room: a.room,
+        rank: a.prefill_rank,
+        generation: a.generation,
+    });
+    if !matches!(accepted, Output::Ack { accepted: true, .. }) {
         shared.metrics.dropped("abort_ack_foreign");
         tracing::warn!(
             room = a.room,

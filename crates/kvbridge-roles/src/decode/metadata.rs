@@ -78,11 +78,10 @@ impl KvReceiver {
         // The room may receive into either page space (HiSparse).
         let mut pages = kv_indices.to_vec();
         pages.extend_from_slice(device_kv_indices.unwrap_or(&[]));
-        self.shared
-            .rooms
-            .lock()
-            .slots
-            .insert(self.room, RoomSlots::new(&pages, aux_index, state_indices));
+        self.shared.step(super::room::Input::Asked {
+            room: self.room,
+            slots: RoomSlots::new(&pages, aux_index, state_indices),
+        });
         if let Some(m) = &self.mapping {
             let prefills = infos
                 .iter()

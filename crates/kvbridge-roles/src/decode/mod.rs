@@ -10,6 +10,7 @@ mod inbox;
 mod metadata;
 mod receiver;
 mod ring;
+mod room;
 mod slots;
 mod staging;
 pub(crate) mod state;
@@ -20,7 +21,6 @@ use std::sync::atomic::AtomicBool;
 use std::time::Duration;
 
 use kvbridge_engine::TransferEngine;
-use kvbridge_wire::KvPoll;
 use parking_lot::Mutex;
 
 use crate::config::DecodeConfig;
@@ -32,8 +32,9 @@ use crate::role::{self, Lifecycle};
 use crate::stop::StopSignal;
 
 pub use receiver::KvReceiver;
+use room::DecodeRooms;
+use state::Prefills;
 pub use state::{BootstrapInfo, PrefillSummary};
-use state::{DecodeRooms, Prefills};
 
 /// State shared by the decode manager's threads and its receivers.
 #[derive(Debug)]
@@ -59,6 +60,24 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
+    /// Applies `input` to the rooms under their lock: the one place the
+    /// decode side changes a room outside the staging ring. An ACK that
+    /// lifts a fence unfences its engine session before the lock is
+    /// released, so a fence set meanwhile for the session is not lifted.
+    pub fn step(&self, input: room::Input<'_>) -> room::Output {
+        let mut rooms = self.rooms.lock();
+        let output = rooms.handle(input);
+        if let room::Output::Ack {
+            unfence: Some(session),
+            ..
+        } = &output
+        {
+            self.engine.unfence_peer(session);
+            tracing::info!(%session, "fenced prefill rank acknowledged its aborts; fence lifted");
+        }
+        output
+    }
+
     /// The pair key of the prefill rank at `endpoint` (secret mode).
     pub fn pair_key(&self, endpoint: &str) -> Option<kvbridge_wire::PairKey> {
         self.pair_keys.as_ref().map(|k| k.for_prefill(endpoint))
@@ -93,17 +112,10 @@ impl Shared {
             prefills.pool.retain(|k, _| !k.starts_with(&prefix));
         }
         let reason = format!("Lost connection with prefill instance (bootstrap_addr: {addr})");
-        let mut affected = 0usize;
-        {
-            let mut rooms = self.rooms.lock();
-            let candidates = rooms.addr_rooms.remove(addr).unwrap_or_default();
-            for room in candidates {
-                if rooms.table.get(room).is_some_and(|s| s != KvPoll::Success) {
-                    rooms.table.fail(room, reason.clone());
-                    affected += 1;
-                }
-            }
-        }
+        let affected = match self.step(room::Input::ServerLost { addr, reason }) {
+            room::Output::Failed(n) => n,
+            _ => 0,
+        };
         self.metrics.failure("prefill_lost");
         tracing::error!(%addr, affected, "lost connection with prefill instance");
     }

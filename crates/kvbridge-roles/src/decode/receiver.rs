@@ -7,8 +7,9 @@ use kvbridge_wire::bootstrap::{PrefillRankInfo, PrefillServerInfo};
 use kvbridge_wire::{Abort, KvPoll};
 
 use super::Shared;
+use super::room::{Drain, Input, Output};
 use super::slots::ExpectedRanks;
-use super::state::{AbortAcks, BootstrapInfo, OwedAck, PrefillSummary};
+use super::state::{BootstrapInfo, PrefillSummary};
 use super::topology::{LocalTopology, RankMapping, resolve};
 use crate::error::KvTransferError;
 
@@ -107,19 +108,10 @@ fn get_json<T: serde::de::DeserializeOwned>(shared: &Shared, url: &str) -> Fetch
 
 impl KvReceiver {
     pub(crate) fn new(shared: Arc<Shared>, bootstrap_addr: String, room: u64) -> Self {
-        {
-            let mut rooms = shared.rooms.lock();
-            rooms
-                .addr_rooms
-                .entry(bootstrap_addr.clone())
-                .or_default()
-                .insert(room);
-            rooms.responded.insert(room, Default::default());
-            rooms.abort_acks.remove(&room);
-            rooms.expected.remove(&room);
-            rooms.slots.remove(&room);
-            rooms.table.update(room, KvPoll::Bootstrapping);
-        }
+        shared.step(Input::Open {
+            room,
+            addr: bootstrap_addr.clone(),
+        });
         Self {
             shared,
             bootstrap_addr,
@@ -144,10 +136,10 @@ impl KvReceiver {
 
     pub(super) fn fail(&mut self, reason: String) -> KvPoll {
         tracing::warn!(room = self.room, %reason, "room failed");
-        {
-            let mut rooms = self.shared.rooms.lock();
-            rooms.table.fail(self.room, reason);
-        }
+        self.shared.step(Input::Fail {
+            room: self.room,
+            reason,
+        });
         self.conclude_state = Some(KvPoll::Failed);
         self.stop_writers();
         KvPoll::Failed
@@ -162,24 +154,12 @@ impl KvReceiver {
         let Some(infos) = self.infos.as_ref() else {
             return; // no prefill rank was told about the room
         };
-        let generation = {
-            let mut rooms = self.shared.rooms.lock();
-            if rooms.abort_acks.contains_key(&self.room) {
-                return;
-            }
-            let generation = self.shared.config.deferred_release.then(|| {
-                rooms.generation += 1;
-                rooms.generation
-            });
-            rooms.abort_acks.insert(
-                self.room,
-                AbortAcks {
-                    generation,
-                    sent_at: Some(Instant::now()),
-                    ..AbortAcks::default()
-                },
-            );
-            generation
+        let Output::Abort(Some(generation)) = self.shared.step(Input::StopWriters {
+            room: self.room,
+            with_generation: self.shared.config.deferred_release,
+            now: Instant::now(),
+        }) else {
+            return; // sent already
         };
         for info in infos {
             let message = Abort {
@@ -219,11 +199,6 @@ impl KvReceiver {
                 }
             }
         };
-        self.shared
-            .rooms
-            .lock()
-            .required_responses
-            .insert(self.room, mapping.required_prefill_response_num);
         let mut all = Vec::new();
         for cp in mapping.target_cp_ranks.clone() {
             match self.bootstrap_infos_for(prefill_dp_rank, cp, &mapping) {
@@ -247,19 +222,17 @@ impl KvReceiver {
                 .filter_map(|i| Some((i.unique_rank, self.shared.pair_key(&i.endpoint())?)))
                 .collect(),
         };
-        self.shared
-            .rooms
-            .lock()
-            .expected
-            .insert(self.room, expected);
         self.infos = Some(all);
+        let required = mapping.required_prefill_response_num;
         self.mapping = Some(mapping);
-        self.shared
-            .rooms
-            .lock()
-            .table
-            .update(self.room, KvPoll::WaitingForInput)
-            .unwrap_or(KvPoll::Failed)
+        match self.shared.step(Input::Resolved {
+            room: self.room,
+            required,
+            expected,
+        }) {
+            Output::State(Some(state)) => state,
+            _ => KvPoll::Failed,
+        }
     }
 
     fn ensure_parallel_info(&self) -> Fetch<RankMapping> {
@@ -393,13 +366,10 @@ impl KvReceiver {
         if let Some(state) = self.conclude_state {
             return state;
         }
-        let status = self
-            .shared
-            .rooms
-            .lock()
-            .table
-            .get(self.room)
-            .unwrap_or(KvPoll::Failed);
+        let status = match self.shared.step(Input::Poll { room: self.room }) {
+            Output::State(Some(state)) => state,
+            _ => KvPoll::Failed,
+        };
         if status.is_terminal() {
             self.conclude_state = Some(status);
             if status == KvPoll::Failed {
@@ -425,7 +395,8 @@ impl KvReceiver {
     /// sent, by [`KvReceiver::abort`], a failure, or
     /// [`KvReceiver::notify_abort`]).
     pub fn abort_notified(&self) -> bool {
-        self.infos.is_some() && self.shared.rooms.lock().abort_acks.contains_key(&self.room)
+        self.infos.is_some()
+            && self.shared.step(Input::AbortSent { room: self.room }) == Output::Flag(true)
     }
 
     /// Tells the room's prefill ranks to stop writing its pages (once),
@@ -439,10 +410,10 @@ impl KvReceiver {
     /// Aborts the room: marks it Failed here and tells every prefill rank,
     /// which acknowledges once its in-flight writes to the room drained.
     pub fn abort(&mut self) {
-        {
-            let mut rooms = self.shared.rooms.lock();
-            rooms.table.fail(self.room, "Aborted by AbortReq.");
-        }
+        self.shared.step(Input::Fail {
+            room: self.room,
+            reason: "Aborted by AbortReq.".into(),
+        });
         self.conclude_state = Some(KvPoll::Failed);
         self.stop_writers();
     }
@@ -464,34 +435,20 @@ impl KvReceiver {
         let Some(needed) = self.infos.as_ref().map(Vec::len) else {
             return true;
         };
-        let silent = {
-            let mut rooms = self.shared.rooms.lock();
-            let Some(acks) = rooms.abort_acks.get_mut(&self.room) else {
-                return false;
-            };
-            if acks.ranks.len() + acks.unranked + acks.fenced.len() >= needed {
-                return true;
-            }
-            let overdue = acks
-                .sent_at
-                .is_some_and(|t| t.elapsed() >= self.shared.config.abort_ack_timeout);
-            if !overdue || acks.overdue_logged {
-                return false;
-            }
-            acks.overdue_logged = true;
-            let (acked, fenced) = (acks.ranks.clone(), acks.fenced.clone());
-            let expected = rooms.expected.get(&self.room).cloned().unwrap_or_default();
-            let silent: Vec<(u64, Option<String>)> = expected
-                .all
-                .iter()
-                .filter(|r| !acked.contains(r) && !fenced.contains(r))
-                .map(|r| (*r, expected.sessions.get(r).cloned()))
-                .collect();
-            silent
+        let silent = match self.shared.step(Input::Drain {
+            room: self.room,
+            needed,
+            ack_timeout: self.shared.config.abort_ack_timeout,
+            now: Instant::now(),
+        }) {
+            Output::Drain(Drain::Drained) => return true,
+            Output::Drain(Drain::Overdue(silent)) => silent,
+            _ => return false,
         };
+        let mut fenced = Vec::new();
         let mut unfenced = Vec::new();
         for (rank, session) in silent {
-            let fenced = match &session {
+            let done = match &session {
                 Some(s) => match self.shared.engine.fence_peer(s) {
                     Ok(done) => done,
                     Err(e) => {
@@ -501,35 +458,25 @@ impl KvReceiver {
                 },
                 None => false,
             };
-            if let (true, Some(s)) = (fenced, session) {
-                self.shared.metrics.failure("abort_fenced");
-                tracing::warn!(
-                    room = self.room,
-                    rank,
-                    session = %s,
-                    "prefill rank did not acknowledge the abort in time; its engine session is \
-                     fenced until it does, so no late write can land"
-                );
-                let endpoint = self
-                    .infos
-                    .iter()
-                    .flatten()
-                    .find(|i| i.unique_rank == rank)
-                    .map(BootstrapInfo::endpoint);
-                let mut rooms = self.shared.rooms.lock();
-                let generation = rooms.abort_acks.get(&self.room).and_then(|a| a.generation);
-                rooms.fences.entry(s).or_default().insert(
-                    (self.room, rank),
-                    OwedAck {
-                        endpoint,
-                        generation,
-                    },
-                );
-                if let Some(acks) = rooms.abort_acks.get_mut(&self.room) {
-                    acks.fenced.insert(rank);
+            match session {
+                Some(s) if done => {
+                    self.shared.metrics.failure("abort_fenced");
+                    tracing::warn!(
+                        room = self.room,
+                        rank,
+                        session = %s,
+                        "prefill rank did not acknowledge the abort in time; its engine session is \
+                         fenced until it does, so no late write can land"
+                    );
+                    let endpoint = self
+                        .infos
+                        .iter()
+                        .flatten()
+                        .find(|i| i.unique_rank == rank)
+                        .map(BootstrapInfo::endpoint);
+                    fenced.push((rank, s, endpoint));
                 }
-            } else {
-                unfenced.push(rank);
+                _ => unfenced.push(rank),
             }
         }
         if !unfenced.is_empty() {
@@ -541,18 +488,18 @@ impl KvReceiver {
                  pages stay pinned until they do (a write could still land)"
             );
         }
-        let rooms = self.shared.rooms.lock();
-        rooms
-            .abort_acks
-            .get(&self.room)
-            .is_some_and(|a| a.ranks.len() + a.unranked + a.fenced.len() >= needed)
+        self.shared.step(Input::Fenced {
+            room: self.room,
+            needed,
+            fenced,
+        }) == Output::Flag(true)
     }
 
     /// Clears the room and returns its failure: the recorded reason, or a
     /// generic one marked as coming from another rank.
     pub fn failure_exception(&mut self) -> KvTransferError {
         self.conclude_state = Some(KvPoll::Failed);
-        let reason = self.shared.rooms.lock().table.take_failure(self.room);
+        let reason = self.take_reason();
         self.clear();
         KvTransferError::from_recorded(self.room, reason)
     }
@@ -563,24 +510,20 @@ impl KvReceiver {
     /// scheduler asks after `failure_exception` while it holds the pages.
     pub fn take_failure(&mut self) -> KvTransferError {
         self.conclude_state = Some(KvPoll::Failed);
-        let reason = self.shared.rooms.lock().table.take_failure(self.room);
+        let reason = self.take_reason();
         KvTransferError::from_recorded(self.room, reason)
+    }
+
+    fn take_reason(&self) -> Option<String> {
+        match self.shared.step(Input::TakeFailure { room: self.room }) {
+            Output::Reason(reason) => reason,
+            _ => None,
+        }
     }
 
     /// Forgets the room.
     pub fn clear(&mut self) {
-        let mut rooms = self.shared.rooms.lock();
-        rooms.table.remove(self.room);
-        rooms.required_responses.remove(&self.room);
-        rooms.responded.remove(&self.room);
-        rooms.abort_acks.remove(&self.room);
-        rooms.expected.remove(&self.room);
-        rooms.slots.remove(&self.room);
-        drop(rooms);
+        self.shared.step(Input::Clear { room: self.room });
         super::staging::release_room(&self.shared, self.room);
-        let mut rooms = self.shared.rooms.lock();
-        if let Some(set) = rooms.addr_rooms.get_mut(&self.bootstrap_addr) {
-            set.remove(&self.room);
-        }
     }
 }

@@ -114,9 +114,6 @@ impl SlotSet<'_> {
     }
 }
 
-/// Slots of every live room, for messages that name only a room.
-pub(crate) type SlotsByRoom = HashMap<u64, RoomSlots>;
-
 #[cfg(test)]
 mod tests {
     use super::*;

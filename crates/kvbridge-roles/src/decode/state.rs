@@ -1,12 +1,7 @@
 //! What the decode side knows about rooms and prefill servers.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 
-use kvbridge_wire::KvPoll;
-
-use crate::rooms::RoomTable;
-
-use super::slots::{ExpectedRanks, SlotsByRoom};
 use super::topology::RankMapping;
 
 /// One prefill rank a room's KV comes from.
@@ -32,73 +27,6 @@ impl BootstrapInfo {
     /// `tcp://ip:port` of the rank's socket.
     pub fn endpoint(&self) -> String {
         crate::control::tcp_endpoint(&self.rank_ip, self.rank_port)
-    }
-}
-
-/// ACKs collected for an aborted room.
-#[derive(Debug, Default, Clone)]
-pub(crate) struct AbortAcks {
-    /// The generation our ABORT carried.
-    pub generation: Option<u64>,
-    /// Prefill ranks that acknowledged (ranked form).
-    pub ranks: HashSet<u64>,
-    /// ACKs in the reference's 2-frame form (no rank), accepted only when
-    /// our ABORT carried no generation (a stock sglang prefill without
-    /// deferred release answers so).
-    pub unranked: usize,
-    /// When the ABORT went out (the ACK deadline counts from here).
-    pub sent_at: Option<std::time::Instant>,
-    /// Whether the missed-deadline warning was logged.
-    pub overdue_logged: bool,
-    /// Ranks that never acknowledged but whose engine session our engine
-    /// fenced (no write of theirs can land any more).
-    pub fenced: HashSet<u64>,
-}
-
-/// Room-level state of the decode side.
-#[derive(Debug, Default)]
-pub(crate) struct DecodeRooms {
-    pub table: RoomTable,
-    /// Success messages expected per room.
-    pub required_responses: HashMap<u64, u64>,
-    /// Prefill ranks that reported Success per room.
-    pub responded: HashMap<u64, HashSet<u64>>,
-    /// Rooms per prefill bootstrap server (failed together when it dies).
-    pub addr_rooms: HashMap<String, HashSet<u64>>,
-    /// Abort ACK tracking per room.
-    pub abort_acks: HashMap<u64, AbortAcks>,
-    /// Last abort generation handed out.
-    pub generation: u64,
-    /// Rooms that receive through the staging ring.
-    pub staging: HashMap<u64, super::staging::StagingRoom>,
-    /// The prefill ranks each room expects to hear from.
-    pub expected: HashMap<u64, ExpectedRanks>,
-    /// The slots each room's prefill ranks may write outside the engine.
-    pub slots: SlotsByRoom,
-    /// Engine sessions fenced for silent ranks, with the `(room, rank)`
-    /// ACKs still owed; the fence is lifted when the last one arrives.
-    pub fences: HashMap<String, HashMap<(u64, u64), OwedAck>>,
-}
-
-/// An ABORT_ACK a fenced prefill rank still owes, and where to ask again:
-/// the ABORT may have been lost (a partition), and the fence stays until
-/// the rank answers, so the ABORT is sent again on every heartbeat.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct OwedAck {
-    /// The rank's zmq endpoint, when known.
-    pub endpoint: Option<String>,
-    /// The generation the room's ABORT carried.
-    pub generation: Option<u64>,
-}
-
-impl DecodeRooms {
-    /// Whether `room` takes writes now: told its ranks where its KV goes
-    /// and not concluded (not aborted, failed, succeeded or cleared).
-    pub fn takes_writes(&self, room: u64) -> bool {
-        matches!(
-            self.table.get(room),
-            Some(KvPoll::WaitingForInput | KvPoll::Transferring)
-        )
     }
 }
 
