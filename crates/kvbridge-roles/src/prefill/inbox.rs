@@ -9,8 +9,9 @@ use kvbridge_plan::{PreparedPeer, StagingSource, TransferRequest};
 use kvbridge_wire::{Abort, KvPoll, Limits, Register, StagingRsp, ToPrefill, Transfer, Watermark};
 
 use super::Shared;
+use super::room::{Admission, Input, Output};
 use super::staging::{self as staged, StagingDest};
-use super::state::{AckTarget, Concluded, Peer, PeerEntry, RoomsState, TransferInfo};
+use super::state::{AckTarget, Peer, PeerEntry, TransferInfo};
 use crate::control::PullSocket;
 use crate::kv_args::peer_registration;
 use crate::role;
@@ -186,7 +187,7 @@ fn on_register(shared: &Shared, r: &Register<'_>) {
     let generation = shared.next_generation.fetch_add(1, Ordering::SeqCst);
     // A registration is a new ring (or none): the old one's watermark
     // says nothing about it.
-    shared.rooms.lock().staging.watermarks.remove(&session);
+    shared.step(Input::Registered { session: &session });
     shared.peers.write().insert(
         session.clone(),
         Arc::new(PeerEntry {
@@ -319,122 +320,79 @@ fn on_transfer(shared: &Shared, t: &Transfer<'_>) {
         refuse(shared, room, &info, format!("room {room}: {reason}"));
         return;
     }
-    let mut rooms = shared.rooms.lock();
-    let held = info.held_bytes();
-    let over_bytes = |r: &RoomsState| {
-        r.info_bytes.saturating_add(held) > shared.config.max_pending_request_bytes
-    };
-    if (!rooms.infos.contains_key(&room) && rooms.infos.len() >= shared.config.max_rooms)
-        || over_bytes(&rooms)
-    {
-        // Full: first drop rooms no sender claimed within the bootstrap
-        // timeout (a flood of requests for rooms that never come must not
-        // hold the cap for good).
-        expire_unclaimed(shared, &mut rooms);
-    }
-    if over_bytes(&rooms) {
-        let pending = rooms.info_bytes;
-        drop(rooms);
-        shared.metrics.dropped("transfer_over_bytes");
-        tracing::warn!(
-            room,
-            bytes = held,
-            pending,
-            max = shared.config.max_pending_request_bytes,
-            "refusing a transfer request: pending rooms hold too many destination bytes"
-        );
+    let Output::Transfer(admission, expired) = shared.step(Input::Transfer {
+        room,
+        info: info.clone(),
+        caps: shared.caps(),
+        now: Instant::now(),
+    }) else {
         return;
-    }
-    if !rooms.infos.contains_key(&room) && rooms.infos.len() >= shared.config.max_rooms {
-        drop(rooms);
-        shared.metrics.dropped("transfer_over_limit");
-        tracing::warn!(
-            room,
-            max = shared.config.max_rooms,
-            "refusing a transfer request: too many rooms pending"
-        );
-        return;
-    }
-    let already_sent = || {
-        Some(format!(
-            "room {room} was already sent in full to an earlier request; it cannot be sent again"
-        ))
     };
-    let failed = match rooms.table.get(room) {
-        Some(KvPoll::Failed) => Some(rooms.table.failure(room).map(str::to_owned)),
-        Some(KvPoll::Success) => Some(already_sent()),
-        Some(_) => None,
-        None => match rooms.concluded.get(room) {
-            Some(Concluded::Failed(reason)) => Some(reason.clone()),
-            Some(Concluded::Sent) => Some(already_sent()),
-            None => None,
-        },
-    };
-    if let Some(reason) = failed {
-        // A late request (a restarted decode retrying) for a room already
-        // finished here: answer now, or that decode waits out its timeout,
-        // pages pinned, for a status nobody will send.
-        drop(rooms);
-        if let Some(target) = info.status_target() {
-            tracing::debug!(room, session = %info.session, "transfer request for a finished room; answering Failed");
-            shared.send_status(&[target], room, KvPoll::Failed, reason.as_deref());
+    report_expired(shared, expired);
+    match admission {
+        Admission::Added(Some(infos)) => {
+            tracing::debug!(room, "all decode destinations known");
+            staged::prefetch(shared, room, &infos);
         }
-        return;
-    }
-    // The same decode session asking again from a new incarnation after
-    // this room began sending: earlier chunks went to the dead incarnation,
-    // so the new one could never hold every byte. Fail, never resume.
-    let restarted = rooms.infos.get(&room).is_some_and(|v| {
-        v.iter()
-            .any(|i| i.session == info.session && i.registration != info.registration)
-    });
-    if restarted && rooms.started.contains_key(&room) {
-        drop(rooms);
-        shared.metrics.failure("restarted_mid_transfer");
-        let reason = format!(
-            "decode session {} restarted while room {room} was being sent; a room cannot \
-             resume on a new incarnation",
-            info.session
-        );
-        let targets = info.status_target().into_iter().collect();
-        shared.conclude(room, KvPoll::Failed, Some(targets), Some(reason));
-        return;
-    }
-    if !rooms.session_has_room(room, &info.session, shared.config.max_rooms_per_session) {
-        drop(rooms);
-        shared.metrics.dropped("transfer_over_session_limit");
-        tracing::warn!(
-            room,
-            session = %info.session,
-            max = shared.config.max_rooms_per_session,
-            "refusing a transfer request: this decode session has too many rooms pending"
-        );
-        return;
-    }
-    let infos = rooms.add_info(room, info);
-    let complete = infos.len() as u64 == t.required_dst_info_num;
-    if complete {
-        let prefix = infos.iter().find_map(|i| i.decode_prefix_len).unwrap_or(0);
-        let infos = infos.to_vec();
-        rooms.prefix_len.insert(room, prefix);
-        rooms.table.update(room, KvPoll::WaitingForInput);
-        drop(rooms);
-        tracing::debug!(room, "all decode destinations known");
-        staged::prefetch(shared, room, &infos);
+        Admission::Added(None) => {}
+        Admission::OverBytes(pending) => {
+            shared.metrics.dropped("transfer_over_bytes");
+            tracing::warn!(
+                room,
+                bytes = info.held_bytes(),
+                pending,
+                max = shared.config.max_pending_request_bytes,
+                "refusing a transfer request: pending rooms hold too many destination bytes"
+            );
+        }
+        Admission::OverRooms => {
+            shared.metrics.dropped("transfer_over_limit");
+            tracing::warn!(
+                room,
+                max = shared.config.max_rooms,
+                "refusing a transfer request: too many rooms pending"
+            );
+        }
+        Admission::OverSession => {
+            shared.metrics.dropped("transfer_over_session_limit");
+            tracing::warn!(
+                room,
+                session = %info.session,
+                max = shared.config.max_rooms_per_session,
+                "refusing a transfer request: this decode session has too many rooms pending"
+            );
+        }
+        Admission::Finished(reason) => {
+            // A late request (a restarted decode retrying) for a room
+            // already finished here: answer now, or that decode waits out
+            // its timeout, pages pinned, for a status nobody will send.
+            if let Some(target) = info.status_target() {
+                tracing::debug!(room, session = %info.session, "transfer request for a finished room; answering Failed");
+                shared.send_status(&[target], room, KvPoll::Failed, reason.as_deref());
+            }
+        }
+        Admission::Restarted => {
+            // Earlier chunks went to the dead incarnation, so the new one
+            // could never hold every byte. Fail, never resume.
+            shared.metrics.failure("restarted_mid_transfer");
+            let reason = format!(
+                "decode session {} restarted while room {room} was being sent; a room cannot \
+                 resume on a new incarnation",
+                info.session
+            );
+            let targets = info.status_target().into_iter().collect();
+            shared.conclude(room, KvPoll::Failed, Some(targets), Some(reason));
+        }
     }
 }
 
-/// Drops the requests of rooms no sender claimed within the bootstrap
-/// timeout, and the entries of rooms an ABORT failed before any sender
-/// claimed them (at most one sweep a second); counts and logs the former.
-fn expire_unclaimed(shared: &Shared, rooms: &mut RoomsState) {
-    let expired = rooms.expire_unclaimed(shared.config.bootstrap_timeout, Instant::now());
-    if !expired.is_empty() {
-        shared
-            .metrics
-            .dropped_n("transfer_expired", expired.len() as u64);
+/// Counts and logs the requests of rooms no sender claimed within the
+/// bootstrap timeout, dropped to make space.
+fn report_expired(shared: &Shared, expired: usize) {
+    if expired > 0 {
+        shared.metrics.dropped_n("transfer_expired", expired as u64);
         tracing::warn!(
-            rooms = expired.len(),
+            rooms = expired,
             timeout = ?shared.config.bootstrap_timeout,
             "dropping transfer requests for rooms no sender claimed within the bootstrap timeout"
         );
@@ -447,12 +405,10 @@ fn expire_unclaimed(shared: &Shared, rooms: &mut RoomsState) {
 /// reason instead of waiting out its bootstrap timeout.
 fn refuse(shared: &Shared, room: u64, info: &TransferInfo, reason: String) {
     let targets: Vec<(String, u16)> = info.status_target().into_iter().collect();
-    {
-        let mut rooms = shared.rooms.lock();
-        if !rooms.table.contains(room) && rooms.table.len() < shared.config.max_rooms {
-            rooms.table.update(room, KvPoll::Bootstrapping);
-        }
-    }
+    shared.step(Input::Refuse {
+        room,
+        max_rooms: shared.config.max_rooms,
+    });
     if shared
         .conclude(
             room,
@@ -476,93 +432,59 @@ fn on_abort(shared: &Shared, a: &Abort<'_>) {
         port: a.decode_port,
         generation: a.generation,
     };
-    let told_others = {
-        let mut rooms = shared.rooms.lock();
-        let active = rooms.table.get(room).is_some_and(|s| s != KvPoll::Success);
-        // A room not entered yet (its sender not created, or not every
-        // decode rank's request in) is entered failed (up to `max_rooms`):
-        // a later request or sender for it must not revive it and write
-        // into pages whose ABORT was acknowledged.
-        // (Also drops entries of earlier such rooms no sender ever claimed.)
-        expire_unclaimed(shared, &mut rooms);
-        let now = Instant::now();
-        let unknown = !rooms.table.contains(room) && rooms.table.len() < shared.config.max_rooms;
-        // The other decode ranks whose requests for it wait here are told
-        // at once, not left to their room timeout.
-        let mut others: Vec<(String, u16)> = Vec::new();
-        if unknown {
-            rooms.table.update(room, KvPoll::Bootstrapping);
-            rooms.aborted_early.insert(room, now);
-            others = rooms
-                .infos
-                .get(&room)
-                .into_iter()
-                .flatten()
-                .filter_map(|i| i.status_target())
-                .filter(|(ip, port)| (ip.as_str(), *port) != (target.ip.as_str(), target.port))
-                .collect();
-            rooms.remove_infos(room);
-        }
-        if active || unknown {
-            rooms.table.fail(room, "Aborted by the decode side");
-            shared.metrics.failure("aborted");
-        }
-        let targets = rooms.ack_targets.entry(room).or_default();
-        targets.retain(|t| (t.ip.as_str(), t.port) != (target.ip.as_str(), target.port));
-        if targets.len() >= shared.config.max_abort_endpoints {
-            shared.metrics.dropped("abort_over_limit");
-            tracing::warn!(
-                room,
-                "too many abort endpoints for one room; ignoring another"
-            );
-        } else {
-            targets.push(target);
-        }
-        tracing::debug!(room, active, "abort received; ACK once drained");
-        others
+    let Output::Aborted(effect) = shared.step(Input::Abort {
+        room,
+        target,
+        caps: shared.caps(),
+        now: Instant::now(),
+    }) else {
+        return;
     };
-    if !told_others.is_empty() {
+    report_expired(shared, effect.expired);
+    if effect.failed {
+        shared.metrics.failure("aborted");
+    }
+    if effect.over_limit {
+        shared.metrics.dropped("abort_over_limit");
+        tracing::warn!(
+            room,
+            "too many abort endpoints for one room; ignoring another"
+        );
+    }
+    tracing::debug!(
+        room,
+        active = effect.active,
+        "abort received; ACK once drained"
+    );
+    if !effect.others.is_empty() {
         shared.send_status(
-            &told_others,
+            &effect.others,
             room,
             KvPoll::Failed,
             Some("Aborted by the decode side (another decode rank of the room)"),
         );
     }
-    shared.ack_if_drained(room);
+    for target in effect.acks {
+        shared.send_abort_ack(room, &target);
+    }
 }
 
 fn on_watermark(shared: &Shared, w: &Watermark<'_>) {
-    let mut rooms = shared.rooms.lock();
-    let entry = rooms
-        .staging
-        .watermarks
-        .entry(w.session_id.to_string())
-        .or_insert((0, 0));
-    if (w.wm_round, w.wm_tail) > *entry {
-        *entry = (w.wm_round, w.wm_tail);
-    }
+    shared.step(Input::Watermark {
+        session: &w.session_id,
+        round: w.wm_round,
+        tail: w.wm_tail,
+    });
 }
 
-/// Most staging allocations kept per room and decode rank.
-const MAX_STAGED_CHUNKS_PER_ROOM: usize = 1 << 16;
-
 fn on_staging_rsp(shared: &Shared, s: &StagingRsp<'_>) {
-    let mut rooms = shared.rooms.lock();
-    let known = rooms
-        .infos
-        .get(&s.room)
-        .is_some_and(|infos| infos.iter().any(|i| i.session == s.session_id));
-    if !known {
+    let known = shared.step(Input::StagingRsp {
+        room: s.room,
+        session: &s.session_id,
+        chunk: s.chunk_idx,
+        allocation: (s.offset, s.round, s.end),
+    });
+    if !matches!(known, Output::Flag(true)) {
         tracing::warn!(room = s.room, session = %s.session_id, "STAGING_RSP for an unknown destination");
-        return;
-    }
-    let chunks = rooms
-        .staging
-        .allocations
-        .entry((s.room, s.session_id.to_string()))
-        .or_default();
-    if chunks.len() < MAX_STAGED_CHUNKS_PER_ROOM || chunks.contains_key(&s.chunk_idx) {
-        chunks.insert(s.chunk_idx, (s.offset, s.round, s.end));
     }
 }

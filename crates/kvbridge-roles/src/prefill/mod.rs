@@ -12,6 +12,7 @@ mod inbox;
 mod pipeline;
 mod probe;
 mod refresh;
+pub(crate) mod room;
 mod sender;
 mod ship;
 mod staging;
@@ -120,6 +121,23 @@ impl Shared {
         }
     }
 
+    /// Applies `input` to the rooms under their lock: the one place the
+    /// prefill side reads or changes a room.
+    pub fn step(&self, input: room::Input<'_>) -> room::Output {
+        self.rooms.lock().handle(input)
+    }
+
+    /// The caps transfer requests and ABORTs are admitted under.
+    pub fn caps(&self) -> room::Caps {
+        room::Caps {
+            max_rooms: self.config.max_rooms,
+            max_pending_bytes: self.config.max_pending_request_bytes,
+            max_rooms_per_session: self.config.max_rooms_per_session,
+            max_abort_endpoints: self.config.max_abort_endpoints,
+            unclaimed_ttl: self.config.bootstrap_timeout,
+        }
+    }
+
     /// Concludes a room (sglang `conclude_transfer`): a recorded failure or
     /// an earlier `Failed` turns `Success` into `Failed`; the first failure
     /// reason is kept; the status goes to `targets` (default: every
@@ -132,35 +150,19 @@ impl Shared {
         targets: Option<Vec<(String, u16)>>,
         reason: Option<String>,
     ) -> Option<KvPoll> {
-        let (status, reason, targets, started) = {
-            let mut rooms = self.rooms.lock();
-            if !rooms.table.contains(room) {
-                return None;
-            }
-            let (mut status, mut reason) = (status, reason);
-            if status == KvPoll::Success {
-                if let Some(recorded) = rooms.table.failure(room) {
-                    reason = Some(recorded.to_owned());
-                    status = KvPoll::Failed;
-                } else if rooms.table.get(room) == Some(KvPoll::Failed) {
-                    status = KvPoll::Failed;
-                    reason =
-                        Some(reason.unwrap_or_else(|| {
-                            "Room marked Failed before the transfer ended".into()
-                        }));
-                }
-            }
-            if status == KvPoll::Failed {
-                let why = reason.unwrap_or_else(|| "KV transfer failed".into());
-                reason = Some(rooms.table.first_failure(room, why));
-            }
-            let mut targets = targets.unwrap_or_else(|| rooms.notify_targets(room));
-            if status == KvPoll::Failed {
-                // Each decode endpoint hears a room's failure once.
-                targets = rooms.untold(room, targets);
-            }
-            rooms.table.update(room, status);
-            (status, reason, targets, rooms.started.remove(&room))
+        let room::Output::Concluded(Some(room::Conclusion {
+            status,
+            reason,
+            targets,
+            started,
+        })) = self.step(room::Input::Conclude {
+            room,
+            status,
+            targets,
+            reason,
+        })
+        else {
+            return None;
         };
         self.metrics.room_concluded(status == KvPoll::Success);
         if let Some(t) = started {
@@ -192,14 +194,6 @@ impl Shared {
             "telling the room's decodes it failed here"
         );
         self.send_status(&targets, room, KvPoll::Failed, reason.as_deref());
-    }
-
-    /// Sends the abort ACKs of a room if it has drained.
-    pub fn ack_if_drained(&self, room: u64) {
-        let targets = self.rooms.lock().take_drained_acks(room);
-        for t in targets {
-            self.send_abort_ack(room, &t);
-        }
     }
 
     /// One ABORT_ACK: the ranked form (with the generation when the abort
@@ -433,19 +427,25 @@ impl PrefillManager {
 
     /// The room's state, if it exists.
     pub fn room_status(&self, room: u64) -> Option<KvPoll> {
-        self.shared.rooms.lock().table.get(room)
+        match self.shared.step(room::Input::State { room }) {
+            room::Output::State(state) => state,
+            _ => None,
+        }
     }
 
     /// Starts journaling room state changes for [`PrefillManager::take_status_changes`]
     /// (a pipeline stage mirroring its states to stage 0).
     pub fn watch_statuses(&self) {
-        self.shared.rooms.lock().table.watch();
+        self.shared.step(room::Input::Watch);
     }
 
     /// The rooms whose state changed since the last call, each with its
     /// latest state (`None`: cleared); empty unless watched.
     pub fn take_status_changes(&self) -> Vec<(u64, Option<KvPoll>)> {
-        self.shared.rooms.lock().table.take_changes()
+        match self.shared.step(room::Input::TakeChanges) {
+            room::Output::Changes(changes) => changes,
+            _ => Vec::new(),
+        }
     }
 
     /// Stops every thread (parked workers wake), closes every socket and

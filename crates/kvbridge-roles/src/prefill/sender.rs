@@ -8,7 +8,7 @@ use kvbridge_plan::{TransferChunk, cp_filter_chunk};
 use kvbridge_wire::KvPoll;
 
 use super::cp::CpRole;
-use super::state::Concluded;
+use super::room::{Input, Output};
 use super::{QueuedChunk, Shared};
 use crate::error::{KvTransferError, SendError};
 
@@ -47,7 +47,7 @@ fn route_dp(shared: &Shared, room: u64) {
              or route by the bootstrap room",
             room % dp_size
         );
-        shared.rooms.lock().table.fail(room, reason);
+        shared.step(Input::Fail { room, reason });
     }
 }
 
@@ -56,28 +56,11 @@ impl KvSender {
     /// DP rank serves the room (sglang's `disagg_prefill_dp_rank`), so it
     /// needs neither the bootstrap room rule nor a registration.
     pub(crate) fn new(shared: Arc<Shared>, room: u64, dp_hinted: bool) -> Self {
-        {
-            let mut rooms = shared.rooms.lock();
-            // A room an ABORT entered failed is now this sender's to clear.
-            rooms.aborted_early.remove(&room);
-            if !rooms.table.contains(room) {
-                // A new lifecycle of this room id drops what an earlier
-                // request that used it left behind.
-                rooms.ack_targets.remove(&room);
-                rooms.outstanding.remove(&room);
-                rooms.concluded.remove(room);
-                rooms.payload_bytes.remove(&room);
-                rooms.failed_told.remove(&room);
-                rooms.fail_on_drain.remove(&room);
-            }
-            // A dummy CP rank is never asked by a decode: nothing to wait for.
-            let first = if shared.cp.is_dummy() {
-                KvPoll::WaitingForInput
-            } else {
-                KvPoll::Bootstrapping
-            };
-            rooms.table.update(room, first);
-        }
+        // A dummy CP rank is never asked by a decode: nothing to wait for.
+        shared.step(Input::Open {
+            room,
+            dummy: shared.cp.is_dummy(),
+        });
         if !dp_hinted && !shared.cp.is_dummy() {
             route_dp(&shared, room);
         }
@@ -141,10 +124,7 @@ impl KvSender {
             CpRole::Whole => (kv_indices, start..end, state_indices),
             CpRole::Dummy => {
                 if is_last {
-                    let mut rooms = self.shared.rooms.lock();
-                    if rooms.table.get(room) != Some(KvPoll::Failed) {
-                        rooms.table.update(room, KvPoll::Success);
-                    }
+                    self.shared.step(Input::Succeed { room });
                 }
                 return Ok(());
             }
@@ -154,33 +134,15 @@ impl KvSender {
                 (pages, at, state_indices.filter(|_| rank == 0))
             }
         };
-        let shard = {
-            let mut rooms = self.shared.rooms.lock();
-            match rooms.table.get(room) {
-                None | Some(KvPoll::Failed) => return Ok(()),
-                Some(_) => {}
-            }
-            let Some(infos) = rooms.infos.get(&room) else {
-                // No destination: this rank is a dummy for the room and has
-                // nothing to send.
-                return Ok(());
-            };
-            // Same destinations → same shard, so a failed session fails its
-            // rooms in order (sglang's port-sum sharding).
-            let port_sum: u64 = infos
-                .iter()
-                .map(|i| {
-                    i.session
-                        .rsplit(':')
-                        .next()
-                        .and_then(|p| p.parse::<u64>().ok())
-                        .unwrap_or(0)
-                })
-                .sum();
-            rooms.started.entry(room).or_insert_with(Instant::now);
-            rooms.table.update(room, KvPoll::Transferring);
-            (port_sum % self.shared.queues.len().max(1) as u64) as usize
+        // Failed, cleared, or no destination (this rank is a dummy for the
+        // room): nothing to send.
+        let Output::Shard(Some(port_sum)) = self.shared.step(Input::Queue {
+            room,
+            now: Instant::now(),
+        }) else {
+            return Ok(());
         };
+        let shard = (port_sum % self.shared.queues.len().max(1) as u64) as usize;
         let chunk = TransferChunk {
             prefill_kv_indices: kv_indices.to_vec(),
             index_slice_start: positions.start,
@@ -203,19 +165,21 @@ impl KvSender {
         if let Some(state) = self.conclude_state {
             return state;
         }
-        let mut rooms = self.shared.rooms.lock();
-        let status = rooms.table.get(self.room).unwrap_or(KvPoll::Failed);
-        if status == KvPoll::Bootstrapping
-            && self.init_time.elapsed() >= self.shared.config.bootstrap_timeout
-        {
-            let reason = format!(
-                "Request {} timed out after {:.1}s in KVPoll.Bootstrapping",
-                self.room,
-                self.init_time.elapsed().as_secs_f64()
-            );
-            // The decode ranks that did send their destinations are told.
-            let notice = rooms.fail_and_tell(self.room, reason);
-            drop(rooms);
+        let give_up =
+            (self.init_time.elapsed() >= self.shared.config.bootstrap_timeout).then(|| {
+                format!(
+                    "Request {} timed out after {:.1}s in KVPoll.Bootstrapping",
+                    self.room,
+                    self.init_time.elapsed().as_secs_f64()
+                )
+            });
+        let Output::Polled(status, notice) = self.shared.step(Input::Poll {
+            room: self.room,
+            give_up,
+        }) else {
+            return KvPoll::Failed;
+        };
+        if let Some(notice) = notice {
             self.shared.tell_failed(self.room, notice);
             self.conclude_state = Some(KvPoll::Failed);
             return KvPoll::Failed;
@@ -229,25 +193,20 @@ impl KvSender {
     /// Tokens the decode already holds for this room (once its destinations
     /// are known), consumed once.
     pub fn pop_decode_prefix_len(&self) -> u64 {
-        self.shared
-            .rooms
-            .lock()
-            .prefix_len
-            .remove(&self.room)
-            .unwrap_or(0)
+        match self.shared.step(Input::TakePrefixLen { room: self.room }) {
+            Output::Count(n) => n,
+            _ => 0,
+        }
     }
 
     /// KV and state bytes of this room confirmed written to its decode
     /// ranks so far (aux rows not counted; MLA copies to several decode
     /// ranks each count), until [`KvSender::clear`].
     pub fn payload_bytes(&self) -> u64 {
-        self.shared
-            .rooms
-            .lock()
-            .payload_bytes
-            .get(&self.room)
-            .copied()
-            .unwrap_or(0)
+        match self.shared.step(Input::PayloadBytes { room: self.room }) {
+            Output::Count(n) => n,
+            _ => 0,
+        }
     }
 
     /// Aborts the room from the prefill side; its decode ranks that sent
@@ -261,9 +220,14 @@ impl KvSender {
     /// a pipeline stage that never reported in time) and tells its known
     /// decode ranks, as [`KvSender::abort`] does.
     pub fn fail(&mut self, reason: impl Into<String>) {
-        let notice = self.shared.rooms.lock().fail_and_tell(self.room, reason);
+        let notice = self.shared.step(Input::FailAndTell {
+            room: self.room,
+            reason: reason.into(),
+        });
         self.conclude_state = Some(KvPoll::Failed);
-        self.shared.tell_failed(self.room, notice);
+        if let Output::Notice(notice) = notice {
+            self.shared.tell_failed(self.room, notice);
+        }
     }
 
     /// Seconds since the sender was created (the bootstrap timeout's clock).
@@ -276,37 +240,27 @@ impl KvSender {
     pub fn failure_exception(&mut self) -> KvTransferError {
         self.conclude_state = Some(KvPoll::Failed);
         self.clear();
-        let reason = self.shared.rooms.lock().table.take_failure(self.room);
+        let reason = match self.shared.step(Input::TakeFailure { room: self.room }) {
+            Output::Reason(reason) => reason,
+            _ => None,
+        };
         KvTransferError::from_recorded(self.room, reason)
     }
 
     /// Forgets the room (its transfer state is dropped once nothing of it is
     /// in flight; a pending abort ACK still goes out when it drains).
     pub fn clear(&mut self) {
-        if self.conclude_state.is_none() {
-            let status = self.shared.rooms.lock().table.get(self.room);
-            if let Some(s) = status.filter(|s| s.is_terminal()) {
-                self.conclude_state = Some(s);
-            }
-        }
+        let Output::Cleared(state, acks) = self.shared.step(Input::Clear { room: self.room })
+        else {
+            return;
+        };
+        if self.conclude_state.is_none()
+            && let Some(s) = state.filter(|s| s.is_terminal())
         {
-            let mut rooms = self.shared.rooms.lock();
-            let outcome = match rooms.table.remove(self.room) {
-                Some(KvPoll::Failed) => Some(Concluded::Failed(
-                    rooms.table.failure(self.room).map(str::to_owned),
-                )),
-                Some(KvPoll::Success) => Some(Concluded::Sent),
-                _ => None,
-            };
-            if let Some(outcome) = outcome {
-                rooms.concluded.insert(self.room, outcome);
-            }
-            rooms.prefix_len.remove(&self.room);
-            rooms.payload_bytes.remove(&self.room);
-            if rooms.outstanding.get(&self.room).copied().unwrap_or(0) == 0 {
-                rooms.remove_infos(self.room);
-            }
+            self.conclude_state = Some(s);
         }
-        self.shared.ack_if_drained(self.room);
+        for target in acks {
+            self.shared.send_abort_ack(self.room, &target);
+        }
     }
 }

@@ -118,7 +118,7 @@ pub(crate) fn ship_blocks(
             .map_err(|e| format!("cannot send STATE_DATA of room {room} to {endpoint}: {e}"))?;
         shared.metrics.bytes.inc_by(b.len);
         shared.metrics.blocks.inc();
-        shared.rooms.lock().count_payload(room, b.len);
+        shared.step(super::room::Input::Payload { room, bytes: b.len });
     }
     Ok(())
 }

@@ -23,6 +23,7 @@ use kvbridge_wire::KvPoll;
 
 use super::flight::Flight;
 use super::pipeline::{Event, Failure, Part, Submitted, Ticket};
+use super::room::{Input, Output};
 use super::ship;
 use super::staging::ledger::Stager;
 use super::staging::{self as staged, Grid, StagedTask};
@@ -129,13 +130,9 @@ impl Worker<'_> {
         // Counted at dequeue, before the status check: `outstanding == 0`
         // then means nothing of the room is dequeued or in flight, which
         // the abort ACK relies on.
-        let infos = {
-            let mut rooms = shared.rooms.lock();
-            *rooms.outstanding.entry(room).or_default() += 1;
-            match rooms.table.get(room) {
-                None | Some(KvPoll::Failed) => None,
-                Some(_) => Some(rooms.infos.get(&room).cloned().unwrap_or_default()),
-            }
+        let infos = match shared.step(Input::Dequeue { room }) {
+            Output::Infos(infos) => infos,
+            _ => None,
         };
         let ticket = self.flight.open(room, queued.chunk.is_last_chunk);
         match infos {
@@ -171,7 +168,7 @@ impl Worker<'_> {
                 // A dummy destination holds no KV from this rank: it succeeds on
                 // the last chunk without a status message.
                 if chunk.is_last_chunk {
-                    shared.rooms.lock().table.update(room, KvPoll::Success);
+                    shared.step(Input::Succeed { room });
                 }
                 continue;
             };
@@ -362,7 +359,7 @@ impl Worker<'_> {
                 } => {
                     shared.metrics.bytes.inc_by(bytes);
                     if part != Part::Aux {
-                        shared.rooms.lock().count_payload(room, bytes);
+                        shared.step(Input::Payload { room, bytes });
                     }
                     shared.metrics.blocks.inc_by(copies);
                 }
@@ -529,26 +526,8 @@ fn plan_for<'p>(
 /// the room's transfer state once it has concluded and nothing of it is
 /// outstanding.
 fn finish(shared: &Shared, room: u64, is_last: bool) {
-    let (acks, failed) = {
-        let mut rooms = shared.rooms.lock();
-        if let Some(n) = rooms.outstanding.get_mut(&room) {
-            *n = n.saturating_sub(1);
-        }
-        let drained = rooms.outstanding.get(&room).copied().unwrap_or(0) == 0;
-        let acks = rooms.take_drained_acks(room);
-        // A failure decided here while chunks were in flight (an abort)
-        // reaches the decodes now that none is.
-        let failed = rooms.take_drained_failure(room);
-        let status = rooms.table.get(room);
-        let concluded = match status {
-            None | Some(KvPoll::Success) => true,
-            Some(KvPoll::Failed) => is_last,
-            Some(_) => false,
-        };
-        if drained && concluded {
-            rooms.forget_transfer(room);
-        }
-        (acks, failed)
+    let Output::Finished(acks, failed) = shared.step(Input::Finish { room, is_last }) else {
+        return;
     };
     shared.tell_failed(room, failed);
     for target in acks {
@@ -570,7 +549,7 @@ pub(super) fn fail(shared: &Shared, room: u64, reason: String) {
 }
 
 pub(super) fn room_failed(shared: &Shared, room: u64) -> bool {
-    shared.rooms.lock().is_stopped(room)
+    matches!(shared.step(Input::Stopped { room }), Output::Flag(true))
 }
 
 /// Whether `room` takes no more writes (failed, aborted or cleared).

@@ -278,24 +278,13 @@ pub(crate) enum Readiness {
 pub(crate) fn check(shared: &Shared, task: &StagedTask) -> Readiness {
     let room = task.room;
     let session = task.info.session.as_str();
-    let (alloc, watermark) = {
-        let rooms = shared.rooms.lock();
-        if rooms.is_stopped(room) {
-            return Readiness::Dropped;
-        }
-        let alloc = rooms
-            .staging
-            .allocations
-            .get(&(room, session.to_owned()))
-            .and_then(|m| m.get(&task.chunk_idx))
-            .copied();
-        let wm = rooms
-            .staging
-            .watermarks
-            .get(session)
-            .copied()
-            .unwrap_or((0, 0));
-        (alloc, wm)
+    let checked = shared.step(crate::prefill::room::Input::StagingCheck {
+        room,
+        session,
+        chunk: task.chunk_idx,
+    });
+    let crate::prefill::room::Output::Staging(Some((alloc, watermark))) = checked else {
+        return Readiness::Dropped;
     };
     let waited = shared
         .staging
