@@ -38,8 +38,9 @@ use crate::role::{self, Lifecycle};
 use crate::seal::seal;
 use crate::stop::StopSignal;
 
+use room::PrefillRooms;
 pub use sender::KvSender;
-use state::{AckTarget, PeerEntry, RoomsState};
+use state::{AckTarget, PeerEntry};
 
 /// A chunk waiting in a shard queue (sglang `TransferKVChunk`).
 #[derive(Debug)]
@@ -54,7 +55,7 @@ pub(crate) struct Shared {
     pub config: PrefillConfig,
     pub kv_args: KvArgs,
     pub engine: Arc<dyn TransferEngine>,
-    pub rooms: Mutex<RoomsState>,
+    pub rooms: Mutex<PrefillRooms>,
     pub peers: RwLock<std::collections::HashMap<String, Arc<PeerEntry>>>,
     pub next_generation: std::sync::atomic::AtomicU64,
     pub health: Mutex<SessionHealth>,
@@ -182,7 +183,7 @@ impl Shared {
     }
 
     /// Sends `room`'s `Failed` status (`notice` from
-    /// [`RoomsState::fail_and_tell`]) to the decode endpoints in it.
+    /// [`PrefillRooms::fail_and_tell`]) to the decode endpoints in it.
     pub fn tell_failed(&self, room: u64, notice: state::FailedNotice) {
         let (targets, reason) = notice;
         if targets.is_empty() {
@@ -313,7 +314,7 @@ impl PrefillManager {
             config,
             kv_args,
             engine,
-            rooms: Mutex::new(RoomsState::default()),
+            rooms: Mutex::new(PrefillRooms::default()),
             peers: RwLock::new(Default::default()),
             next_generation: std::sync::atomic::AtomicU64::new(1),
             metrics,

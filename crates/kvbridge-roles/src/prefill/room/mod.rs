@@ -1,6 +1,6 @@
 //! The prefill side's rooms driven as a sans-IO state machine (in the
 //! shape of `prefill/pipeline.rs`): the drivers — the sender a scheduler
-//! holds, the bootstrap inbox, the workers — hand [`RoomsState`] an
+//! holds, the bootstrap inbox, the workers — hand [`PrefillRooms`] an
 //! [`Input`] under the rooms lock and act on the [`Output`] it returns.
 //!
 //! **Owns:** the rules of a room's life on this side: which requests are
@@ -20,10 +20,10 @@
 //! ```
 
 mod io;
+mod rooms;
 #[cfg(test)]
 mod tests;
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -31,9 +31,11 @@ use kvbridge_wire::KvPoll;
 
 pub(crate) use io::{AbortEffect, Admission, Caps, Conclusion, Input, Output};
 
-use super::state::{AckTarget, Concluded, RoomsState, TransferInfo};
+pub(crate) use rooms::PrefillRooms;
 
-impl RoomsState {
+use super::state::{AckTarget, Concluded, FailedNotice, TransferInfo};
+
+impl PrefillRooms {
     /// Applies one input; see [`Input`] for what each answers.
     pub fn handle(&mut self, input: Input<'_>) -> Output {
         match input {
@@ -66,10 +68,10 @@ impl RoomsState {
             }
             Input::State { room } => Output::State(self.table.get(room)),
             Input::TakePrefixLen { room } => {
-                Output::Count(self.prefix_len.remove(&room).unwrap_or(0))
+                Output::Count(self.with(room, |r| r.prefix_len.take()).unwrap_or(0))
             }
             Input::PayloadBytes { room } => {
-                Output::Count(self.payload_bytes.get(&room).copied().unwrap_or(0))
+                Output::Count(self.get(room).map_or(0, |r| r.payload_bytes))
             }
             Input::Payload { room, bytes } => {
                 self.count_payload(room, bytes);
@@ -81,7 +83,7 @@ impl RoomsState {
                 Output::Cleared(state, acks)
             }
             Input::Registered { session } => {
-                self.staging.watermarks.remove(session);
+                self.watermarks.remove(session);
                 Output::Done
             }
             Input::Transfer {
@@ -110,11 +112,7 @@ impl RoomsState {
                 round,
                 tail,
             } => {
-                let entry = self
-                    .staging
-                    .watermarks
-                    .entry(session.to_owned())
-                    .or_insert((0, 0));
+                let entry = self.watermarks.entry(session.to_owned()).or_insert((0, 0));
                 if (round, tail) > *entry {
                     *entry = (round, tail);
                 }
@@ -132,28 +130,18 @@ impl RoomsState {
                 chunk,
             } => Output::Staging((!self.is_stopped(room)).then(|| {
                 let allocation = self
-                    .staging
-                    .allocations
-                    .get(&(room, session.to_owned()))
-                    .and_then(|m| m.get(&chunk))
+                    .get(room)
+                    .and_then(|r| r.allocations.get(session)?.get(&chunk))
                     .copied();
-                let watermark = self
-                    .staging
-                    .watermarks
-                    .get(session)
-                    .copied()
-                    .unwrap_or((0, 0));
+                let watermark = self.watermarks.get(session).copied().unwrap_or((0, 0));
                 (allocation, watermark)
             })),
             Input::Dequeue { room } => {
                 // Counted at dequeue, before the status check: nothing
                 // outstanding then means nothing of the room is dequeued
                 // or in flight, which the abort ACK relies on.
-                *self.outstanding.entry(room).or_default() += 1;
-                Output::Infos(
-                    (!self.is_stopped(room))
-                        .then(|| self.infos.get(&room).cloned().unwrap_or_default()),
-                )
+                self.with(room, |r| r.outstanding += 1);
+                Output::Infos((!self.is_stopped(room)).then(|| self.infos(room).to_vec()))
             }
             Input::Finish { room, is_last } => {
                 let (acks, failed) = self.finish(room, is_last);
@@ -176,17 +164,22 @@ impl RoomsState {
 
     fn open(&mut self, room: u64, dummy: bool) {
         // A room an ABORT entered failed is now this sender's to clear.
-        self.aborted_early.remove(&room);
-        if !self.table.contains(room) {
-            // A new lifecycle of this room id drops what an earlier
-            // request that used it left behind, except its chunks still
-            // in flight: an ABORT of the new one must wait for them too.
-            self.ack_targets.remove(&room);
+        let fresh = !self.table.contains(room);
+        if fresh {
             self.concluded.remove(room);
-            self.payload_bytes.remove(&room);
-            self.failed_told.remove(&room);
-            self.fail_on_drain.remove(&room);
         }
+        self.with(room, |r| {
+            r.aborted_early = None;
+            if fresh {
+                // A new lifecycle of this room id drops what an earlier
+                // request that used it left behind, except its chunks still
+                // in flight: an ABORT of the new one must wait for them too.
+                r.ack_targets.clear();
+                r.payload_bytes = 0;
+                r.failed_told.clear();
+                r.fail_on_drain = false;
+            }
+        });
         let first = if dummy {
             KvPoll::WaitingForInput
         } else {
@@ -200,7 +193,7 @@ impl RoomsState {
             return None;
         }
         // No destination: this rank is a dummy for the room.
-        let infos = self.infos.get(&room)?;
+        let infos = self.get(room).map(|r| &r.infos).filter(|i| !i.is_empty())?;
         // Same destinations → same shard, so a failed session fails its
         // rooms in order (sglang's port-sum sharding).
         let port_sum = infos
@@ -213,7 +206,9 @@ impl RoomsState {
                     .unwrap_or(0)
             })
             .fold(0u64, u64::wrapping_add);
-        self.started.entry(room).or_insert(now);
+        self.with(room, |r| {
+            r.started.get_or_insert(now);
+        });
         self.table.update(room, KvPoll::Transferring);
         Some(port_sum)
     }
@@ -230,9 +225,11 @@ impl RoomsState {
         if let Some(outcome) = outcome {
             self.concluded.insert(room, outcome);
         }
-        self.prefix_len.remove(&room);
-        self.payload_bytes.remove(&room);
-        if self.outstanding.get(&room).copied().unwrap_or(0) == 0 {
+        self.with(room, |r| {
+            r.prefix_len = None;
+            r.payload_bytes = 0;
+        });
+        if self.outstanding(room) == 0 {
             self.remove_infos(room);
         }
         (state, self.take_drained_acks(room))
@@ -249,9 +246,9 @@ impl RoomsState {
     ) -> (Admission, usize) {
         let held = info.held_bytes();
         let over_bytes =
-            |r: &RoomsState| r.info_bytes.saturating_add(held) > caps.max_pending_bytes;
+            |r: &PrefillRooms| r.info_bytes.saturating_add(held) > caps.max_pending_bytes;
         let over_rooms =
-            |r: &RoomsState| !r.infos.contains_key(&room) && r.infos.len() >= caps.max_rooms;
+            |r: &PrefillRooms| r.infos(room).is_empty() && r.pending_rooms() >= caps.max_rooms;
         let mut expired = 0;
         if over_rooms(self) || over_bytes(self) {
             // Full: first drop rooms no sender claimed within the bootstrap
@@ -286,11 +283,11 @@ impl RoomsState {
         // The same decode session asking again from a new incarnation
         // after this room began sending: earlier chunks went to the dead
         // incarnation, so the new one could never hold every byte.
-        let restarted = self.infos.get(&room).is_some_and(|v| {
-            v.iter()
-                .any(|i| i.session == info.session && i.registration != info.registration)
-        });
-        if restarted && self.started.contains_key(&room) {
+        let restarted = self
+            .infos(room)
+            .iter()
+            .any(|i| i.session == info.session && i.registration != info.registration);
+        if restarted && self.get(room).is_some_and(|r| r.started.is_some()) {
             return (Admission::Restarted, expired);
         }
         if !self.session_has_room(room, &info.session, caps.max_rooms_per_session) {
@@ -302,8 +299,7 @@ impl RoomsState {
             return (Admission::Added(None), expired);
         }
         let prefix = infos.iter().find_map(|i| i.decode_prefix_len).unwrap_or(0);
-        let infos = infos.to_vec();
-        self.prefix_len.insert(room, prefix);
+        self.with(room, |r| r.prefix_len = Some(prefix));
         self.table.update(room, KvPoll::WaitingForInput);
         (Admission::Added(Some(infos)), expired)
     }
@@ -325,14 +321,12 @@ impl RoomsState {
         let unknown = !self.table.contains(room) && self.table.len() < caps.max_rooms;
         if unknown {
             self.table.update(room, KvPoll::Bootstrapping);
-            self.aborted_early.insert(room, now);
+            self.with(room, |r| r.aborted_early = Some(now));
             // The other decode ranks whose requests for it wait here are
             // told at once, not left to their room timeout.
             effect.others = self
-                .infos
-                .get(&room)
-                .into_iter()
-                .flatten()
+                .infos(room)
+                .iter()
                 .filter_map(|i| i.status_target())
                 .filter(|(ip, port)| (ip.as_str(), *port) != (target.ip.as_str(), target.port))
                 .collect();
@@ -342,13 +336,15 @@ impl RoomsState {
             self.table.fail(room, "Aborted by the decode side");
             effect.failed = true;
         }
-        let targets = self.ack_targets.entry(room).or_default();
-        targets.retain(|t| (t.ip.as_str(), t.port) != (target.ip.as_str(), target.port));
-        if targets.len() >= caps.max_abort_endpoints {
-            effect.over_limit = true;
-        } else {
-            targets.push(target);
-        }
+        effect.over_limit = self.with(room, |r| {
+            let targets = &mut r.ack_targets;
+            targets.retain(|t| (t.ip.as_str(), t.port) != (target.ip.as_str(), target.port));
+            let over = targets.len() >= caps.max_abort_endpoints;
+            if !over {
+                targets.push(target);
+            }
+            over
+        });
         effect.acks = self.take_drained_acks(room);
         effect
     }
@@ -360,29 +356,22 @@ impl RoomsState {
         chunk: u64,
         allocation: (i64, i64, i64),
     ) -> bool {
-        let known = self
-            .infos
-            .get(&room)
-            .is_some_and(|infos| infos.iter().any(|i| i.session == session));
+        let known = self.infos(room).iter().any(|i| i.session == session);
         if !known {
             return false;
         }
-        let chunks: &mut HashMap<u64, _> = self
-            .staging
-            .allocations
-            .entry((room, session.to_owned()))
-            .or_default();
-        if chunks.len() < MAX_STAGED_CHUNKS_PER_ROOM || chunks.contains_key(&chunk) {
-            chunks.insert(chunk, allocation);
-        }
+        self.with(room, |r| {
+            let chunks = r.allocations.entry(session.to_owned()).or_default();
+            if chunks.len() < MAX_STAGED_CHUNKS_PER_ROOM || chunks.contains_key(&chunk) {
+                chunks.insert(chunk, allocation);
+            }
+        });
         true
     }
 
-    fn finish(&mut self, room: u64, is_last: bool) -> (Vec<AckTarget>, super::state::FailedNotice) {
-        if let Some(n) = self.outstanding.get_mut(&room) {
-            *n = n.saturating_sub(1);
-        }
-        let drained = self.outstanding.get(&room).copied().unwrap_or(0) == 0;
+    fn finish(&mut self, room: u64, is_last: bool) -> (Vec<AckTarget>, FailedNotice) {
+        self.with(room, |r| r.outstanding = r.outstanding.saturating_sub(1));
+        let drained = self.outstanding(room) == 0;
         let acks = self.take_drained_acks(room);
         // A failure decided here while chunks were in flight (an abort)
         // reaches the decodes now that none is.
@@ -437,7 +426,7 @@ impl RoomsState {
             status,
             reason,
             targets,
-            started: self.started.remove(&room),
+            started: self.with(room, |r| r.started.take()),
         })
     }
 }

@@ -10,7 +10,7 @@ use kvbridge_wire::KvPoll;
 use proptest::prelude::*;
 
 use super::*;
-use crate::prefill::state::{AckTarget, RoomsState, TransferInfo};
+use crate::prefill::state::{AckTarget, TransferInfo};
 
 fn caps() -> Caps {
     Caps {
@@ -43,7 +43,7 @@ fn target(k: u16) -> AckTarget {
     }
 }
 
-fn transfer(rooms: &mut RoomsState, room: u64, info: Arc<TransferInfo>) -> Admission {
+fn transfer(rooms: &mut PrefillRooms, room: u64, info: Arc<TransferInfo>) -> Admission {
     match rooms.handle(Input::Transfer {
         room,
         info,
@@ -55,14 +55,14 @@ fn transfer(rooms: &mut RoomsState, room: u64, info: Arc<TransferInfo>) -> Admis
     }
 }
 
-fn state(rooms: &mut RoomsState, room: u64) -> Option<KvPoll> {
+fn state(rooms: &mut PrefillRooms, room: u64) -> Option<KvPoll> {
     match rooms.handle(Input::State { room }) {
         Output::State(s) => s,
         other => panic!("{other:?}"),
     }
 }
 
-fn abort(rooms: &mut RoomsState, room: u64, k: u16) -> AbortEffect {
+fn abort(rooms: &mut PrefillRooms, room: u64, k: u16) -> AbortEffect {
     match rooms.handle(Input::Abort {
         room,
         target: target(k),
@@ -74,7 +74,7 @@ fn abort(rooms: &mut RoomsState, room: u64, k: u16) -> AbortEffect {
     }
 }
 
-fn finish(rooms: &mut RoomsState, room: u64, is_last: bool) -> (Vec<AckTarget>, usize) {
+fn finish(rooms: &mut PrefillRooms, room: u64, is_last: bool) -> (Vec<AckTarget>, usize) {
     match rooms.handle(Input::Finish { room, is_last }) {
         Output::Finished(acks, (told, _)) => (acks, told.len()),
         other => panic!("{other:?}"),
@@ -83,7 +83,7 @@ fn finish(rooms: &mut RoomsState, room: u64, is_last: bool) -> (Vec<AckTarget>, 
 
 #[test]
 fn a_room_waits_for_every_decode_rank_then_transfers_and_succeeds() {
-    let mut rooms = RoomsState::default();
+    let mut rooms = PrefillRooms::default();
     rooms.handle(Input::Open {
         room: 1,
         dummy: false,
@@ -145,7 +145,7 @@ fn a_room_waits_for_every_decode_rank_then_transfers_and_succeeds() {
 
 #[test]
 fn requests_are_admitted_within_the_caps() {
-    let mut rooms = RoomsState::default();
+    let mut rooms = PrefillRooms::default();
     for room in 0..4 {
         assert!(matches!(
             transfer(&mut rooms, room, info(0, 2, 0)),
@@ -181,7 +181,7 @@ fn requests_are_admitted_within_the_caps() {
 
 #[test]
 fn a_decode_restarted_after_the_room_began_is_refused() {
-    let mut rooms = RoomsState::default();
+    let mut rooms = PrefillRooms::default();
     rooms.handle(Input::Open {
         room: 2,
         dummy: false,
@@ -204,7 +204,7 @@ fn a_decode_restarted_after_the_room_began_is_refused() {
 
 #[test]
 fn an_abort_is_acknowledged_only_once_the_room_drained() {
-    let mut rooms = RoomsState::default();
+    let mut rooms = PrefillRooms::default();
     rooms.handle(Input::Open {
         room: 3,
         dummy: false,
@@ -239,7 +239,7 @@ fn an_abort_is_acknowledged_only_once_the_room_drained() {
 
 #[test]
 fn an_abort_before_the_sender_enters_the_room_failed_and_tells_the_other_decodes() {
-    let mut rooms = RoomsState::default();
+    let mut rooms = PrefillRooms::default();
     // One of its two decode ranks asked; the other aborts.
     transfer(&mut rooms, 4, info(0, 2, 0));
     let effect = abort(&mut rooms, 4, 1);
@@ -263,7 +263,7 @@ fn an_abort_before_the_sender_enters_the_room_failed_and_tells_the_other_decodes
 
 #[test]
 fn a_failure_here_is_told_once_after_the_drain_and_never_after_success() {
-    let mut rooms = RoomsState::default();
+    let mut rooms = PrefillRooms::default();
     rooms.handle(Input::Open {
         room: 5,
         dummy: false,
@@ -361,7 +361,7 @@ proptest! {
     fn no_event_order_acknowledges_with_a_chunk_in_flight(
         steps in proptest::collection::vec(step(), 1..60),
     ) {
-        let mut rooms = RoomsState::default();
+        let mut rooms = PrefillRooms::default();
         let room = 9;
         let mut in_flight = 0usize;
         let mut aborted = false;
