@@ -142,7 +142,7 @@ def aux_pattern(room: int, buffer: int, nbytes: int) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------
-# kvbridge's synthetic workload (kvbridge-cli rank/workload.rs)
+# kvbridge's synthetic workload (kvbridge-lab rank/workload.rs)
 # ---------------------------------------------------------------------------
 
 
@@ -157,7 +157,7 @@ class Request:
 
 @dataclass(frozen=True)
 class Workload:
-    """``kvbridge_cli::rank::Workload``: requests derived from a seed."""
+    """``kvbridge_lab::rank::Workload``: requests derived from a seed."""
 
     requests: int = 4
     prompt_tokens: int = 40

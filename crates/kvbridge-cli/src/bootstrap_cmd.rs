@@ -50,14 +50,14 @@ pub fn run(args: BootstrapArgs) -> ExitCode {
     };
     let open = config.secret.is_none();
     // Before `listening on`: a supervisor may signal as soon as it reads it.
-    let signals = match crate::signals::StopSignals::install() {
+    let signals = match kvbridge_lab::signals::StopSignals::install() {
         Ok(s) => s,
         Err(e) => {
             eprintln!("kvbridge bootstrap: cannot handle signals: {e}");
             return ExitCode::FAILURE;
         }
     };
-    let addr = match crate::net::first_addr((args.host.as_str(), args.port)) {
+    let addr = match kvbridge_lab::net::first_addr((args.host.as_str(), args.port)) {
         Ok(a) => a,
         Err(e) => {
             eprintln!("kvbridge bootstrap: --host {}: {e}", args.host);

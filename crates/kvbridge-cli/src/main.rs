@@ -10,13 +10,10 @@ use clap::{Parser, Subcommand};
 
 mod bench_cmd;
 mod bootstrap_cmd;
-mod demo;
-mod gpu;
-mod net;
 mod plan_cmd;
-mod rank;
-mod signals;
 mod wire_cmd;
+
+use kvbridge_lab::{demo, rank};
 
 /// What `kvbridge --help` prints under the commands.
 const AFTER_HELP: &str = "\

@@ -179,7 +179,8 @@ impl Drop for Target {
 
 /// The first address `addr` (`host:port`) resolves to, IPv4 first.
 pub(super) fn resolve(addr: &str) -> Result<SocketAddr> {
-    crate::net::first_addr(addr).with_context(|| format!("{addr:?} is not a reachable host:port"))
+    kvbridge_lab::net::first_addr(addr)
+        .with_context(|| format!("{addr:?} is not a reachable host:port"))
 }
 
 /// Where a target takes its commands from.

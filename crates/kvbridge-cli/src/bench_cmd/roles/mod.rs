@@ -26,8 +26,8 @@ use kvbridge_roles::StagingMode;
 use kvbridge_roles::synthetic::ModelSpec;
 
 use super::size::{human, parse_size};
-use crate::demo::summary::percentile;
-use crate::rank::EngineKind;
+use kvbridge_lab::demo::summary::percentile;
+use kvbridge_lab::rank::EngineKind;
 
 /// The model layouts a room can have.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -104,7 +104,7 @@ pub fn run(args: RolesArgs) -> Result<()> {
         bail!("--rooms and --in-flight must be at least 1");
     }
     if args.device.is_some() || args.engine == EngineKind::Ipc {
-        crate::gpu::require_cuda("--device and --engine ipc")?;
+        kvbridge_lab::gpu::require_cuda("--device and --engine ipc")?;
     }
     if !args.json {
         println!(

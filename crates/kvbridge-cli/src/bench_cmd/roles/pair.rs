@@ -15,7 +15,7 @@ use kvbridge_roles::{
 };
 
 use super::{DEADLINE, RolesArgs, model};
-use crate::rank::EngineKind;
+use kvbridge_lab::rank::EngineKind;
 
 /// One prefill rank and its decode ranks, up and connected.
 pub(super) struct Pair {

@@ -17,6 +17,12 @@ pub struct StopSignals {
     hup: Signal,
 }
 
+impl std::fmt::Debug for StopSignals {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StopSignals").finish_non_exhaustive()
+    }
+}
+
 impl StopSignals {
     /// Installs the handlers before it returns.
     pub fn install() -> std::io::Result<Self> {
