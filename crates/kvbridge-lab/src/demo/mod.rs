@@ -21,23 +21,20 @@ mod resources;
 mod rogue;
 mod site;
 pub mod summary;
+mod supervise;
 mod switch;
 mod tally;
 
 use std::collections::{HashMap, HashSet};
 use std::process::ExitCode;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
-use indicatif::{ProgressBar, ProgressStyle};
 
-use crate::rank::events::Event;
 pub use args::DemoArgs;
-use drain::{Drain, Purpose};
 use faults::Fault;
 use plan::{Plan, plan};
-use procs::{ChildId, Children, Ranks};
-use resources::Sampler;
+use procs::{ChildId, Children};
 use site::Site;
 use summary::Summary;
 use tally::Outcome;
@@ -113,7 +110,7 @@ fn run_inner(args: &DemoArgs) -> Result<Summary> {
         let mut children = Children::new(dir.path().to_path_buf(), secret);
         let mut plan = plan;
         site.place(&mut plan, &mut children)?;
-        orchestrate(args, &mut plan, children, &mut site)
+        supervise::orchestrate(args, &mut plan, children, &mut site)
     });
     drop(dir);
     site.shutdown();
@@ -135,284 +132,6 @@ fn private_dir() -> Result<tempfile::TempDir> {
                 std::env::temp_dir().display()
             )
         })
-}
-
-fn orchestrate(
-    args: &DemoArgs,
-    plan: &mut Plan,
-    mut children: Children,
-    site: &mut Site,
-) -> Result<Summary> {
-    let deadline = Instant::now() + Duration::from_secs(args.timeout_s);
-    let bootstrap = site.bootstrap_addr();
-    let mut fault = args.fault.map(|kind| {
-        Fault::new(
-            kind,
-            args.fault_after,
-            args.fault_secs,
-            args.fault_every,
-            args.netns,
-            args.seed,
-        )
-    });
-    // Every rank's fds, threads and memory, every 5 s after a warm-up.
-    let mut sampler = Sampler::new(Duration::from_secs(5), Duration::from_secs(30));
-    let mut ranks = Ranks::start(plan, &mut children, deadline)?;
-    let requests = plan.workload.requests();
-    let decodes = plan.decode_files.len() as u64;
-    // `--drain-after-s` or a role switch under way, and the bound it set
-    // for the end of the run (requests past it are drained).
-    let mut drain: Option<Drain> = None;
-    let mut drained_below: Option<u64> = None;
-    let rogue = args.rogue.then(|| {
-        rogue::Rogue::start(
-            bootstrap,
-            children.ready_ranks(),
-            requests.iter().map(|r| r.room).collect(),
-            children.pids(),
-        )
-    });
-    let total = requests.len() as u64 * plan.decode_files.len() as u64;
-    let bar = if args.json {
-        ProgressBar::hidden()
-    } else {
-        ProgressBar::new(total)
-    };
-    bar.set_style(
-        ProgressStyle::with_template("{spinner} {bar:40} {pos}/{len} rooms {msg}")
-            .unwrap_or_else(|_| ProgressStyle::default_bar()),
-    );
-    let mut decode: HashMap<(u64, u64), Outcome> = HashMap::new();
-    let mut prefill: HashMap<(u64, u64), Outcome> = HashMap::new();
-    let mut started: HashMap<u64, HashSet<u64>> = HashMap::new();
-    let mut killed = false;
-    // The killed decode rank 0, restarted once its last event is read.
-    let mut restart_after: Option<ChildId> = None;
-    let mut first_start: Option<Instant> = None;
-    // Decode rank 0's rooms concluded (what faults count from).
-    let mut rank0_done: u64 = 0;
-    let mut last_done = Instant::now();
-    // The same window on the ranks' shared clock (Unix ms): events reach
-    // this loop late when the host is busy, the ranks' stamps do not.
-    let (mut first_start_ms, mut last_done_ms) = (f64::INFINITY, 0.0f64);
-    let mut finished: HashSet<ChildId> = HashSet::new();
-    loop {
-        let all_done = ranks
-            .decode
-            .iter()
-            .chain(&ranks.prefill)
-            .all(|id| finished.contains(id));
-        if let Some(f) = fault.as_mut()
-            && drain.is_none()
-            && drained_below.is_none()
-            && restart_after.is_none()
-            && f.switch_due()
-        {
-            drain = Some(Drain::begin(
-                Purpose::RoleSwitch,
-                &mut children,
-                &ranks.decode,
-                &finished,
-            ));
-        }
-        let drain_due = args
-            .drain_after_s
-            .zip(first_start)
-            .is_some_and(|(s, t)| t.elapsed().as_secs_f64() >= s);
-        if drain_due && drain.is_none() && drained_below.is_none() && restart_after.is_none() {
-            drain = Some(Drain::begin(
-                Purpose::End,
-                &mut children,
-                &ranks.decode,
-                &finished,
-            ));
-            if let Some(f) = fault.as_mut() {
-                f.no_more();
-            }
-        }
-        if let Some(d) = drain.as_mut()
-            && let Some(below) = d.settle(
-                &mut children,
-                &ranks.decode,
-                &ranks.prefill,
-                &finished,
-                requests.len() as u64,
-            )
-            && d.purpose == Purpose::End
-        {
-            drained_below = Some(below);
-            drain = None;
-            bar.set_length(below.min(requests.len() as u64) * decodes);
-        }
-        if all_done {
-            let Some(below) = drain
-                .as_ref()
-                .filter(|d| d.purpose == Purpose::RoleSwitch)
-                .and_then(|d| d.below)
-            else {
-                break;
-            };
-            // Drained for a role switch: every rank finished; swap them.
-            bar.set_message("role switch: prefill hosts become decode hosts and back");
-            ranks = switch::swap_roles(&ranks, plan, site, &mut children, below, deadline)?;
-            drain = None;
-            if let Some(f) = fault.as_mut() {
-                f.switched();
-            }
-            bar.set_message("");
-            continue;
-        }
-        if Instant::now() > deadline {
-            children.kill_all();
-            bail!("the demo did not finish within {} s", args.timeout_s);
-        }
-        if let Err(stopped) = crate::signals::check_termination() {
-            children.kill_all();
-            return Err(stopped.into());
-        }
-        if let Some(f) = fault.as_mut() {
-            f.tick(site, &children, ranks.decode[0])?;
-        }
-        sampler.tick(children.running());
-        let Some((id, event)) = children.next_event(Duration::from_millis(200)) else {
-            continue;
-        };
-        let rank = children.rank(id);
-        match event {
-            None if restart_after == Some(id) => {
-                // Every event the killed incarnation wrote has been read:
-                // only now is the set of rooms it started complete.
-                restart_after = None;
-                let (skip, in_flight) = split_rooms_of_decode0(&decode, &prefill, &started);
-                restart_decode0(
-                    &mut children,
-                    &mut ranks.decode,
-                    plan,
-                    &ranks.decode_sessions,
-                    &skip,
-                    deadline,
-                )?;
-                for room in in_flight {
-                    decode.insert(
-                        (0, room),
-                        Outcome {
-                            reason: Some(
-                                "decode rank 0 was killed (SIGKILL) while the room was in flight"
-                                    .into(),
-                            ),
-                            ..Outcome::default()
-                        },
-                    );
-                    bar.inc(1);
-                }
-            }
-            None => {
-                if !finished.contains(&id) && !children.was_killed(id) {
-                    let status = children.exit_status(id);
-                    children.kill_all();
-                    bail!(
-                        "{} exited before finishing its workload ({status})",
-                        children.name(id)
-                    );
-                }
-            }
-            Some(Event::Started { room, unix_ms }) => {
-                first_start.get_or_insert_with(Instant::now);
-                if unix_ms > 0.0 {
-                    first_start_ms = first_start_ms.min(unix_ms);
-                }
-                started.entry(rank).or_default().insert(room);
-            }
-            Some(Event::Done {
-                role,
-                room,
-                success,
-                reason,
-                latency_ms,
-                verified,
-                mismatched,
-                aborted,
-                timed_out,
-                end_unix_ms,
-                ..
-            }) => {
-                let outcome = Outcome {
-                    success,
-                    reason,
-                    latency_ms,
-                    verified,
-                    mismatched,
-                    aborted,
-                    timed_out,
-                    end_unix_ms,
-                };
-                // Both roles: a prefill may see its room's end after the decode.
-                last_done_ms = last_done_ms.max(outcome.end_unix_ms);
-                if role == "decode" {
-                    last_done = Instant::now();
-                    // Counted, not scanned for: a soak has millions of outcomes.
-                    if rank == 0 && !decode.contains_key(&(0, room)) {
-                        rank0_done += 1;
-                    }
-                    if let Some(f) = fault.as_mut() {
-                        f.observe(outcome.success, outcome.reason.as_deref());
-                        f.progress(rank0_done, site, &children, ranks.decode[0])?;
-                    }
-                    decode.insert((rank, room), outcome);
-                    bar.inc(1);
-                    if let Some(n) = args
-                        .kill_decode_after
-                        .filter(|n| !killed && rank0_done >= *n)
-                    {
-                        killed = true;
-                        bar.set_message(format!(
-                            "killed decode rank 0 after {n} rooms; restarting it"
-                        ));
-                        children.kill(ranks.decode[0]);
-                        restart_after = Some(ranks.decode[0]);
-                    }
-                } else {
-                    prefill.insert((rank, room), outcome);
-                }
-            }
-            Some(Event::Finished { .. }) => {
-                finished.insert(id);
-            }
-            Some(Event::Paused { below, .. }) => {
-                if let Some(d) = drain.as_mut() {
-                    d.paused(id, below);
-                }
-            }
-            Some(Event::Ready { .. }) => {}
-            Some(Event::Error { message }) => {
-                children.kill_all();
-                bail!("{} failed: {message}", children.name(id));
-            }
-        }
-    }
-    bar.finish_and_clear();
-    children.wait_all(Duration::from_secs(10));
-    let seconds = if first_start_ms.is_finite() && last_done_ms > first_start_ms {
-        (last_done_ms - first_start_ms) / 1e3
-    } else {
-        first_start.map_or(0.0, |t| {
-            last_done.saturating_duration_since(t).as_secs_f64()
-        })
-    };
-    let fault_report = fault.map(|f| f.finish(site, &children, ranks.decode[0]));
-    let rogue_report = rogue.map(rogue::Rogue::stop);
-    let mut summary = tally::summarize(args, plan, &decode, &prefill, seconds, drained_below);
-    summary.rogue = rogue_report;
-    summary.fault = fault_report;
-    summary.hosts = site.traffic();
-    summary.resources = sampler.report();
-    if let Some(hosts) = site.hosts() {
-        summary.topology.push_str(&format!(
-            ", {} hosts (network namespaces)",
-            hosts.hosts.len()
-        ));
-    }
-    Ok(summary)
 }
 
 /// Splits the rooms the killed decode rank 0 started: returns the rooms its
