@@ -11,6 +11,10 @@
 //! * The control protocol a peer uses to copy into our memory without a
 //!   request per batch ([`control`], [`holds`]): export tables, leases,
 //!   revocations and releases.
+//! * The accept loop every transport's listener runs ([`server`]): the
+//!   connection cap, the back-off when `accept` runs out of resources, a
+//!   handler thread per connection; and the rate limit of repeated
+//!   warnings ([`burst`]).
 //!
 //! **Owns:** these protocols and their limits. **Never:** knows which
 //! transport moves the payload (TCP, CUDA IPC, UCX build on it; it imports
@@ -18,10 +22,12 @@
 //! proof from a peer before checking it.
 
 pub(crate) mod auth;
+pub(crate) mod burst;
 pub(crate) mod control;
 pub(crate) mod handshake;
 pub(crate) mod holds;
 pub(crate) mod io;
+pub(crate) mod server;
 pub(crate) mod wire;
 
 use std::net::{SocketAddr, ToSocketAddrs};

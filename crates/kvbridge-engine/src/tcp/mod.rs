@@ -197,7 +197,7 @@ impl TcpEngine {
         let i2 = inner.clone();
         let accept = std::thread::Builder::new()
             .name("kvb-tcp-accept".into())
-            .spawn(move || server::accept_loop(i2, l2))?;
+            .spawn(move || crate::session::server::accept_loop(i2, l2))?;
         tracing::info!(session = %inner.session, "tcp engine listening");
         Ok(Self {
             inner,

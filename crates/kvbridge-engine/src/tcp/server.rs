@@ -1,4 +1,5 @@
-//! The receiving side: the accept loop and one thread per connection that
+//! The receiving side: one thread per connection (accepted by the session
+//! layer's loop, `session::server`, which this engine plugs into) that
 //! authenticates the peer, validates every request against our registered
 //! regions, and scatters payloads straight into them ([`super::scatter`]).
 //!
@@ -13,7 +14,7 @@
 //! into ticks that check for shutdown and for the connection's abort flag
 //! (set when its peer is fenced).
 
-use std::net::{TcpListener, TcpStream};
+use std::net::TcpStream;
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -32,94 +33,40 @@ pub(super) const BOUNCE_CAP: usize = 1 << 20;
 const CHECK_CHUNK: usize = 4096;
 /// Poll tick while waiting for the next request (shutdown / freeze / idle checks).
 const IDLE_TICK_MS: i32 = 200;
-/// Back-off of the accept loop when `accept` runs out of resources.
-const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
+impl crate::session::server::Service for Inner {
+    const WHAT: &'static str = "tcp engine";
+    const THREAD: &'static str = "kvb-tcp-serve";
 
-/// Whether an `accept` error means "out of descriptors or memory": the
-/// pending connection stays queued, so retrying at once would spin.
-fn is_exhaustion(e: &std::io::Error) -> bool {
-    matches!(
-        e.raw_os_error(),
-        Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM)
-    )
-}
+    fn is_shutdown(&self) -> bool {
+        Inner::is_shutdown(self)
+    }
 
-/// Accept connections until the engine shuts down.
-pub(super) fn accept_loop(inner: Arc<Inner>, listener: TcpListener) {
-    let fd = listener.as_raw_fd();
-    // Resource errors in the current episode (logged once, at its start).
-    let mut episode: u64 = 0;
-    while !inner.is_shutdown() {
-        match io::wait_readable(fd, IDLE_TICK_MS) {
-            Ok(false) => continue,
-            Ok(true) => {}
-            Err(e) => {
-                tracing::warn!(error = %e, "poll on listener failed");
-                std::thread::sleep(Duration::from_millis(50));
-                continue;
-            }
+    fn max_connections(&self) -> usize {
+        self.cfg.tcp.max_connections
+    }
+
+    fn gate(&self) -> &crate::session::server::Gate {
+        &self.stats.gate
+    }
+
+    /// Keeps a handle to shut it (fences, evictions, engine shutdown) and
+    /// counts it in its handshake.
+    fn admit(&self, stream: &TcpStream) -> u64 {
+        let id = self.next_id();
+        if let Ok(c) = stream.try_clone() {
+            self.accepted.lock().insert(id, c);
         }
-        if inner.is_shutdown() {
-            break;
-        }
-        match listener.accept() {
-            Ok((stream, from)) => {
-                if episode > 0 {
-                    tracing::info!(errors = episode, "accept works again");
-                    episode = 0;
-                }
-                let stats = &inner.stats;
-                let open = stats.connections_open.load(Ordering::Acquire);
-                if open >= inner.cfg.tcp.max_connections as u64 {
-                    bump(&stats.connections_rejected);
-                    if let Some(suppressed) = stats.log_rejected.hit() {
-                        tracing::warn!(
-                            %from,
-                            open,
-                            max = inner.cfg.tcp.max_connections,
-                            suppressed,
-                            "connection limit reached; closing new connections at once"
-                        );
-                    }
-                    drop(stream);
-                    continue;
-                }
-                bump(&stats.connections_accepted);
-                bump(&stats.connections_open);
-                tracing::debug!(%from, "accepted data connection");
-                let (i2, at) = (inner.clone(), Instant::now());
-                let id = inner.next_id();
-                if let Ok(c) = stream.try_clone() {
-                    inner.accepted.lock().insert(id, c);
-                }
-                admit_pending(&inner, id);
-                let spawned = std::thread::Builder::new()
-                    .name("kvb-tcp-serve".into())
-                    .spawn(move || serve(i2, stream, id, at));
-                if let Err(e) = spawned {
-                    stats.connections_open.fetch_sub(1, Ordering::AcqRel);
-                    inner.accepted.lock().remove(&id);
-                    handshake_over(&inner, id);
-                    tracing::warn!(error = %e, "cannot spawn a connection thread; dropping connection");
-                }
-            }
-            Err(e) if is_exhaustion(&e) => {
-                bump(&inner.stats.accept_errors);
-                if episode == 0 {
-                    tracing::warn!(
-                        error = %e,
-                        "accept is out of resources; backing off (logged once per episode)"
-                    );
-                }
-                episode += 1;
-                std::thread::sleep(ACCEPT_BACKOFF);
-            }
-            Err(e) => {
-                if !inner.is_shutdown() {
-                    tracing::debug!(error = %e, "accept failed");
-                }
-            }
-        }
+        admit_pending(self, id);
+        id
+    }
+
+    fn serve(self: Arc<Self>, stream: TcpStream, id: u64, accepted_at: Instant) {
+        serve(self, stream, id, accepted_at);
+    }
+
+    fn abandon(&self, id: u64) {
+        self.accepted.lock().remove(&id);
+        handshake_over(self, id);
     }
 }
 
@@ -181,14 +128,10 @@ impl Drop for Registered<'_> {
         self.inner.fences.leave(self.id);
         self.inner.holds.release(self.id);
         self.inner.accepted.lock().remove(&self.id);
-        self.inner
-            .stats
-            .connections_open
-            .fetch_sub(1, Ordering::AcqRel);
     }
 }
 
-/// Serve connection `id`, accepted at `accepted_at` (counted open by the accept loop).
+/// Serve connection `id`, accepted at `accepted_at` (its slot is the accept loop's).
 fn serve(inner: Arc<Inner>, stream: TcpStream, id: u64, accepted_at: Instant) {
     let _reg = Registered { inner: &inner, id };
     if inner.is_shutdown() {

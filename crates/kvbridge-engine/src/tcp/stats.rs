@@ -3,9 +3,9 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, Instant};
 
-use parking_lot::Mutex;
+pub(crate) use crate::session::burst::Burst;
+use crate::session::server::Gate;
 
 /// Counters of one TCP engine, for logs, metrics and tests.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -55,36 +55,6 @@ pub struct EngineStats {
     pub live_batches: u64,
 }
 
-/// Quiet time after which a repeated warning is logged again.
-const LOG_QUIET: Duration = Duration::from_secs(10);
-
-/// Rate limit of one repeated warning: the first of a burst is logged, the
-/// rest are counted, and the next one after [`LOG_QUIET`] is logged with
-/// how many were suppressed in between.
-#[derive(Debug, Default)]
-pub(crate) struct Burst {
-    state: Mutex<(Option<Instant>, u64)>,
-}
-
-impl Burst {
-    /// `Some(suppressed since the last logged one)` when this occurrence should be logged.
-    pub(crate) fn hit(&self) -> Option<u64> {
-        let now = Instant::now();
-        let mut s = self.state.lock();
-        match s.0 {
-            Some(last) if now.duration_since(last) < LOG_QUIET => {
-                s.1 += 1;
-                None
-            }
-            _ => {
-                let suppressed = std::mem::take(&mut s.1);
-                s.0 = Some(now);
-                Some(suppressed)
-            }
-        }
-    }
-}
-
 /// The live counters behind [`EngineStats`], and the rate limits of their warnings.
 #[derive(Debug, Default)]
 pub(crate) struct Stats {
@@ -93,10 +63,8 @@ pub(crate) struct Stats {
     pub requests_refused: AtomicU64,
     pub auth_failures: AtomicU64,
     pub bad_frames: AtomicU64,
-    pub connections_accepted: AtomicU64,
-    pub connections_open: AtomicU64,
-    pub connections_rejected: AtomicU64,
-    pub accept_errors: AtomicU64,
+    /// The accept loop's counters (accepted, open, rejected, accept errors).
+    pub gate: Gate,
     pub handshake_timeouts: AtomicU64,
     pub handshakes_evicted: AtomicU64,
     pub handshakes_pending: AtomicU64,
@@ -110,7 +78,6 @@ pub(crate) struct Stats {
     pub log_refused: Burst,
     pub log_auth: Burst,
     pub log_bad_frame: Burst,
-    pub log_rejected: Burst,
     pub log_handshake: Burst,
     pub log_evicted: Burst,
     pub log_idle: Burst,
@@ -133,10 +100,10 @@ impl Stats {
             requests_refused: l(&self.requests_refused),
             auth_failures: l(&self.auth_failures),
             bad_frames: l(&self.bad_frames),
-            connections_accepted: l(&self.connections_accepted),
-            connections_open: l(&self.connections_open),
-            connections_rejected: l(&self.connections_rejected),
-            accept_errors: l(&self.accept_errors),
+            connections_accepted: l(&self.gate.accepted),
+            connections_open: l(&self.gate.open),
+            connections_rejected: l(&self.gate.refused),
+            accept_errors: l(&self.gate.accept_errors),
             handshake_timeouts: l(&self.handshake_timeouts),
             handshakes_evicted: l(&self.handshakes_evicted),
             handshakes_pending: l(&self.handshakes_pending),
@@ -147,21 +114,5 @@ impl Stats {
             resets_by_sender: l(&self.resets_by_sender),
             live_batches: l(&self.live_batches),
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_burst_logs_its_first_occurrence_only() {
-        let b = Burst::default();
-        assert_eq!(b.hit(), Some(0));
-        assert_eq!(b.hit(), None);
-        assert_eq!(b.hit(), None);
-        // After the quiet time the next one is logged with the count.
-        b.state.lock().0 = Some(Instant::now() - LOG_QUIET);
-        assert_eq!(b.hit(), Some(2));
     }
 }

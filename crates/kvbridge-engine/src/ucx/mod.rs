@@ -206,8 +206,7 @@ impl UcxEngine {
             io_timeout: cfg.connect_timeout(),
             served: AtomicU64::new(0),
             auth_failures: AtomicU64::new(0),
-            open: Default::default(),
-            refused: AtomicU64::new(0),
+            gate: Default::default(),
         });
         let l2 = listener
             .try_clone()
@@ -268,8 +267,8 @@ impl UcxEngine {
             handshakes: s.handshakes.load(Ordering::Relaxed),
             served: self.published.served.load(Ordering::Relaxed),
             auth_failures: self.published.auth_failures.load(Ordering::Relaxed),
-            side_open: self.published.open.load(Ordering::Relaxed) as u64,
-            side_refused: self.published.refused.load(Ordering::Relaxed),
+            side_open: self.published.gate.open.load(Ordering::Relaxed),
+            side_refused: self.published.gate.refused.load(Ordering::Relaxed),
         }
     }
 

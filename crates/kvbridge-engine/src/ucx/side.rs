@@ -25,7 +25,7 @@ use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use parking_lot::RwLock;
@@ -33,6 +33,7 @@ use parking_lot::RwLock;
 use crate::session::auth;
 use crate::session::handshake::{self, Proto};
 use crate::session::io;
+use crate::session::server::{Gate, Service};
 use crate::session::wire::{CHALLENGE_LEN, HELLO_LEN, Hello, NONCE_LEN as NONCE, u32_at, u64_at};
 use crate::{ErrorKind, TransferError};
 
@@ -116,10 +117,9 @@ pub(crate) struct Published {
     pub io_timeout: Duration,
     pub served: AtomicU64,
     pub auth_failures: AtomicU64,
-    /// Connections being answered now.
-    pub open: AtomicUsize,
-    /// Connections closed at once because [`MAX_SIDE_CONNECTIONS`] were open.
-    pub refused: AtomicU64,
+    /// The accept loop's counters: connections answered now, and those
+    /// closed at once because [`MAX_SIDE_CONNECTIONS`] were open.
+    pub gate: Gate,
 }
 
 /// Most side-channel connections answered at once (each on its own
@@ -127,65 +127,36 @@ pub(crate) struct Published {
 /// honest peers hold a slot for milliseconds.
 pub(crate) const MAX_SIDE_CONNECTIONS: usize = 64;
 
-/// Gives a connection's slot back when its handler ends.
-struct Slot<'a>(&'a AtomicUsize);
+/// The side channel plugs into the session layer's accept loop: at most
+/// [`MAX_SIDE_CONNECTIONS`] are answered at once, each within `io_timeout`
+/// in all; more are closed at once.
+impl Service for Published {
+    const WHAT: &'static str = "ucx side channel";
+    const THREAD: &'static str = "kvb-ucx-side";
 
-impl Drop for Slot<'_> {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::AcqRel);
+    fn is_shutdown(&self) -> bool {
+        self.shutdown.load(Ordering::Acquire)
+    }
+
+    fn max_connections(&self) -> usize {
+        MAX_SIDE_CONNECTIONS
+    }
+
+    fn gate(&self) -> &Gate {
+        &self.gate
+    }
+
+    fn serve(self: Arc<Self>, stream: TcpStream, _id: u64, _accepted_at: Instant) {
+        if let Err(e) = serve(&self, stream) {
+            tracing::debug!(error = %e, "ucx side channel: connection dropped");
+        }
     }
 }
 
 /// Accept side-channel connections until `published.shutdown` is set.
-/// At most [`MAX_SIDE_CONNECTIONS`] are answered at once, each within
-/// `io_timeout` in all; more are closed at once (logged once per episode).
 pub(crate) fn accept_loop(published: Arc<Published>, listener: TcpListener) {
-    let mut refusing = false;
-    for conn in listener.incoming() {
-        if published.shutdown.load(Ordering::Acquire) {
-            break;
-        }
-        let Ok(stream) = conn else {
-            // Out of descriptors or memory: the connection stays queued;
-            // back off rather than spin on it.
-            std::thread::sleep(ACCEPT_BACKOFF);
-            continue;
-        };
-        let open = published.open.load(Ordering::Acquire);
-        if open >= MAX_SIDE_CONNECTIONS {
-            published.refused.fetch_add(1, Ordering::Relaxed);
-            if !std::mem::replace(&mut refusing, true) {
-                tracing::warn!(
-                    peer = ?stream.peer_addr().ok(),
-                    max = MAX_SIDE_CONNECTIONS,
-                    "ucx side channel: connection limit reached; closing new connections at once"
-                );
-            }
-            drop(stream);
-            continue;
-        }
-        if std::mem::take(&mut refusing) {
-            tracing::info!("ucx side channel: below its connection limit again");
-        }
-        published.open.fetch_add(1, Ordering::AcqRel);
-        let p = published.clone();
-        let spawned = std::thread::Builder::new()
-            .name("kvb-ucx-side".into())
-            .spawn(move || {
-                let _slot = Slot(&p.open);
-                if let Err(e) = serve(&p, stream) {
-                    tracing::debug!(error = %e, "ucx side channel: connection dropped");
-                }
-            });
-        if let Err(e) = spawned {
-            published.open.fetch_sub(1, Ordering::AcqRel);
-            tracing::warn!(error = %e, "ucx side channel: cannot spawn a handler");
-        }
-    }
+    crate::session::server::accept_loop(published, listener);
 }
-
-/// Back-off of the accept loop when `accept` fails.
-const ACCEPT_BACKOFF: Duration = Duration::from_millis(50);
 
 /// Answer one side-channel connection.
 fn serve(p: &Published, s: TcpStream) -> std::io::Result<()> {
@@ -412,8 +383,7 @@ mod tests {
             io_timeout: Duration::from_secs(2),
             served: AtomicU64::new(0),
             auth_failures: AtomicU64::new(0),
-            open: AtomicUsize::new(0),
-            refused: AtomicU64::new(0),
+            gate: Gate::default(),
         });
         let p2 = p.clone();
         std::thread::spawn(move || accept_loop(p2, l));
@@ -522,12 +492,15 @@ mod tests {
             .map(|_| TcpStream::connect(a).unwrap())
             .collect();
         wait_for("the extra connections refused", || {
-            p.refused.load(Ordering::Relaxed) >= 40
+            p.gate.refused.load(Ordering::Relaxed) >= 40
         });
-        assert_eq!(p.open.load(Ordering::Relaxed), MAX_SIDE_CONNECTIONS);
+        assert_eq!(
+            p.gate.open.load(Ordering::Relaxed),
+            MAX_SIDE_CONNECTIONS as u64
+        );
         drop(idle);
         wait_for("the idle strangers' slots given back", || {
-            p.open.load(Ordering::Relaxed) == 0
+            p.gate.open.load(Ordering::Relaxed) == 0
         });
         // A trickler: one byte of its hello every 300 ms, under the 2 s
         // no-progress limit, yet cut off by the 2 s deadline for the whole.
@@ -544,10 +517,10 @@ mod tests {
             false
         });
         wait_for("the trickler accepted", || {
-            p.open.load(Ordering::Relaxed) == 1
+            p.gate.open.load(Ordering::Relaxed) == 1
         });
         wait_for("the trickler's slot given back", || {
-            p.open.load(Ordering::Relaxed) == 0
+            p.gate.open.load(Ordering::Relaxed) == 0
         });
         assert!(
             started.elapsed() < Duration::from_secs(6),
