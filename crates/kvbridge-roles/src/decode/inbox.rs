@@ -252,12 +252,14 @@ fn on_abort_ack(shared: &Shared, a: &AbortAck, bound: &Bound) {
     {
         return;
     }
-    let accepted = shared.step(Input::AbortAck {
+    let verdict = shared.step(Input::AbortAck {
         room: a.room,
         rank: a.prefill_rank,
         generation: a.generation,
     });
-    if !matches!(accepted, Output::Ack { accepted: true, .. }) {
+    // An ACK for a room that awaits none (cleared, never aborted, or a
+    // resent ABORT answered twice) is dropped quietly.
+    if matches!(verdict, Output::Ack { refused: true, .. }) {
         shared.metrics.dropped("abort_ack_foreign");
         tracing::warn!(
             room = a.room,

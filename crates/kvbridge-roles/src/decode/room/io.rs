@@ -116,10 +116,13 @@ pub(crate) enum Output {
     Sender(Result<Option<PairKey>, StatusEffect>),
     /// `Status`: what it did to the room.
     Status(StatusEffect),
-    /// `AbortAck`: whether it was accepted, and the engine session whose
-    /// fence it lifts (to unfence before the lock is released).
+    /// `AbortAck`: whether it was accepted; whether it was refused by a
+    /// room waiting for ACKs (stale, forged or foreign: worth reporting,
+    /// unlike one for a room that awaits none); and the engine session
+    /// whose fence it lifts (to unfence before the lock is released).
     Ack {
         accepted: bool,
+        refused: bool,
         unfence: Option<String>,
     },
     /// `OwedAborts`: `(room, endpoint, generation)` to send again.

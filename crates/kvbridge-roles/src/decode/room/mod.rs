@@ -190,8 +190,12 @@ impl DecodeRooms {
                 rank,
                 generation,
             } => {
-                let (accepted, unfence) = self.abort_ack(room, rank, generation);
-                Output::Ack { accepted, unfence }
+                let (accepted, awaited, unfence) = self.abort_ack(room, rank, generation);
+                Output::Ack {
+                    accepted,
+                    refused: awaited && !accepted,
+                    unfence,
+                }
             }
             Input::Takes {
                 room,
@@ -434,22 +438,23 @@ impl DecodeRooms {
     /// when our ABORT carried no generation (deferred release off), as
     /// sglang answers then. A fenced rank's late ACK settles what it owed
     /// (the room may be cleared by now) and lifts its fence once it owes
-    /// nothing else.
+    /// nothing else. Returns whether it was accepted, whether the room was
+    /// waiting for ACKs, and the session whose fence it lifts.
     fn abort_ack(
         &mut self,
         room: u64,
         rank: Option<u64>,
         generation: Option<u64>,
-    ) -> (bool, Option<String>) {
+    ) -> (bool, bool, Option<String>) {
         let (settled, unfence) = match rank {
             Some(rank) => self.settle_fence(room, rank, generation),
             None => (false, None),
         };
         let Some(r) = self.rooms.get_mut(&room) else {
-            return (settled, unfence);
+            return (settled, false, unfence);
         };
         let (Some(acks), Some(expected)) = (r.abort.as_mut(), r.expected.as_ref()) else {
-            return (settled, unfence);
+            return (settled, false, unfence);
         };
         let accepted = match rank {
             Some(rank) if expected.all.contains(&rank) && generation == acks.generation => {
@@ -462,7 +467,7 @@ impl DecodeRooms {
             }
             _ => settled,
         };
-        (accepted, unfence)
+        (accepted, true, unfence)
     }
 
     fn settle_fence(

@@ -260,6 +260,15 @@ fn an_abort_goes_out_once_and_drains_only_on_acks_of_its_generation() {
         Output::Flag(false)
     );
     assert_eq!(drain(&mut rooms, 5, 2, t0), Drain::Waiting, "no ABORT yet");
+    assert_eq!(
+        ack(&mut rooms, 5, Some(0), Some(1)),
+        Output::Ack {
+            accepted: false,
+            refused: false,
+            unfence: None
+        },
+        "no ABORT went out: nothing awaited, dropped quietly"
+    );
     let Output::Abort(Some(Some(generation))) = stop(&mut rooms, 5, t0) else {
         panic!("the first stop sends an ABORT with a generation");
     };
@@ -283,6 +292,7 @@ fn an_abort_goes_out_once_and_drains_only_on_acks_of_its_generation() {
             ack(&mut rooms, 5, rank, g),
             Output::Ack {
                 accepted: false,
+                refused: true,
                 unfence: None
             }
         );
@@ -320,6 +330,7 @@ fn unranked_acks_count_only_without_a_generation_and_at_most_once_per_rank() {
         ack(&mut rooms, 6, None, None),
         Output::Ack {
             accepted: false,
+            refused: true,
             ..
         }
     ));
@@ -407,13 +418,24 @@ fn silent_ranks_are_reported_once_fenced_and_their_late_ack_lifts_the_fence() {
         ack(&mut rooms, 8, Some(1), g8),
         Output::Ack {
             accepted: true,
+            refused: false,
             unfence: None
         }
+    );
+    assert_eq!(
+        ack(&mut rooms, 8, Some(1), g8),
+        Output::Ack {
+            accepted: false,
+            refused: false,
+            unfence: None
+        },
+        "answered twice for a cleared room: dropped quietly"
     );
     assert_eq!(
         ack(&mut rooms, 9, Some(1), g9),
         Output::Ack {
             accepted: true,
+            refused: false,
             unfence: Some("10.0.0.1:7001".into())
         },
         "the last owed ACK lifts the fence"
