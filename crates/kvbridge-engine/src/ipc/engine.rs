@@ -30,9 +30,8 @@ use super::pipe::{Counters, FREE_SLOTS, InFlight, Pipe, Shared};
 use super::schedule::CopyTuning;
 use super::table::{self, Export};
 use crate::session::control::ControlHost;
-use crate::{
-    Batch, BatchHandle, EngineConfig, ErrorKind, Target, TcpEngine, TransferEngine, TransferError,
-};
+use crate::tcp::EngineHost;
+use crate::{Batch, BatchHandle, EngineConfig, ErrorKind, Target, TransferEngine, TransferError};
 
 /// How often an idle session holding regions looks for revokes.
 const IDLE_TICK: Duration = Duration::from_millis(2);
@@ -61,13 +60,13 @@ impl IpcEngine {
                 cuda::unavailable_reason().unwrap_or("unknown")
             )));
         }
-        let tcp = TcpEngine::new(cfg)?;
+        let host = EngineHost::start(cfg, false)?;
         // Until something is registered, peers read an empty table (not a
         // missing one, which they would refuse as malformed).
-        tcp.set_exports(table::encode(&[]));
+        host.set_exports(table::encode(&[]));
         Ok(Self {
             shared: Arc::new(Shared {
-                tcp,
+                host,
                 tuning,
                 counters: Counters::default(),
             }),
@@ -100,12 +99,12 @@ impl IpcEngine {
         for w in self.workers.lock().drain(..) {
             let _ = w.join();
         }
-        self.shared.tcp.shutdown();
+        self.shared.host.shutdown();
     }
 
     /// Recompute the export table after a registration change.
     fn publish(&self) -> Result<(), MemError> {
-        let regions = self.shared.tcp.registered_regions();
+        let regions = self.shared.host.registered_regions();
         let mut entries = Vec::with_capacity(regions.len());
         for r in regions {
             let h = IpcHandle::export(r.addr)?;
@@ -117,7 +116,7 @@ impl IpcEngine {
                 handle: h.bytes,
             });
         }
-        self.shared.tcp.set_exports(table::encode(&entries));
+        self.shared.host.set_exports(table::encode(&entries));
         Ok(())
     }
 
@@ -251,7 +250,7 @@ impl Drop for IpcEngine {
 
 impl TransferEngine for IpcEngine {
     fn session_id(&self) -> &str {
-        self.shared.tcp.session_id()
+        self.shared.host.session_id()
     }
 
     unsafe fn batch_register(&self, regions: &[(u64, u64)]) -> Result<(), MemError> {
@@ -262,10 +261,10 @@ impl TransferEngine for IpcEngine {
             }
         }
         // SAFETY: forwarded caller contract.
-        unsafe { self.shared.tcp.batch_register(regions) }?;
+        unsafe { self.shared.host.register(regions) }?;
         if let Err(e) = self.publish() {
             let addrs: Vec<u64> = regions.iter().map(|r| r.0).collect();
-            let _ = self.shared.tcp.batch_deregister(&addrs);
+            let _ = self.shared.host.deregister(&addrs);
             let _ = self.publish();
             return Err(e);
         }
@@ -275,7 +274,7 @@ impl TransferEngine for IpcEngine {
     fn batch_deregister(&self, addrs: &[u64]) -> Result<(), MemError> {
         // Removes the regions (waiting for batches being prepared), then
         // revokes peers' holds on them and waits for their copies.
-        let r = self.shared.tcp.batch_deregister(addrs);
+        let r = self.shared.host.deregister(addrs);
         if let Err(e) = self.publish() {
             tracing::warn!(error = %e, "republishing IPC exports failed");
         }
@@ -285,7 +284,7 @@ impl TransferEngine for IpcEngine {
     }
 
     fn incarnation(&self) -> u64 {
-        self.shared.tcp.incarnation()
+        self.shared.host.incarnation()
     }
 
     fn submit(&self, target: Target<'_>, batch: Batch<'_>) -> BatchHandle {
@@ -300,19 +299,19 @@ impl TransferEngine for IpcEngine {
     }
 
     fn probe(&self, session: &str) -> Result<(), TransferError> {
-        self.shared.tcp.probe(session)
+        self.shared.host.ping(session).map(|_| ())
     }
 
     fn registered_regions(&self) -> Vec<Region> {
-        self.shared.tcp.registered_regions()
+        self.shared.host.registered_regions()
     }
 
     fn read_local(&self, addr: u64, out: &mut [u8]) -> Result<(), MemError> {
-        self.shared.tcp.read_local(addr, out)
+        self.shared.host.read_local(addr, out)
     }
 
     fn write_local(&self, addr: u64, data: &[u8]) -> Result<(), MemError> {
-        self.shared.tcp.write_local(addr, data)
+        self.shared.host.write_local(addr, data)
     }
 
     fn moves_host_memory(&self) -> bool {

@@ -2,10 +2,12 @@
 //! node (same GPU, or GPUs linked by NVLink / PCIe peer access), the role
 //! Mooncake's `nvlink_intra` transport plays for sglang.
 //!
-//! * Control plane: an embedded [`TcpEngine`] gives the listening port,
-//!   session id, authenticated handshake (cluster secret), incarnation and
-//!   registry; the IPC engine reaches it only through the session layer's
-//!   control protocol (`session::control`). On the engine wire: `Exports` (the receiver's table of
+//! * Control plane: an engine host started without the data plane
+//!   (`tcp::EngineHost`) gives the listening port (on the session layer's
+//!   accept loop), session id, authenticated handshake (cluster secret),
+//!   incarnation and registry, and refuses every data request; the IPC
+//!   engine reaches peers only through the session layer's control
+//!   protocol (`session::control`). On the engine wire: `Exports` (the receiver's table of
 //!   registered device regions with the CUDA IPC handle of the allocation
 //!   holding each), `Lease` / `Release` / `Revoke`: a session *holds* the
 //!   peer's regions it copies into across batches; a deregistration on the
@@ -32,10 +34,9 @@
 //!   checks every block against; the copy machinery itself stays private.
 //!
 //! **Never:** registers host memory, copies into a peer's region it does
-//! not hold, or imports another transport's internals (its control plane
-//! is reached through the session layer).
-//!
-//! [`TcpEngine`]: crate::TcpEngine
+//! not hold, lets a peer write into its regions over TCP, or imports
+//! another transport's internals (its host is the engine wire's serving
+//! side alone; peers are reached through the session layer).
 
 // The copy planning and the kernel source are pure (no CUDA): built and
 // tested everywhere, used only by the engine the `cuda` feature builds.

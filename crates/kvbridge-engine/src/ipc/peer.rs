@@ -112,7 +112,7 @@ impl PeerState {
             self.drop_control();
         }
         if self.control.is_none() {
-            let c = shared.tcp.control(&self.session)?;
+            let c = shared.host.control(&self.session)?;
             if self.incarnation != 0 && c.incarnation() != self.incarnation {
                 tracing::info!(session = %self.session, "ipc peer restarted; reopening its memory");
                 self.reset(shared);
@@ -451,7 +451,7 @@ impl PeerState {
         }
         // Our sources stay registered until the batch is launched; a
         // deregistration then waits for the copies (`IpcEngine::drain`).
-        let registry = shared.tcp.registry().read_recursive();
+        let registry = shared.host.registry().read_recursive();
         let ordinal = self.local_map(&registry, batch);
         self.copier(shared, ordinal)?;
         if let Some(c) = &self.copier {

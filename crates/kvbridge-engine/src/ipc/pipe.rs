@@ -9,8 +9,8 @@ use parking_lot::Mutex;
 
 use super::copier::Slot;
 use super::schedule::CopyTuning;
-use crate::TcpEngine;
 use crate::batch::Completer;
+use crate::tcp::EngineHost;
 
 /// An idle session releases its holds after this long.
 pub(super) const IDLE_RELEASE: Duration = Duration::from_millis(500);
@@ -30,7 +30,9 @@ pub(super) struct Counters {
 /// What the engine shares with its sessions.
 #[derive(Debug)]
 pub(super) struct Shared {
-    pub(super) tcp: TcpEngine,
+    /// The port peers reach us on: handshake, registry and the control
+    /// protocol, without the TCP data plane.
+    pub(super) host: EngineHost,
     pub(super) tuning: CopyTuning,
     pub(super) counters: Counters,
 }

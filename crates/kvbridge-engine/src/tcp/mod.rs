@@ -27,6 +27,7 @@
 mod conn;
 mod fence;
 mod handshake;
+mod host;
 mod lane;
 mod receive_runs;
 mod request;
@@ -37,20 +38,19 @@ mod server;
 mod stats;
 
 use std::collections::HashMap;
-use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::os::fd::AsRawFd;
+use std::net::{SocketAddr, TcpStream};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::thread::JoinHandle;
 
 use crossbeam_channel::Sender;
 use kvbridge_mem::{MemError, Region, RegionRegistry};
 use parking_lot::{Mutex, RwLock};
 
-use crate::session::{self, holds, resolve, shutdown_error};
+use crate::session::{holds, resolve, shutdown_error};
 use crate::{
     Batch, BatchHandle, Block, EngineConfig, ErrorKind, Side, Target, TransferEngine, TransferError,
 };
+pub(crate) use host::EngineHost;
 use request::{BatchCtx, Item, Piece, Work};
 pub use stats::EngineStats;
 use stats::Stats;
@@ -96,6 +96,9 @@ struct Inner {
     fences: fence::Fences,
     next_id: AtomicU64,
     stats: Stats,
+    /// Whether `Check` and `Write` requests are served (false: a
+    /// control-only host, the CUDA IPC engine's).
+    data_plane: bool,
 }
 
 impl Inner {
@@ -151,114 +154,52 @@ impl Inner {
 /// its port and every connection; pending batches fail with `Shutdown`.
 #[derive(Debug)]
 pub struct TcpEngine {
-    inner: Arc<Inner>,
-    listener: TcpListener,
-    accept: Mutex<Option<JoinHandle<()>>>,
+    host: EngineHost,
 }
 
 /// Smallest request a batch is cut into when spread over connections.
 const MIN_REQUEST_BYTES: u64 = 256 << 10;
 
-/// Purpose label of the engine handshake's key (the TCP and CUDA IPC engines).
-const HANDSHAKE_KEY: &str = "engine-handshake";
-
-/// The engine handshake's HMAC key: derived for this channel alone, never
-/// the raw secret (docs/security.md: each channel derives its own key).
-fn handshake_key(secret: &str) -> Vec<u8> {
-    crate::secret::derive_key(secret.as_bytes(), HANDSHAKE_KEY).to_vec()
-}
-
 impl TcpEngine {
     /// Bind the listening port and start serving.
     pub fn new(cfg: EngineConfig) -> std::io::Result<Self> {
-        let listener = TcpListener::bind((cfg.listen_host.as_str(), cfg.port))?;
-        let local = listener.local_addr()?;
-        let session = session::session_id(&cfg, local.port())?;
-        let secret = cfg.secret.as_deref().map(handshake_key);
-        let inner = Arc::new(Inner {
-            cfg,
-            session,
-            incarnation: rand::random::<u64>() | 1,
-            secret,
-            regions: RwLock::new(RegionRegistry::new()),
-            shutdown: AtomicBool::new(false),
-            frozen: AtomicBool::new(false),
-            freeze_after: AtomicU64::new(u64::MAX),
-            peers: Mutex::new(HashMap::new()),
-            accepted: Mutex::new(HashMap::new()),
-            pending: Mutex::new(std::collections::VecDeque::new()),
-            exports: RwLock::new(Vec::new()),
-            holds: holds::Holds::default(),
-            fences: fence::Fences::default(),
-            next_id: AtomicU64::new(1),
-            stats: Stats::default(),
-        });
-        let l2 = listener.try_clone()?;
-        let i2 = inner.clone();
-        let accept = std::thread::Builder::new()
-            .name("kvb-tcp-accept".into())
-            .spawn(move || crate::session::server::accept_loop(i2, l2))?;
-        tracing::info!(session = %inner.session, "tcp engine listening");
         Ok(Self {
-            inner,
-            listener,
-            accept: Mutex::new(Some(accept)),
+            host: EngineHost::start(cfg, true)?,
         })
+    }
+
+    /// The engine's serving state (shared with its server threads and lanes).
+    fn inner(&self) -> &Arc<Inner> {
+        &self.host.inner
     }
 
     /// Close the port and every connection; idempotent. Later calls fail with `Shutdown`.
     pub fn shutdown(&self) {
-        if self.inner.shutdown.swap(true, Ordering::AcqRel) {
-            return;
-        }
-        // SAFETY: shutting down our own listening socket's fd, which stays
-        // open (owned by `self.listener`); this only wakes the accept thread.
-        unsafe { libc::shutdown(self.listener.as_raw_fd(), libc::SHUT_RDWR) };
-        for s in self.inner.accepted.lock().values() {
-            let _ = s.shutdown(std::net::Shutdown::Both);
-        }
-        let peers: Vec<Arc<Peer>> = self.inner.peers.lock().drain().map(|(_, p)| p).collect();
-        for p in &peers {
-            for s in p.info.live.lock().values() {
-                // Batches still in flight fail with `Shutdown`: what they
-                // had queued must not reach the peer afterwards.
-                session::io::reset_on_close(s.as_raw_fd());
-                let _ = s.shutdown(std::net::Shutdown::Both);
-            }
-        }
-        drop(peers);
-        if let Some(h) = self.accept.lock().take() {
-            let _ = h.join();
-        }
-        // Wait until no thread touches registered memory any more: each
-        // step of a receive or send runs under the registry's read lock and
-        // checks the shutdown flag first, so none starts after this.
-        drop(self.inner.regions.write());
-        tracing::info!(session = %self.inner.session, "tcp engine shut down");
+        self.host.shutdown();
     }
 
     /// The engine's counters.
     pub fn stats(&self) -> EngineStats {
-        self.inner.stats.snapshot()
+        self.host.stats()
     }
 
     /// The configuration the engine runs with.
     pub fn config(&self) -> &EngineConfig {
-        &self.inner.cfg
+        &self.inner().cfg
     }
 
     /// Test hook: while frozen, the engine's server stops reading requests
     /// (connections stay open), like a hung peer process.
     #[doc(hidden)]
     pub fn debug_freeze(&self, frozen: bool) {
-        self.inner.frozen.store(frozen, Ordering::Release);
+        self.inner().frozen.store(frozen, Ordering::Release);
     }
 
     /// Test hook: freeze (see [`Self::debug_freeze`]) as soon as `bytes`
     /// payload bytes in total have been received, i.e. in the middle of a batch.
     #[doc(hidden)]
     pub fn debug_freeze_after(&self, bytes: u64) {
-        self.inner.freeze_after.store(bytes, Ordering::Release);
+        self.inner().freeze_after.store(bytes, Ordering::Release);
     }
 
     /// Test hook: send a raw `Write` request over a fresh connection (no
@@ -269,80 +210,26 @@ impl TcpEngine {
         session: &str,
         dst_and_data: &[(u64, &[u8])],
     ) -> Result<(), TransferError> {
-        conn::raw_write(&self.inner, session, dst_and_data)
-    }
-}
-
-#[cfg(feature = "cuda")]
-impl session::control::ControlHost for TcpEngine {
-    fn control(&self, session: &str) -> Result<session::control::Control, TransferError> {
-        if self.inner.is_shutdown() {
-            return Err(shutdown_error(session));
-        }
-        let addr: SocketAddr = resolve(session)?;
-        let (stream, incarnation) = conn::connect(&self.inner, session, addr)?.into_parts();
-        Ok(session::control::Control::new(session, stream, incarnation))
-    }
-
-    fn set_exports(&self, table: Vec<u8>) {
-        *self.inner.exports.write() = table;
-    }
-
-    fn registry(&self) -> &RwLock<RegionRegistry> {
-        &self.inner.regions
-    }
-}
-
-impl Drop for TcpEngine {
-    fn drop(&mut self) {
-        self.shutdown();
+        conn::raw_write(self.inner(), session, dst_and_data)
     }
 }
 
 impl TransferEngine for TcpEngine {
     fn session_id(&self) -> &str {
-        &self.inner.session
+        self.host.session_id()
     }
 
     unsafe fn batch_register(&self, regions: &[(u64, u64)]) -> Result<(), MemError> {
         // SAFETY: forwarded caller contract.
-        unsafe { self.inner.regions.write().register(regions) }.map(|_| ())
+        unsafe { self.host.register(regions) }
     }
 
     fn batch_deregister(&self, addrs: &[u64]) -> Result<(), MemError> {
-        let (removed, r) = {
-            let mut regions = self.inner.regions.write();
-            let removed: Vec<(u64, u64)> = regions
-                .regions()
-                .filter(|r| addrs.contains(&r.addr))
-                .map(|r| (r.addr, r.len))
-                .collect();
-            (removed, regions.deregister(addrs))
-        };
-        // Peers holding a removed region (CUDA IPC) may be copying into it:
-        // revoke their holds and wait for their copies to finish.
-        let stuck = self
-            .inner
-            .holds
-            .revoke_and_wait(&removed, self.inner.cfg.io_timeout());
-        if !stuck.is_empty() {
-            tracing::warn!(
-                connections = stuck.len(),
-                "a peer did not release a revoked hold in time; dropping its connection"
-            );
-            let accepted = self.inner.accepted.lock();
-            for id in stuck {
-                if let Some(s) = accepted.get(&id) {
-                    let _ = s.shutdown(std::net::Shutdown::Both);
-                }
-                self.inner.holds.release(id);
-            }
-        }
-        r
+        self.host.deregister(addrs)
     }
 
     fn incarnation(&self) -> u64 {
-        self.inner.incarnation
+        self.host.incarnation()
     }
 
     /// Refuse the peer announcing `session` from now on; returns once its
@@ -350,28 +237,17 @@ impl TransferEngine for TcpEngine {
     /// runs past `min(io_timeout, request_timeout)` — with its connections
     /// closed. Always `Ok(true)`.
     fn fence_peer(&self, session: &str) -> Result<bool, TransferError> {
-        let cfg = &self.inner.cfg;
-        let grace = cfg.io_timeout().min(cfg.request_timeout());
-        let ids = self.inner.fences.fence(session, grace);
-        let accepted = self.inner.accepted.lock();
-        for id in &ids {
-            if let Some(s) = accepted.get(id) {
-                let _ = s.shutdown(std::net::Shutdown::Both);
-            }
-        }
-        drop(accepted);
-        tracing::info!(%session, connections = ids.len(), "peer fenced");
+        self.host.fence(session);
         Ok(true)
     }
 
     fn unfence_peer(&self, session: &str) {
-        self.inner.fences.unfence(session);
-        tracing::info!(%session, "peer unfenced");
+        self.host.unfence(session);
     }
 
     fn submit(&self, target: Target<'_>, batch: Batch<'_>) -> BatchHandle {
         if let Batch::Runs(runs) = batch
-            && self.inner.cfg.tcp.native_runs
+            && self.inner().cfg.tcp.native_runs
         {
             let expected = target.incarnation.unwrap_or(0);
             return match self.plan_runs(target.session, expected, runs) {
@@ -386,23 +262,19 @@ impl TransferEngine for TcpEngine {
     }
 
     fn copies_runs(&self) -> bool {
-        self.inner.cfg.tcp.native_runs
+        self.inner().cfg.tcp.native_runs
     }
 
     /// Host KV: strided runs cost what a gather and a scatter cost, without
     /// the ring's round trips. Device KV (or runs off): every slice would
     /// cross the host bounce path on its own, so one bulk write is faster.
     fn prefers_staging(&self, device_kv: bool) -> bool {
-        device_kv || !self.inner.cfg.tcp.native_runs
+        device_kv || !self.inner().cfg.tcp.native_runs
     }
 
     fn probe(&self, session: &str) -> Result<(), TransferError> {
-        if self.inner.is_shutdown() {
-            return Err(shutdown_error(session));
-        }
-        let addr = resolve(session)?;
-        let incarnation = conn::ping(&self.inner, session, addr)?;
-        if let Some(p) = self.inner.peers.lock().get(session) {
+        let incarnation = self.host.ping(session)?;
+        if let Some(p) = self.inner().peers.lock().get(session) {
             let old = p.info.incarnation.swap(incarnation, Ordering::AcqRel);
             if old != 0 && old != incarnation {
                 tracing::info!(%session, "probe: peer restarted (new incarnation)");
@@ -412,15 +284,15 @@ impl TransferEngine for TcpEngine {
     }
 
     fn registered_regions(&self) -> Vec<Region> {
-        self.inner.regions.read().regions().copied().collect()
+        self.host.registered_regions()
     }
 
     fn read_local(&self, addr: u64, out: &mut [u8]) -> Result<(), MemError> {
-        self.inner.regions.read_recursive().read_bytes(addr, out)
+        self.host.read_local(addr, out)
     }
 
     fn write_local(&self, addr: u64, data: &[u8]) -> Result<(), MemError> {
-        self.inner.regions.read_recursive().write_bytes(addr, data)
+        self.host.write_local(addr, data)
     }
 }
 
@@ -435,11 +307,11 @@ impl TcpEngine {
         expected: u64,
         blocks: &[Block],
     ) -> Result<Option<BatchHandle>, TransferError> {
-        if self.inner.is_shutdown() {
+        if self.inner().is_shutdown() {
             return Err(shutdown_error(session));
         }
         {
-            let regions = self.inner.regions.read_recursive();
+            let regions = self.inner().regions.read_recursive();
             for (i, b) in blocks.iter().enumerate() {
                 if b.dst.checked_add(b.len).is_none() {
                     let d = format!("destination {:#x}+{} overflows", b.dst, b.len);
@@ -465,8 +337,8 @@ impl TcpEngine {
         // Requests of at most `request_bytes`, but small enough that one
         // batch spreads over all of the peer's connections.
         let total: u64 = blocks.iter().map(|b| b.len).sum();
-        let lanes = self.inner.cfg.tcp.connections_per_peer.max(1) as u64;
-        let cap = self.inner.cfg.tcp.request_bytes.max(1) as u64;
+        let lanes = self.inner().cfg.tcp.connections_per_peer.max(1) as u64;
+        let cap = self.inner().cfg.tcp.request_bytes.max(1) as u64;
         let step = total.div_ceil(lanes).clamp(cap.min(MIN_REQUEST_BYTES), cap);
         let mut requests: Vec<Vec<Piece>> = Vec::new();
         let mut cur: Vec<Piece> = Vec::new();
@@ -513,13 +385,13 @@ impl TcpEngine {
         mut requests: Vec<Vec<Piece>>,
         whole: impl FnOnce() -> Vec<Piece>,
     ) -> Result<Option<BatchHandle>, TransferError> {
-        let peer = self.inner.peer(session)?;
+        let peer = self.inner().peer(session)?;
         let (handle, completer) = BatchHandle::pending();
         let ctx = BatchCtx::new(
             session,
             expected,
             completer,
-            self.inner.stats.live_batches.clone(),
+            self.inner().stats.live_batches.clone(),
         );
         let first = if requests.len() == 1 {
             let pieces = requests.pop().unwrap_or_default();
@@ -552,10 +424,10 @@ mod tests {
             ..EngineConfig::default()
         })
         .unwrap();
-        let key = engine.inner.secret.clone().unwrap();
+        let key = engine.inner().secret.clone().unwrap();
         assert_ne!(key, text.as_bytes());
         let secret = crate::ClusterSecret::from_text(text, "test").unwrap();
-        assert_eq!(key, secret.derive(HANDSHAKE_KEY));
+        assert_eq!(key, secret.derive(host::HANDSHAKE_KEY));
         // The UCX side channel's key is another one.
         assert_ne!(key, secret.derive("ucx-side-channel"));
     }

@@ -23,13 +23,13 @@ impl TcpEngine {
         expected: u64,
         runs: &[Run],
     ) -> Result<Option<BatchHandle>, TransferError> {
-        if self.inner.is_shutdown() {
+        if self.inner().is_shutdown() {
             return Err(shutdown_error(session));
         }
-        let cap = self.inner.cfg.tcp.request_bytes.max(1) as u64;
+        let cap = self.inner().cfg.tcp.request_bytes.max(1) as u64;
         let mut total = 0u64;
         {
-            let regions = self.inner.regions.read_recursive();
+            let regions = self.inner().regions.read_recursive();
             for (i, r) in runs.iter().enumerate() {
                 let Some((src_span, _)) = r.spans().filter(|_| r.is_well_formed()) else {
                     return Err(crate::malformed_run(session, i));
@@ -52,7 +52,7 @@ impl TcpEngine {
             // Copies longer than a request are cut into pieces as blocks.
             return self.plan(session, expected, &expand_runs(runs));
         }
-        let lanes = self.inner.cfg.tcp.connections_per_peer.max(1) as u64;
+        let lanes = self.inner().cfg.tcp.connections_per_peer.max(1) as u64;
         let step = total.div_ceil(lanes).clamp(cap.min(MIN_REQUEST_BYTES), cap);
         let requests = cut(runs, step);
         if requests.is_empty() {

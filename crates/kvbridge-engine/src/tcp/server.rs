@@ -282,6 +282,11 @@ impl ServerConn<'_> {
         let Some(h) = Header::decode(&hb) else {
             return self.bad_frame("malformed request header", None, &mut b);
         };
+        if !self.inner.data_plane
+            && matches!(h.op, Op::Check | Op::CheckRuns | Op::Write | Op::WriteRuns)
+        {
+            return self.bad_frame("data request to a control-only host", Some(h.seq), &mut b);
+        }
         let (status, index) = match h.op {
             Op::Ping => (Status::Ok, 0),
             Op::Exports => {
