@@ -301,6 +301,39 @@ impl StagingRoom {
             .filter(|c| matches!(c.state, SlotState::Held(_) | SlotState::Scattering(_)))
             .count()
     }
+
+    /// A room of `target` into `pages` whose chunk 0 (every page) is
+    /// allocated, still held for its writers or already `scattered`.
+    #[cfg(test)]
+    pub(crate) fn with_one_chunk(
+        target: Arc<StagingTarget>,
+        pages: Vec<i32>,
+        scattered: bool,
+    ) -> Self {
+        let allocation = Allocation {
+            id: 0,
+            offset: 0,
+            len: 1 << 10,
+            round: 0,
+        };
+        let chunk = ChunkSlot {
+            state: if scattered {
+                SlotState::Scattered
+            } else {
+                SlotState::Held(allocation)
+            },
+            page_start: 0,
+            pages: pages.len() as u64,
+            arrived: HashSet::new(),
+        };
+        Self {
+            writers: target.writers(),
+            target,
+            pages,
+            prefills: Vec::new(),
+            chunks: HashMap::from([(0, chunk)]),
+        }
+    }
 }
 
 /// Registers `room` for staging when this pair stages: staging on here,

@@ -5,7 +5,9 @@
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
-use kvbridge_plan::PrefillLayout;
+use std::sync::Arc;
+
+use kvbridge_plan::{PrefillLayout, StagingTarget};
 use kvbridge_wire::{KvPoll, PairKey};
 use proptest::prelude::*;
 
@@ -149,6 +151,50 @@ fn a_room_succeeds_once_every_rank_reported_and_counts_its_bytes() {
         rooms.handle(Input::StatusSender { room: 7, rank: 1 }),
         Output::Sender(Err(StatusEffect::Late))
     );
+}
+
+/// A decode layout of TP 1 that a prefill of TP 2 stages into: K and V,
+/// four heads of two bytes per token.
+fn staged_layout() -> PrefillLayout {
+    PrefillLayout {
+        page_size: 1,
+        attn_tp_size: 1,
+        kv_head_num: 4,
+        total_kv_head_num: 4,
+        kv_data_ptrs: vec![0x10_0000, 0x11_0000],
+        kv_item_lens: vec![8, 8],
+        ..PrefillLayout::default()
+    }
+}
+
+#[test]
+fn success_with_a_staging_chunk_never_scattered_fails_the_room() {
+    let target = Arc::new(StagingTarget::new(&staged_layout(), 2).unwrap());
+    for scattered in [false, true] {
+        let mut rooms = DecodeRooms::default();
+        resolved(&mut rooms, 9, 2);
+        rooms.staging.insert(
+            9,
+            StagingRoom::with_one_chunk(target.clone(), vec![0, 1, 2, 3], scattered),
+        );
+        assert_eq!(
+            status(&mut rooms, 9, 0, KvPoll::Success),
+            StatusEffect::Counted
+        );
+        let last = status(&mut rooms, 9, 1, KvPoll::Success);
+        if scattered {
+            // Every chunk is in the pages: the room is complete.
+            assert!(matches!(last, StatusEffect::Succeeded(_)), "{last:?}");
+            assert_eq!(poll(&mut rooms, 9), Some(KvPoll::Success));
+        } else {
+            // Every writer's CHUNK_READY precedes its status: a chunk still
+            // held was never written, so the pages are not the room's KV.
+            assert_eq!(last, StatusEffect::Failed);
+            assert_eq!(poll(&mut rooms, 9), Some(KvPoll::Failed));
+            let reason = rooms.table.failure(9).unwrap_or_default().to_owned();
+            assert!(reason.contains("never written"), "{reason}");
+        }
+    }
 }
 
 #[test]
