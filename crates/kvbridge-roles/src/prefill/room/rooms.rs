@@ -93,7 +93,15 @@ impl PrefillRooms {
     /// Changes the room's record (created empty), dropping it if it ends
     /// up holding nothing.
     pub fn with<R>(&mut self, room: u64, f: impl FnOnce(&mut PrefillRoom) -> R) -> R {
-        let entry = self.rooms.entry(room).or_default();
+        let Some(entry) = self.rooms.get_mut(&room) else {
+            // Kept only if `f` gave it something to hold.
+            let mut fresh = PrefillRoom::default();
+            let out = f(&mut fresh);
+            if !fresh.is_empty() {
+                self.rooms.insert(room, fresh);
+            }
+            return out;
+        };
         let out = f(entry);
         if entry.is_empty() {
             self.rooms.remove(&room);
