@@ -64,8 +64,11 @@ const LOG_ENV: &str = "KVBRIDGE_LOG";
 
 /// Logs to stderr, filtered by `KVBRIDGE_LOG`, else `RUST_LOG`, else
 /// `warn`; colour only when stderr is a terminal and `NO_COLOR` is unset.
-fn init_logging() {
-    use tracing_subscriber::EnvFilter;
+/// `stages` also records the roles' room stages (`bench roles --stages`).
+fn init_logging(stages: bool) {
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
+    use tracing_subscriber::{EnvFilter, Layer};
     let mut complaint = None;
     let mut filter = None;
     for var in [LOG_ENV, "RUST_LOG"] {
@@ -80,10 +83,14 @@ fn init_logging() {
     }
     let stderr = std::io::stderr();
     let ansi = std::io::IsTerminal::is_terminal(&stderr) && std::env::var_os("NO_COLOR").is_none();
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(filter.unwrap_or_else(|| EnvFilter::new("warn")))
+    let fmt = tracing_subscriber::fmt::layer()
         .with_writer(std::io::stderr)
         .with_ansi(ansi)
+        .with_filter(filter.unwrap_or_else(|| EnvFilter::new("warn")));
+    let stages = stages.then(bench_cmd::roles::stages::layer);
+    let _ = tracing_subscriber::registry()
+        .with(fmt)
+        .with(stages)
         .try_init();
     if let Some(complaint) = complaint {
         tracing::warn!("{complaint}");
@@ -91,8 +98,12 @@ fn init_logging() {
 }
 
 fn main() -> ExitCode {
-    init_logging();
     let cli = Cli::parse();
+    let stages = matches!(
+        &cli.command,
+        Command::Bench(bench_cmd::BenchCommand::Roles(args)) if args.stages
+    );
+    init_logging(stages);
     match cli.command {
         Command::Wire(cmd) => wire_cmd::run(cmd),
         Command::Bootstrap(args) => bootstrap_cmd::run(args),

@@ -121,6 +121,7 @@ pub mod prefill;
 mod role;
 pub mod rooms;
 pub mod seal;
+pub mod stage;
 mod staging_mem;
 mod stop;
 

@@ -12,7 +12,7 @@ mod ipc;
 mod ipc_layout;
 mod measure;
 mod plot;
-mod roles;
+pub(crate) mod roles;
 mod size;
 mod tcp;
 #[cfg(feature = "ucx")]

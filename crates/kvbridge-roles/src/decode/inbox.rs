@@ -17,6 +17,7 @@ use super::room::{Input, Output, StatusEffect};
 use super::{Shared, staging};
 use crate::control::PullSocket;
 use crate::role;
+use crate::stage::{self, Stage};
 
 /// Most `STATE_DATA` bytes held before they are written.
 const STATE_BATCH_BYTES: usize = 16 << 20;
@@ -125,6 +126,7 @@ fn on_status(shared: &Shared, s: &Status<'_>, bound: &Bound) {
             return;
         }
     };
+    stage::mark(s.room, Stage::StatusIn);
     if !bound::from_ranks(shared, key.as_ref(), bound, ("status", s.room)) {
         return;
     }

@@ -8,6 +8,7 @@ use kvbridge_wire::{KvPoll, PackedArray, PackedLists, Transfer, TransferPages};
 
 use super::receiver::KvReceiver;
 use super::slots::RoomSlots;
+use crate::stage::{self, Stage};
 
 impl KvReceiver {
     /// Tells every prefill rank where the room's KV goes.
@@ -122,6 +123,7 @@ impl KvReceiver {
             }
         }
         self.init_time = Some(Instant::now());
+        stage::mark(self.room, Stage::DestSent);
         self.poll()
     }
 }

@@ -12,6 +12,7 @@ use super::slots::ExpectedRanks;
 use super::state::{BootstrapInfo, PrefillSummary};
 use super::topology::{LocalTopology, RankMapping, resolve};
 use crate::error::KvTransferError;
+use crate::stage::{self, Stage};
 
 /// The decode side of one room: find the prefill ranks, register, send the
 /// destination pages, poll until `Success` or `Failed`.
@@ -371,6 +372,7 @@ impl KvReceiver {
             _ => KvPoll::Failed,
         };
         if status.is_terminal() {
+            stage::mark(self.room, Stage::Seen);
             self.conclude_state = Some(status);
             if status == KvPoll::Failed {
                 self.stop_writers();

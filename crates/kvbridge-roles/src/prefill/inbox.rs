@@ -15,6 +15,7 @@ use super::state::{AckTarget, Peer, PeerEntry, TransferInfo};
 use crate::control::PullSocket;
 use crate::kv_args::peer_registration;
 use crate::role;
+use crate::stage::{self, Stage};
 
 /// Receives until the manager stops.
 pub(crate) fn run(shared: &Shared, socket: PullSocket) {
@@ -332,6 +333,7 @@ fn on_transfer(shared: &Shared, t: &Transfer<'_>) {
     match admission {
         Admission::Added(Some(infos)) => {
             tracing::debug!(room, "all decode destinations known");
+            stage::mark(room, Stage::DestKnown);
             staged::prefetch(shared, room, &infos);
         }
         Admission::Added(None) => {}

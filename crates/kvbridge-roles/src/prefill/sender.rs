@@ -11,6 +11,7 @@ use super::cp::CpRole;
 use super::room::{Input, Output};
 use super::{QueuedChunk, Shared};
 use crate::error::{KvTransferError, SendError};
+use crate::stage::{self, Stage};
 
 /// The prefill side of one room: announce the pages, send them in chunks,
 /// poll until `Success` or `Failed`.
@@ -152,6 +153,7 @@ impl KvSender {
             state_indices: if is_last { state_indices } else { None },
             num_kv_tokens,
         };
+        stage::mark(room, Stage::Queued);
         if let Some(queue) = self.shared.queues.get(shard)
             && queue.send(Some(QueuedChunk { room, chunk })).is_err()
         {

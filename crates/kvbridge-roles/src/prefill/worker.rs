@@ -29,6 +29,7 @@ use super::staging::ledger::Stager;
 use super::staging::{self as staged, Grid, StagedTask};
 use super::state::{Peer, PeerEntry, TransferInfo};
 use super::{QueuedChunk, Shared};
+use crate::stage::{self, Stage};
 
 /// Batches a worker keeps in flight at least, whatever the thread pool size:
 /// enough to overlap planning, sending and acknowledgements for the many
@@ -93,6 +94,7 @@ pub(crate) fn run(shared: &Shared, queue: &Receiver<Option<QueuedChunk>>, index:
             last = queued.chunk.is_last_chunk
         );
         let _enter = span.enter();
+        stage::mark(queued.room, Stage::Taken);
         worker.process(&mut planner, &queued);
     }
     // Nothing may be left writing once the worker is gone.
@@ -297,6 +299,7 @@ impl Worker<'_> {
                 };
                 let batch = out.batch();
                 if !batch.is_empty() {
+                    stage::mark(room, Stage::Submitted);
                     self.submit(ticket, incarnation, part, info, batch);
                 }
             }
@@ -402,6 +405,7 @@ impl Worker<'_> {
         let Some(finales) = self.finales.remove(&room) else {
             return;
         };
+        stage::mark(room, Stage::Written);
         let mut aux_ok = true;
         let mut targets = Vec::with_capacity(finales.len());
         for f in &finales {
@@ -427,6 +431,7 @@ impl Worker<'_> {
             )
         };
         shared.conclude(room, status, Some(targets), reason);
+        stage::mark(room, Stage::Concluded);
     }
 
     /// Waits for every batch in flight and acts on each; staged chunks

@@ -68,6 +68,7 @@ impl Pair {
                     continue;
                 }
                 let mut r = active.swap_remove(i);
+                super::stages::noticed(r.room);
                 took.push(r.sent.map_or(Duration::ZERO, |t| t.elapsed()));
                 self.close_room(&mut r, deadline)?;
                 if next < count {

@@ -15,6 +15,7 @@
 
 mod flow;
 mod pair;
+pub(crate) mod stages;
 mod threads;
 
 use std::collections::BTreeMap;
@@ -72,6 +73,13 @@ pub struct RolesArgs {
     /// as a scheduler would); Linux only.
     #[arg(long)]
     threads: bool,
+    /// Also report where a room's latency goes: the median and p90 time
+    /// between consecutive stages of the timed rooms (destinations to the
+    /// prefill, queued, taken by a worker, submitted, written, concluded,
+    /// status at the decode, seen by its poll, noticed by the driving
+    /// thread).
+    #[arg(long)]
+    pub stages: bool,
 }
 
 /// Longest one room or raw batch may take.
@@ -96,6 +104,9 @@ struct SizeReport {
     /// With `--threads`: CPU microseconds per room, by thread name.
     #[serde(skip_serializing_if = "Option::is_none")]
     thread_cpu_us_per_room: Option<BTreeMap<String, f64>>,
+    /// With `--stages`: the time between consecutive stages of a room.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    stages: Option<Vec<stages::StageGap>>,
 }
 
 /// Runs `kvbridge bench roles`.
@@ -141,6 +152,9 @@ pub fn run(args: RolesArgs) -> Result<()> {
                 spent.join(" · ")
             );
         }
+        for g in report.stages.iter().flatten() {
+            println!("{:>10}  {g}", "");
+        }
     }
     Ok(())
 }
@@ -161,6 +175,7 @@ fn measure_size(args: &RolesArgs, size: u64) -> Result<SizeReport> {
     // Untimed: every slot's room verified (connections, handshakes, first
     // touches), and one raw stream.
     let mut verified = pair.check(1)?;
+    stages::clear();
     pair.raw_stream(pair.slots(), in_flight)?;
     let (mut roles, mut raw) = (Vec::new(), Vec::new());
     let (mut roles_wall, mut raw_wall, mut moved) = (0.0, 0.0, 0u64);
@@ -186,6 +201,7 @@ fn measure_size(args: &RolesArgs, size: u64) -> Result<SizeReport> {
         moved += count * bytes;
         first += count;
     }
+    let timed = 1_000..first;
     verified += pair.check(first)?;
     let roles_gbps = moved as f64 / roles_wall / 1e9;
     let engine_gbps = moved as f64 / raw_wall / 1e9;
@@ -216,5 +232,6 @@ fn measure_size(args: &RolesArgs, size: u64) -> Result<SizeReport> {
                 .map(|(name, ns)| (name, ns as f64 / 1e3 / total as f64))
                 .collect()
         }),
+        stages: args.stages.then(|| stages::gaps(timed)),
     })
 }
