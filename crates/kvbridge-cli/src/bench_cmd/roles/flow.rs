@@ -12,8 +12,17 @@ use kvbridge_engine::{Batch, Target};
 use super::DEADLINE;
 use super::pair::{Flying, Pair};
 
-/// Longest pause between two polls of the rooms in flight.
-const POLL_MAX: Duration = Duration::from_micros(50);
+/// Shortest pause between two polls of the rooms in flight.
+const POLL_MIN: Duration = Duration::from_micros(20);
+/// Longest pause between two polls before a room's latency is known.
+const POLL_FIRST: Duration = Duration::from_micros(50);
+/// Longest pause between two polls ever.
+const POLL_CAP: Duration = Duration::from_millis(2);
+/// Polls per room latency, at most: a room concludes at most 1/32 of its
+/// latency before it is noticed, and the polls cost the driving thread
+/// little CPU however long rooms take (on two cores, 50 µs polls of 60 ms
+/// TCP rooms took a fifth of a core from the transfer).
+const POLLS_PER_ROOM: u32 = 32;
 
 /// What one stream measured.
 pub(super) struct Flow {
@@ -44,9 +53,11 @@ impl Pair {
         let start = Instant::now();
         let mut active: Vec<Flying> = Vec::with_capacity(in_flight);
         let mut took = Vec::with_capacity(count as usize);
-        // Polls back off to POLL_MAX, as a scheduler between its iterations,
-        // so that polling does not take the cores the transfer needs.
-        let mut nap = Duration::from_micros(20);
+        // Polls back off to `poll_max`, as a scheduler between its
+        // iterations, so that polling does not take the cores the transfer
+        // needs; `poll_max` follows the rooms' latency (the last one's).
+        let mut nap = POLL_MIN;
+        let mut poll_max = POLL_FIRST;
         while took.len() < count as usize {
             let mut moved = false;
             while active.len() < in_flight
@@ -69,7 +80,9 @@ impl Pair {
                 }
                 let mut r = active.swap_remove(i);
                 super::stages::noticed(r.room);
-                took.push(r.sent.map_or(Duration::ZERO, |t| t.elapsed()));
+                let latency = r.sent.map_or(Duration::ZERO, |t| t.elapsed());
+                poll_max = (latency / POLLS_PER_ROOM).clamp(POLL_MIN, POLL_CAP);
+                took.push(latency);
                 self.close_room(&mut r, deadline)?;
                 if next < count {
                     ready.push_back(self.open_room(first + next, r.slot, false));
@@ -81,10 +94,10 @@ impl Pair {
                 bail!("rooms {first}.. did not conclude within {DEADLINE:?}");
             }
             if moved {
-                nap = Duration::from_micros(20);
+                nap = POLL_MIN;
             } else {
                 std::thread::sleep(nap);
-                nap = (nap * 2).min(POLL_MAX);
+                nap = (nap * 2).min(poll_max);
             }
         }
         Ok(Flow {
