@@ -43,6 +43,10 @@ impl Region {
 #[derive(Debug, Clone)]
 pub struct RegionRegistry {
     by_start: BTreeMap<u64, Region>,
+    /// The same regions in a vector, by start address: every transfer looks
+    /// up each of its blocks, and a binary search over contiguous memory
+    /// costs a fraction of a B-tree range walk. Rebuilt on every change.
+    sorted: Vec<Region>,
     prober: Arc<dyn KindProber>,
     generation: u64,
 }
@@ -77,6 +81,7 @@ impl RegionRegistry {
     pub fn with_prober(prober: Arc<dyn KindProber>) -> Self {
         Self {
             by_start: BTreeMap::new(),
+            sorted: Vec::new(),
             prober,
             generation: 0,
         }
@@ -126,6 +131,9 @@ impl RegionRegistry {
             tracing::debug!(addr = format_args!("{addr:#x}"), len = r.len, kind = %r.kind, "region registered");
             self.by_start.insert(addr, r);
         }
+        if added > 0 {
+            self.reindex();
+        }
         Ok(added)
     }
 
@@ -169,6 +177,7 @@ impl RegionRegistry {
                 first_unknown = Some(addr);
             }
         }
+        self.reindex();
         match first_unknown {
             Some(addr) => Err(MemError::NotRegistered { addr }),
             None => Ok(()),
@@ -177,8 +186,16 @@ impl RegionRegistry {
 
     /// The region that contains all of `[addr, addr + len)`, in `O(log n)`.
     pub fn find(&self, addr: u64, len: u64) -> Option<&Region> {
-        let (_, r) = self.by_start.range(..=addr).next_back()?;
+        // The last region starting at or before `addr`.
+        let after = self.sorted.partition_point(|r| r.addr <= addr);
+        let r = self.sorted.get(after.checked_sub(1)?)?;
         r.contains(addr, len).then_some(r)
+    }
+
+    /// Rebuilds the vector [`Self::find`] searches from the map.
+    fn reindex(&mut self) {
+        self.sorted.clear();
+        self.sorted.extend(self.by_start.values().copied());
     }
 
     /// Like [`Self::find`], as a `Result` for `?`.

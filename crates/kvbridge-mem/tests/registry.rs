@@ -149,11 +149,16 @@ proptest! {
                 prop_assert_eq!(res.is_ok(), known.is_some());
                 if let Some(i) = known { model.remove(i); }
             }
-        }
-        for (off, len) in probes {
-            let addr = 0x1000 + off * 4;
-            let want = model.iter().any(|&(a, l)| addr >= a && addr + len <= a + l);
-            prop_assert_eq!(r.find(addr, len).is_some(), want);
+            // Lookups agree with the model after every change, not only
+            // at the end (the index they search is rebuilt on each).
+            for &(off, len) in &probes {
+                let addr = 0x1000 + off * 4;
+                let want = model
+                    .iter()
+                    .find(|&&(a, l)| addr >= a && addr + len <= a + l)
+                    .map(|&(a, _)| a);
+                prop_assert_eq!(r.find(addr, len).map(|g| g.addr), want);
+            }
         }
     }
 }
