@@ -73,6 +73,11 @@ fn lookups() {
     assert!(r.find(0x1100, 0x100).is_none(), "spans the gap");
     assert!(r.find(0x1000, 0x1100).is_none(), "spans two regions");
     assert!(r.find(0x2050, u64::MAX).is_none());
+    // Adjacent regions: a byte at the seam is in the second one.
+    reg(&mut r, &[(0x2100, 0x10)]).unwrap();
+    assert_eq!(r.find(0x2100, 1).map(|g| g.addr), Some(0x2100));
+    assert_eq!(r.find(0x20ff, 1).map(|g| g.addr), Some(0x2000));
+    assert!(r.find(0x20ff, 2).is_none(), "spans the seam");
     assert_eq!(r.check(0x2000, 1).unwrap().kind, MemoryKind::Host);
     assert_eq!(
         r.check(0x3000, 1),
@@ -153,11 +158,15 @@ proptest! {
             // at the end (the index they search is rebuilt on each).
             for &(off, len) in &probes {
                 let addr = 0x1000 + off * 4;
-                let want = model
-                    .iter()
-                    .find(|&&(a, l)| addr >= a && addr + len <= a + l)
-                    .map(|&(a, _)| a);
-                prop_assert_eq!(r.find(addr, len).map(|g| g.addr), want);
+                let holds = |a: u64, l: u64| addr >= a && addr + len <= a + l;
+                let want = model.iter().any(|&(a, l)| holds(a, l));
+                let got = r.find(addr, len);
+                prop_assert_eq!(got.is_some(), want);
+                // What it finds is registered and holds the probe (a
+                // zero-length probe at a boundary lies in two regions).
+                if let Some(g) = got {
+                    prop_assert!(model.contains(&(g.addr, g.len)) && holds(g.addr, g.len));
+                }
             }
         }
     }
