@@ -166,6 +166,7 @@ impl RegionRegistry {
     pub fn deregister(&mut self, addrs: &[u64]) -> Result<(), MemError> {
         let mut seen = std::collections::HashSet::with_capacity(addrs.len());
         let mut first_unknown = None;
+        let before = self.by_start.len();
         for &addr in addrs {
             if !seen.insert(addr) {
                 continue; // handled at its first occurrence
@@ -177,7 +178,9 @@ impl RegionRegistry {
                 first_unknown = Some(addr);
             }
         }
-        self.reindex();
+        if self.by_start.len() != before {
+            self.reindex();
+        }
         match first_unknown {
             Some(addr) => Err(MemError::NotRegistered { addr }),
             None => Ok(()),
