@@ -3,7 +3,8 @@
 //! transfer engine (sglang `MooncakeKVManager` in PREFILL mode).
 //!
 //! Threads: one inbox thread (the bootstrap socket), one worker per shard
-//! queue (chunks of one room stay in order on one shard), one probe thread
+//! queue (chunks of one room stay in order on one shard; one decode's rooms
+//! spread over every shard), one probe thread
 //! for blacklisted sessions, and optionally a metrics endpoint.
 
 pub(crate) mod cp;
