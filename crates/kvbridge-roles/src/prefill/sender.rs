@@ -61,12 +61,9 @@ fn route_dp(shared: &Shared, room: u64) {
 /// alone").
 fn shard_of(port_sum: u64, room: u64, queues: usize) -> usize {
     let queues = queues.max(1) as u64;
-    // splitmix64's finalizer: rooms a DP router sent here share a residue
-    // modulo the DP size, and must still reach every queue.
-    let mut z = room.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^= z >> 31;
+    // Hashed, not the room itself: rooms a DP router sent here share a
+    // residue modulo the DP size, and must still reach every queue.
+    let z = kvbridge_plan::rng::splitmix(room);
     ((port_sum % queues + z % queues) % queues) as usize
 }
 
