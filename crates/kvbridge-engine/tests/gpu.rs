@@ -235,6 +235,68 @@ fn ipc_engine_between_two_engines_of_one_process() {
     b.batch_deregister(&[dst.addr()]).unwrap();
 }
 
+/// Bursts of up to 32 batches in flight: every byte lands, and the
+/// session never allocates more descriptor slots than batches were ever in
+/// flight at once (finished slots are kept for the next burst, not freed,
+/// which would wait for the whole GPU, and allocated again).
+#[test]
+fn ipc_engine_reuses_slots_across_deep_bursts() {
+    if !gpu("ipc_engine_reuses_slots_across_deep_bursts") {
+        return;
+    }
+    let a = IpcEngine::new(common::cfg(), CopyTuning::default()).unwrap();
+    let b = IpcEngine::new(common::cfg(), CopyTuning::default()).unwrap();
+    const DEPTH: usize = 32;
+    const PIECE: usize = 1 << 20;
+    let len = DEPTH * 8 * PIECE;
+    let src = DeviceBuffer::new(0, len).unwrap();
+    let dst = DeviceBuffer::new(0, len).unwrap();
+    // SAFETY: the buffers outlive the engines' use; deregistered below.
+    unsafe {
+        a.batch_register(&[src.region()]).unwrap();
+        b.batch_register(&[dst.region()]).unwrap();
+    }
+    // Batch i: 8 blocks of 1 MiB, interleaved with the other batches' blocks.
+    let batches: Vec<Vec<Block>> = (0..DEPTH)
+        .map(|i| {
+            (0..8)
+                .map(|j| {
+                    let off = ((j * DEPTH + i) * PIECE) as u64;
+                    Block {
+                        src: src.addr() + off,
+                        dst: dst.addr() + off,
+                        len: PIECE as u64,
+                    }
+                })
+                .collect()
+        })
+        .collect();
+    let mut made = Vec::new();
+    for round in 0..4u64 {
+        let data = random_bytes(len, 100 + round);
+        src.write(0, &data).unwrap();
+        dst.fill(0).unwrap();
+        let handles: Vec<_> = batches
+            .iter()
+            .map(|blocks| a.submit(Target::any(b.session_id()), Batch::Blocks(blocks)))
+            .collect();
+        for h in handles {
+            h.wait().unwrap();
+        }
+        let mut got = vec![0u8; len];
+        dst.read(0, &mut got).unwrap();
+        assert!(got == data, "round {round}: bytes differ");
+        made.push(a.slots_made());
+    }
+    assert!(made[0] >= 1, "no slot made: {made:?}");
+    assert!(
+        made[3] <= DEPTH as u64,
+        "more slots allocated than batches were ever in flight: {made:?}"
+    );
+    a.batch_deregister(&[src.addr()]).unwrap();
+    b.batch_deregister(&[dst.addr()]).unwrap();
+}
+
 /// The other process of the IPC tests: the target (spawned from this test binary).
 struct Peer {
     child: Child,

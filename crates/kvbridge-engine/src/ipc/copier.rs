@@ -94,6 +94,15 @@ pub struct Slot {
     done: Event,
 }
 
+impl super::idle::Reusable for Slot {
+    fn ordinal(&self) -> i32 {
+        self.ordinal
+    }
+    fn capacity(&self) -> usize {
+        self.cap
+    }
+}
+
 impl Slot {
     /// A slot for at least `descs` descriptors on GPU `ordinal`.
     pub fn new(ordinal: i32, descs: usize) -> Result<Self, CudaError> {
@@ -106,11 +115,6 @@ impl Slot {
             uploaded: Event::new_untimed(ordinal)?,
             done: Event::new_untimed(ordinal)?,
         })
-    }
-
-    /// The GPU of the slot's device buffer.
-    pub fn ordinal(&self) -> i32 {
-        self.ordinal
     }
 
     /// Capacity in descriptors.

@@ -26,7 +26,7 @@ use kvbridge_mem::{MemError, MemoryKind, Region};
 use parking_lot::Mutex;
 
 use super::peer::PeerState;
-use super::pipe::{Counters, FREE_SLOTS, InFlight, Pipe, Shared};
+use super::pipe::{Counters, InFlight, Pipe, Shared};
 use super::schedule::CopyTuning;
 use super::table::{self, Export};
 use crate::session::control::ControlHost;
@@ -82,6 +82,17 @@ impl IpcEngine {
             c.mappings_opened.load(Ordering::Relaxed),
             c.mappings_closed.load(Ordering::Relaxed),
         )
+    }
+
+    /// Descriptor slots allocated so far, all sessions together (for tests
+    /// and logs): after the first batches only a deeper or larger burst
+    /// than any before allocates more.
+    pub fn slots_made(&self) -> u64 {
+        self.sessions
+            .lock()
+            .values()
+            .map(|s| s.pipe.slots_made.load(Ordering::Relaxed))
+            .sum()
     }
 
     /// Bytes copied into peers.
@@ -218,12 +229,7 @@ fn complete_loop(
         let InFlight { slot, bytes, done } = item;
         let waited = slot.wait();
         pipe.in_flight.fetch_sub(1, Ordering::AcqRel);
-        {
-            let mut free = pipe.free.lock();
-            if free.len() < FREE_SLOTS {
-                free.push(slot);
-            }
-        }
+        pipe.free.lock().give_back(slot);
         match waited {
             Ok(()) => {
                 shared

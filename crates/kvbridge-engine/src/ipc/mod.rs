@@ -41,6 +41,8 @@
 // The copy planning and the kernel source are pure (no CUDA): built and
 // tested everywhere, used only by the engine the `cuda` feature builds.
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) mod idle;
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(crate) mod kernel;
 #[cfg_attr(not(feature = "cuda"), allow(dead_code, unused_imports))]
 pub(crate) mod schedule;

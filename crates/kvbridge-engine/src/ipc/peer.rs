@@ -10,7 +10,7 @@ use kvbridge_mem::MemoryKind;
 use kvbridge_mem::cuda::{CudaError, IpcHandle, IpcMapping};
 
 use super::copier::{self, Copier, Slot};
-use super::pipe::{FREE_SLOTS, IDLE_RELEASE, MAX_ATTEMPTS, Pipe, Shared};
+use super::pipe::{IDLE_RELEASE, MAX_ATTEMPTS, Pipe, Shared};
 use super::schedule::{self, Batch, Context, CopyTuning, Miss, Prepared, RangeMap, RunSplit};
 use super::table::{self, Export};
 use crate::session::control::{Control, ControlHost};
@@ -348,17 +348,13 @@ impl PeerState {
 
     /// An idle slot for `n` descriptors.
     pub(super) fn slot(&self, pipe: &Pipe, ordinal: i32, n: usize) -> Result<Slot, TransferError> {
-        let taken = {
-            let mut free = pipe.free.lock();
-            free.retain(|s| s.ordinal() == ordinal);
-            match free.iter().position(|s| s.capacity() >= n) {
-                Some(i) => Some(free.swap_remove(i)),
-                None => free.pop(),
-            }
-        };
+        let taken = pipe.free.lock().take(ordinal, n);
         let mut slot = match taken {
             Some(s) => s,
-            None => Slot::new(ordinal, n).map_err(|e| self.io(&e))?,
+            None => {
+                pipe.slots_made.fetch_add(1, Ordering::Relaxed);
+                Slot::new(ordinal, n).map_err(|e| self.io(&e))?
+            }
         };
         slot.reserve(n, 0).map_err(|e| self.io(&e))?;
         Ok(slot)
@@ -476,10 +472,7 @@ impl PeerState {
             // Uploads (or copies) of this slot may still read its buffers.
             self.sync_uploads();
             self.sync();
-            let mut free = pipe.free.lock();
-            if free.len() < FREE_SLOTS {
-                free.push(slot);
-            }
+            pipe.free.lock().give_back(slot);
             return Err(e);
         }
         let bytes = self.acc.kernel_bytes + self.acc.memcpy.iter().map(|b| b.len).sum::<u64>();

@@ -8,14 +8,13 @@ use std::time::Duration;
 use parking_lot::Mutex;
 
 use super::copier::Slot;
+use super::idle::IdleSlots;
 use super::schedule::CopyTuning;
 use crate::batch::Completer;
 use crate::tcp::EngineHost;
 
 /// An idle session releases its holds after this long.
 pub(super) const IDLE_RELEASE: Duration = Duration::from_millis(500);
-/// Free descriptor slots a session keeps.
-pub(super) const FREE_SLOTS: usize = 8;
 /// Passes over one batch (re-fetched table, new mappings, revokes) before giving up.
 pub(super) const MAX_ATTEMPTS: usize = 6;
 
@@ -48,9 +47,11 @@ pub(super) struct InFlight {
 #[derive(Debug, Default)]
 pub(super) struct Pipe {
     /// Idle descriptor slots.
-    pub(super) free: Mutex<Vec<Slot>>,
+    pub(super) free: Mutex<IdleSlots<Slot>>,
     /// Batches launched and not completed.
     pub(super) in_flight: AtomicUsize,
+    /// Descriptor slots allocated so far.
+    pub(super) slots_made: AtomicU64,
     /// Whether the session holds regions of the peer (the completion thread
     /// then watches for revokes while idle).
     pub(super) holding: AtomicBool,
