@@ -46,6 +46,8 @@ fn rooms_and_raw_batches_for_every_layout() {
             // Every slot's room (eight slots for four rooms in flight) is
             // verified before and after the timed streams: KV and aux.
             assert!(v["verified_bytes"].as_u64().unwrap() >= 16 * room, "{v}");
+            // One room a stream, four in flight: no steady rate.
+            assert!(v.get("steady_ratio").is_none(), "{v}");
             for key in ["roles_gbps", "engine_gbps", "ratio", "p50_ms", "p99_ms"] {
                 assert!(v[key].as_f64().unwrap() > 0.0, "{key}: {v}");
             }
@@ -68,6 +70,11 @@ fn rooms_in_flight_each_land_on_their_own_pages() {
     // Two checks of six slots: KV and aux of twelve rooms.
     let verified = v["verified_bytes"].as_u64().unwrap();
     assert!(verified >= 12 * room && verified < 13 * room, "{v}");
+    // Streams of four and three rooms, three in flight: one room concluded
+    // once the pipeline was full.
+    for key in ["roles_steady_gbps", "engine_steady_gbps", "steady_ratio"] {
+        assert!(v[key].as_f64().unwrap() > 0.0, "{key}: {v}");
+    }
 }
 
 #[test]

@@ -30,6 +30,24 @@ pub(super) struct Flow {
     pub(super) wall: Duration,
     /// Each room's (or raw slot batch's) time, send to conclusion.
     pub(super) rooms: Vec<Duration>,
+    /// When each room concluded, in order.
+    pub(super) ends: Vec<Instant>,
+}
+
+impl Flow {
+    /// The stream once its pipeline was full: the rooms that concluded
+    /// after the `in_flight`-th and the time from its conclusion to the
+    /// last one (`None` when the stream held no more rooms than that). This
+    /// leaves out the fill, the first rooms' fixed latency, which `wall`
+    /// holds once per stream; with rooms sharing the wire the first
+    /// `in_flight` conclude together, so counting from the first alone
+    /// would not leave it out.
+    pub(super) fn steady(&self, in_flight: usize) -> Option<(u64, Duration)> {
+        let k = in_flight.max(1);
+        let (full, last) = (self.ends.get(k - 1)?, self.ends.last()?);
+        let rooms = (self.ends.len() - k) as u64;
+        (rooms > 0).then(|| (rooms, last.duration_since(*full)))
+    }
 }
 
 impl Pair {
@@ -53,6 +71,7 @@ impl Pair {
         let start = Instant::now();
         let mut active: Vec<Flying> = Vec::with_capacity(in_flight);
         let mut took = Vec::with_capacity(count as usize);
+        let mut ends = Vec::with_capacity(count as usize);
         // Polls back off to `poll_max`, as a scheduler between its
         // iterations, so that polling does not take the cores the transfer
         // needs; `poll_max` follows the rooms' latency (the last one's).
@@ -79,6 +98,7 @@ impl Pair {
                     continue;
                 }
                 let mut r = active.swap_remove(i);
+                ends.push(Instant::now());
                 super::stages::noticed(r.room);
                 let latency = r.sent.map_or(Duration::ZERO, |t| t.elapsed());
                 poll_max = (latency / POLLS_PER_ROOM).clamp(POLL_MIN, POLL_CAP);
@@ -103,6 +123,7 @@ impl Pair {
         Ok(Flow {
             wall: start.elapsed(),
             rooms: took,
+            ends,
         })
     }
 
@@ -113,6 +134,7 @@ impl Pair {
         let start = Instant::now();
         let mut flying = VecDeque::with_capacity(in_flight);
         let mut took = Vec::with_capacity(count as usize);
+        let mut ends = Vec::with_capacity(count as usize);
         let mut next = 0u64;
         let slots = self.raw_blocks.len().max(1) as u64;
         while next < count || !flying.is_empty() {
@@ -139,11 +161,51 @@ impl Pair {
                     None => bail!("the raw engine batch did not finish within {DEADLINE:?}"),
                 }
             }
+            ends.push(Instant::now());
             took.push(sent.elapsed());
         }
         Ok(Flow {
             wall: start.elapsed(),
             rooms: took,
+            ends,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn flow(ends_ms: &[u64]) -> Flow {
+        let t0 = Instant::now();
+        Flow {
+            wall: Duration::from_millis(ends_ms.last().copied().unwrap_or(0)),
+            rooms: vec![Duration::ZERO; ends_ms.len()],
+            ends: ends_ms
+                .iter()
+                .map(|&ms| t0 + Duration::from_millis(ms))
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn steady_leaves_out_the_fill() {
+        // One at a time on a serial copier: a 10 ms fill, then one room per ms.
+        let f = flow(&[10, 11, 12, 13, 14, 15]);
+        assert_eq!(f.steady(1), Some((5, Duration::from_millis(5))));
+        assert_eq!(f.steady(2), Some((4, Duration::from_millis(4))));
+        // Rooms sharing the wire conclude in waves of `in_flight`: from the
+        // first wave's end, one wave per 20 ms.
+        let f = flow(&[19, 20, 20, 20, 39, 40, 40, 40, 59, 60, 60, 60]);
+        assert_eq!(f.steady(4), Some((8, Duration::from_millis(40))));
+    }
+
+    #[test]
+    fn no_steady_rate_without_more_rooms_than_in_flight() {
+        assert_eq!(flow(&[5, 6, 7]).steady(3), None);
+        assert_eq!(flow(&[5, 6]).steady(4), None);
+        assert_eq!(flow(&[]).steady(1), None);
+        // `in_flight` 0 counts as 1.
+        assert_eq!(flow(&[5, 7]).steady(0), Some((1, Duration::from_millis(2))));
     }
 }

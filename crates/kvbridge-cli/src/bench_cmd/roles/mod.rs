@@ -97,6 +97,17 @@ struct SizeReport {
     roles_gbps: f64,
     engine_gbps: f64,
     ratio: f64,
+    /// The roles' rate once the pipeline is full: the rooms that concluded
+    /// after each stream's first `in_flight`, over the time from that
+    /// conclusion to the stream's last (no fill).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    roles_steady_gbps: Option<f64>,
+    /// The raw engine's rate measured the same way.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    engine_steady_gbps: Option<f64>,
+    /// `roles_steady_gbps / engine_steady_gbps`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    steady_ratio: Option<f64>,
     p50_ms: f64,
     p99_ms: f64,
     engine_p50_ms: f64,
@@ -119,8 +130,8 @@ pub fn run(args: RolesArgs) -> Result<()> {
     }
     if !args.json {
         println!(
-            "{:>10}  {:>10}  {:>10}  {:>6}  {:>9}  {:>9}",
-            "room", "roles GB/s", "engine GB/s", "ratio", "p50 ms", "p99 ms"
+            "{:>10}  {:>10}  {:>10}  {:>6}  {:>6}  {:>9}  {:>9}",
+            "room", "roles GB/s", "engine GB/s", "ratio", "steady", "p50 ms", "p99 ms"
         );
     }
     for &size in &args.sizes {
@@ -129,12 +140,16 @@ pub fn run(args: RolesArgs) -> Result<()> {
             println!("{}", serde_json::to_string(&report)?);
             continue;
         }
+        let steady = report
+            .steady_ratio
+            .map_or_else(|| "-".to_owned(), |r| format!("{r:.2}"));
         println!(
-            "{:>10}  {:>10.2}  {:>10.2}  {:>6.2}  {:>9.2}  {:>9.2}",
+            "{:>10}  {:>10.2}  {:>10.2}  {:>6.2}  {:>6}  {:>9.2}  {:>9.2}",
             human(report.room_bytes),
             report.roles_gbps,
             report.engine_gbps,
             report.ratio,
+            steady,
             report.p50_ms,
             report.p99_ms
         );
@@ -168,6 +183,27 @@ pub(super) fn model(layout: Layout) -> (ModelSpec, u64) {
     }
 }
 
+/// Bytes the streams concluded once full, and the time they took.
+#[derive(Debug, Default)]
+struct Span {
+    bytes: u64,
+    secs: f64,
+}
+
+impl Span {
+    fn add(&mut self, flow: &flow::Flow, in_flight: usize, room_bytes: u64) {
+        if let Some((rooms, time)) = flow.steady(in_flight) {
+            self.bytes += rooms * room_bytes;
+            self.secs += time.as_secs_f64();
+        }
+    }
+
+    /// GB/s over the spans (none when no stream held more rooms than in flight).
+    fn gbps(&self) -> Option<f64> {
+        (self.bytes > 0 && self.secs > 0.0).then(|| self.bytes as f64 / self.secs / 1e9)
+    }
+}
+
 fn measure_size(args: &RolesArgs, size: u64) -> Result<SizeReport> {
     let mut pair = pair::Pair::start(args, size)?;
     let bytes = pair.room_bytes();
@@ -179,6 +215,7 @@ fn measure_size(args: &RolesArgs, size: u64) -> Result<SizeReport> {
     pair.raw_stream(pair.slots(), in_flight)?;
     let (mut roles, mut raw) = (Vec::new(), Vec::new());
     let (mut roles_wall, mut raw_wall, mut moved) = (0.0, 0.0, 0u64);
+    let (mut roles_span, mut raw_span) = (Span::default(), Span::default());
     // Two rounds, alternated: a stream of rooms, then one of raw batches.
     let total = u64::from(args.rooms);
     let mut first = 1_000;
@@ -194,9 +231,11 @@ fn measure_size(args: &RolesArgs, size: u64) -> Result<SizeReport> {
             threads::accumulate(&mut cpu, threads::CpuTimes::now().since(before));
         }
         roles_wall += f.wall.as_secs_f64();
+        roles_span.add(&f, in_flight, bytes);
         roles.extend(f.rooms.iter().map(Duration::as_secs_f64));
         let r = pair.raw_stream(count, in_flight)?;
         raw_wall += r.wall.as_secs_f64();
+        raw_span.add(&r, in_flight, bytes);
         raw.extend(r.rooms.iter().map(Duration::as_secs_f64));
         moved += count * bytes;
         first += count;
@@ -205,6 +244,7 @@ fn measure_size(args: &RolesArgs, size: u64) -> Result<SizeReport> {
     verified += pair.check(first)?;
     let roles_gbps = moved as f64 / roles_wall / 1e9;
     let engine_gbps = moved as f64 / raw_wall / 1e9;
+    let (roles_steady, engine_steady) = (roles_span.gbps(), raw_span.gbps());
     Ok(SizeReport {
         engine: match args.engine {
             EngineKind::Tcp => "tcp",
@@ -223,6 +263,9 @@ fn measure_size(args: &RolesArgs, size: u64) -> Result<SizeReport> {
         roles_gbps,
         engine_gbps,
         ratio: roles_gbps / engine_gbps,
+        roles_steady_gbps: roles_steady,
+        engine_steady_gbps: engine_steady,
+        steady_ratio: roles_steady.zip(engine_steady).map(|(r, e)| r / e),
         p50_ms: percentile(&roles, 0.5) * 1e3,
         p99_ms: percentile(&roles, 0.99) * 1e3,
         engine_p50_ms: percentile(&raw, 0.5) * 1e3,
