@@ -33,6 +33,7 @@ fn registration() -> Register<'static> {
         dst_kv_item_lens: PackedArray::from(vec![16384u64; 160]),
         incarnation: None,
         pair_key: None,
+        aux_batch: false,
     }
 }
 

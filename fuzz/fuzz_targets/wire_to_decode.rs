@@ -1,8 +1,9 @@
 #![no_main]
 //! Every decoder a decode rank runs on peer input: status, AUX_DATA,
-//! STATE_DATA, CHUNK_READY, STAGING_REQ, ABORT_ACK.
+//! STATE_DATA, CHUNK_READY, STAGING_REQ, ABORT_ACK, and kvbridge's
+//! AUX_BATCH extension.
 
-use kvbridge_wire::{Limits, ToDecode};
+use kvbridge_wire::{AuxBatch, Limits, ToDecode};
 use libfuzzer_sys::fuzz_target;
 
 mod frames;
@@ -22,5 +23,13 @@ fuzz_target!(|data: &[u8]| {
             ToDecode::decode(&encoded, &Limits::DEFAULT).expect("re-encoded message decodes");
         let twice: Vec<Vec<u8>> = again.encode().into_iter().map(|f| f.into_owned()).collect();
         assert_eq!(twice, encoded);
+    }
+    if let Ok(batch) = AuxBatch::decode(&frames, &Limits::DEFAULT) {
+        // The slots cover the payload exactly, and re-encoding is canonical.
+        let total: usize = batch.slots().map(|(_, d)| d.len()).sum();
+        assert_eq!(total, frames[5].len());
+        let encoded: Vec<Vec<u8>> = batch.encode().into_iter().map(|f| f.into_owned()).collect();
+        let again = AuxBatch::decode(&encoded, &Limits::DEFAULT).expect("re-encoded batch decodes");
+        assert_eq!(again, batch);
     }
 });

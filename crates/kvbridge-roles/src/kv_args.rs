@@ -191,6 +191,8 @@ impl KvArgs {
             dst_kv_item_lens: PackedArray::from(l.kv_item_lens.as_slice()),
             incarnation: (incarnation != 0).then_some(incarnation),
             pair_key: None,
+            // This decode takes a room's aux slots in one message.
+            aux_batch: true,
         }
     }
 }

@@ -1,7 +1,7 @@
 //! Secret mode against a rogue cluster member speaking for a prefill rank:
 //! it knows a live room's id and the rank numbers that serve it, and sends
 //! the decode a status (Success, to conclude the room before its KV came;
-//! Failed, to kill it), `AUX_DATA` and `STATE_DATA` into the room's own
+//! Failed, to kill it), `AUX_DATA` (or `AUX_BATCH`) and `STATE_DATA` into the room's own
 //! slots, and `ABORT_ACK`s that would hand aborted pages back while the
 //! real rank may still write them. None carries the MAC of the room's
 //! ranks' pair keys: each is dropped and counted as `unbound`, no byte
@@ -19,7 +19,7 @@ use common::*;
 use kvbridge_engine::ClusterSecret;
 use kvbridge_roles::KvPoll;
 use kvbridge_roles::metrics::Metrics;
-use kvbridge_wire::{AbortAck, AuxData, StateData, Status};
+use kvbridge_wire::{AbortAck, AuxBatch, AuxData, StateData, Status};
 
 const POISON: u8 = 0xe7;
 
@@ -67,13 +67,16 @@ fn a_member_cannot_conclude_or_write_a_decode_room() {
         data: vec![0x11; aux_len].into(),
     };
     rogue.send(port, owned(forged.encode()));
+    let slot = vec![0x11; aux_len];
+    let forged = AuxBatch::from_slots(room, aux, &[(0, &slot[..])]).unwrap();
+    rogue.send(port, owned(forged.encode()));
     let forged = StateData {
         room,
         dst_addr: page_addr,
         data: vec![0x22; 64].into(),
     };
     rogue.send(port, owned(forged.encode()));
-    wait_dropped_as(|| decode_metrics(&c), "unbound", 8);
+    wait_dropped_as(|| decode_metrics(&c), "unbound", 10);
     // Let a build that took them apply them.
     std::thread::sleep(Duration::from_millis(100));
     for rx in &mut a.rx {
@@ -90,9 +93,9 @@ fn a_member_cannot_conclude_or_write_a_decode_room() {
     );
     assert!(
         pools.aux_still_poisoned(aux, POISON),
-        "a forged AUX_DATA wrote the room's aux slot"
+        "a forged AUX_DATA or AUX_BATCH wrote the room's aux slot"
     );
-    assert_eq!(decode_metrics(&c)[0].dropped_for("unbound"), 8);
+    assert_eq!(decode_metrics(&c)[0].dropped_for("unbound"), 10);
     // The room's own rank is heard as before.
     a.send_all(2);
     a.finish_ok(&c);

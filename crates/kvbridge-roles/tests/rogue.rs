@@ -11,7 +11,8 @@ use std::time::{Duration, Instant};
 use common::*;
 use kvbridge_roles::KvPoll;
 use kvbridge_wire::{
-    AuxData, PackedArray, PackedLists, Register, StateData, Transfer, TransferPages,
+    AUX_BATCH_TAG, AuxBatch, AuxData, PackedArray, PackedLists, Register, StateData, Transfer,
+    TransferPages,
 };
 
 fn send(sock: &zmq::Socket, frames: &[&[u8]]) {
@@ -70,6 +71,11 @@ fn decode_drops_hostile_messages() {
         sock.send_multipart(frames.iter().map(|f| f.as_ref()), 0)
             .unwrap();
     }
+    // The same two as kvbridge's AUX_BATCH, and a batch cut short.
+    let m = AuxBatch::from_slots(77, 0, &[(9, &[0xcd; 4][..]), (0, &[0xcd; 17][..])]).unwrap();
+    sock.send_multipart(m.encode().iter().map(|f| f.as_ref()), 0)
+        .unwrap();
+    send(&sock, &[AUX_BATCH_TAG, b"77", b"0"]);
     // An in-region write for a room that does not exist.
     let m = StateData {
         room: 4242,
@@ -80,9 +86,9 @@ fn decode_drops_hostile_messages() {
         .unwrap();
     let metrics = decode.metrics().clone();
     wait_until(|| {
-        metrics.dropped_for("malformed") >= 3
+        metrics.dropped_for("malformed") >= 4
             && metrics.dropped_for("state_data") >= 5
-            && metrics.dropped_for("aux_data") >= 2
+            && metrics.dropped_for("aux_data") >= 4
     });
     assert_eq!(
         pools.verify(0, &(0..16).collect::<Vec<_>>(), 0),

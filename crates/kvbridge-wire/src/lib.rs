@@ -26,6 +26,7 @@
 
 mod codec;
 mod error;
+mod extension;
 mod kvpoll;
 mod limits;
 mod message;
@@ -39,6 +40,7 @@ pub mod json;
 
 pub use codec::Frames;
 pub use error::{DecodeError, IntegerError};
+pub use extension::{AUX_BATCH_CAPABILITY, AUX_BATCH_TAG, AuxBatch};
 pub use kvpoll::KvPoll;
 pub use limits::Limits;
 pub use message::{Side, ToDecode, ToPrefill};

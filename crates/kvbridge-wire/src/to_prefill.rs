@@ -70,6 +70,10 @@ pub struct Register<'a> {
     /// frame, ignored by sglang): the key that binds this decode rank's
     /// staging messages to the prefill rank it is sent to.
     pub pair_key: Option<PairKey>,
+    /// kvbridge extension (a trailing `kvbridge-aux-batch` frame, ignored
+    /// by sglang): this decode rank takes a room's aux slots in one
+    /// [`crate::AuxBatch`] message.
+    pub aux_batch: bool,
 }
 
 /// Prefix of the kvbridge incarnation frame appended to a registration.
@@ -136,11 +140,14 @@ impl<'a> Register<'a> {
                 .find_map(|f| f.as_ref().strip_prefix(INCARNATION_PREFIX))
                 .and_then(|n| parse_u64("incarnation", n).ok()),
             pair_key: tail.iter().find_map(|f| PairKey::from_frame(f.as_ref())),
+            aux_batch: tail
+                .iter()
+                .any(|f| f.as_ref() == crate::extension::AUX_BATCH_CAPABILITY),
         })
     }
 
     /// The 20 frames the reference's `_register_kv_args` sends (plus the
-    /// incarnation and pair-key frames when set).
+    /// incarnation, aux-batch and pair-key frames when set).
     pub fn encode(&self) -> Frames<'_> {
         let mut frames = vec![
             Cow::Borrowed(REGISTER_ROOM),
@@ -177,6 +184,9 @@ impl<'a> Register<'a> {
             frame.extend_from_slice(n.to_string().as_bytes());
             frames.push(Cow::Owned(frame));
         }
+        if self.aux_batch {
+            frames.push(Cow::Borrowed(crate::extension::AUX_BATCH_CAPABILITY));
+        }
         if let Some(key) = &self.pair_key {
             frames.push(Cow::Owned(key.frame()));
         }
@@ -207,6 +217,7 @@ impl<'a> Register<'a> {
             dst_kv_item_lens: self.dst_kv_item_lens.into_owned(),
             incarnation: self.incarnation,
             pair_key: self.pair_key,
+            aux_batch: self.aux_batch,
         }
     }
 }

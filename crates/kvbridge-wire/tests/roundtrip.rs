@@ -50,9 +50,11 @@ prop_compose! {
             staging_base_ptr: base, staging_total_size: total,
             dst_dcp_size: dcp, dst_dcp_rank: dcp_rank,
             staging_slot_layer_ids: slots.into(), dst_kv_item_lens: kv_lens.into(),
-            // The JSON form has no incarnation or pair key (kvbridge extensions).
+            // The JSON form has no incarnation, pair key or aux-batch
+            // capability (kvbridge extensions).
             incarnation: None,
             pair_key: None,
+            aux_batch: false,
         }
     }
 }
@@ -257,14 +259,15 @@ proptest! {
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(256))]
 
-    /// kvbridge's registration tail (incarnation, pair key) round-trips in
-    /// either presence, and sglang's 20 frames stay the message's first.
+    /// kvbridge's registration tail (incarnation, pair key, aux-batch
+    /// capability) round-trips in either presence, and sglang's 20 frames
+    /// stay the message's first.
     #[test]
     fn a_registration_tail_round_trips(
         base in register(), incarnation in prop::option::of(any::<u64>()),
-        key in prop::option::of(any::<[u8; 32]>()),
+        key in prop::option::of(any::<[u8; 32]>()), aux_batch in any::<bool>(),
     ) {
-        let m = Register { incarnation, pair_key: key.map(PairKey), ..base.clone() };
+        let m = Register { incarnation, pair_key: key.map(PairKey), aux_batch, ..base.clone() };
         let frames = owned(m.encode());
         prop_assert_eq!(&frames[..20], &owned(base.encode())[..20]);
         let back = Register::decode(&frames, &L).unwrap();

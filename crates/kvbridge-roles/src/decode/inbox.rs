@@ -2,7 +2,8 @@
 //! arrive from prefill ranks on one PULL socket. A message is applied only
 //! if the room expects it: status and ABORT_ACK from the room's own prefill
 //! ranks (each counted once, ACKs with the generation of our ABORT),
-//! STATE_DATA and AUX_DATA only into the room's own slots while it takes
+//! STATE_DATA and AUX_DATA (or kvbridge's AUX_BATCH, every aux slot of a room
+//! in one message) only into the room's own slots while it takes
 //! writes, and every address also checked against our registered regions.
 //! In secret mode each must also carry the MAC of a room rank's pair key.
 //! Anything else is dropped, logged and counted.
@@ -10,7 +11,9 @@
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use kvbridge_wire::{AbortAck, AuxData, Limits, PairKey, StateData, Status, ToDecode};
+use kvbridge_wire::{
+    AUX_BATCH_TAG, AbortAck, AuxBatch, AuxData, Limits, PairKey, StateData, Status, ToDecode,
+};
 
 use super::bound::{self, Bound};
 use super::room::{Input, Output, StatusEffect};
@@ -82,6 +85,17 @@ pub(crate) fn handle(shared: &Shared, frames: &[Vec<u8>], batch: &mut StateBatch
     // Every message of a prefill rank ends with its pair MAC (secret mode).
     let (frames, mac) = kvbridge_wire::split_mac(frames);
     let bound = Bound::new(shared, frames, mac);
+    if frames
+        .first()
+        .is_some_and(|f| f.as_slice() == AUX_BATCH_TAG)
+    {
+        batch.flush(shared);
+        match AuxBatch::decode(frames, &Limits::DEFAULT) {
+            Ok(a) => on_aux_batch(shared, &a, &bound),
+            Err(e) => role::drop_malformed(&shared.metrics, &e, frames.len()),
+        }
+        return;
+    }
     let message = ToDecode::decode(frames, &Limits::DEFAULT);
     if let Ok(ToDecode::StateData(s)) = &message {
         on_state(shared, s, &bound, batch);
@@ -193,33 +207,50 @@ fn on_aux(shared: &Shared, a: &AuxData<'_>, bound: &Bound) {
     if !from_room(shared, a.room, bound, "AUX_DATA") {
         return;
     }
+    write_aux_slot(shared, a.room, a.buffer_index, a.aux_index, &a.data);
+}
+
+/// A room's aux slots in one message (kvbridge's extension): each slot as
+/// an `AUX_DATA` of its own would be.
+fn on_aux_batch(shared: &Shared, a: &AuxBatch<'_>, bound: &Bound) {
+    if !from_room(shared, a.room, bound, "AUX_BATCH") {
+        return;
+    }
+    for (buffer, data) in a.slots() {
+        write_aux_slot(shared, a.room, u64::from(buffer), a.aux_index, data);
+    }
+}
+
+/// Writes one aux slot's bytes if it is one of `room`'s own slots and the
+/// room takes writes; else drops them, counted and logged.
+fn write_aux_slot(shared: &Shared, room: u64, buffer_index: u64, aux_index: u64, data: &[u8]) {
     let layout = &shared.kv_args.layout;
-    let slot = usize::try_from(a.buffer_index)
+    let slot = usize::try_from(buffer_index)
         .ok()
-        .and_then(|i| layout.aux_slot(i, a.aux_index).ok());
+        .and_then(|i| layout.aux_slot(i, aux_index).ok());
     let Some((addr, item)) = slot else {
         shared.metrics.dropped("aux_data");
         tracing::error!(
-            room = a.room,
-            buffer = a.buffer_index,
+            room,
+            buffer = buffer_index,
             "AUX_DATA for an unknown aux buffer; dropping"
         );
         return;
     };
-    if a.data.len() as u64 > item || !room_takes(shared, a.room, addr, a.data.len() as u64) {
+    if data.len() as u64 > item || !room_takes(shared, room, addr, data.len() as u64) {
         shared.metrics.dropped("aux_data");
         tracing::warn!(
-            room = a.room,
-            aux_index = a.aux_index,
-            len = a.data.len(),
+            room,
+            aux_index,
+            len = data.len(),
             item,
             "dropping AUX_DATA: not this room's aux slot, or the room takes no writes"
         );
         return;
     }
-    if let Err(e) = shared.local.registry.write_bytes(addr, &a.data) {
+    if let Err(e) = shared.local.registry.write_bytes(addr, data) {
         shared.metrics.dropped("aux_data");
-        tracing::error!(room = a.room, error = %e, "AUX_DATA outside our regions; dropping");
+        tracing::error!(room, error = %e, "AUX_DATA outside our regions; dropping");
     }
 }
 

@@ -197,6 +197,7 @@ fn on_register(shared: &Shared, r: &Register<'_>) {
             peer,
             staging,
             pair_key: r.pair_key,
+            aux_batch: r.aux_batch,
             digest,
             control: (r.endpoint.to_string(), r.dst_port),
         }),

@@ -13,7 +13,7 @@ use std::borrow::Cow;
 
 use kvbridge_engine::Batch;
 use kvbridge_plan::{Block, Run};
-use kvbridge_wire::{AuxData, StateData};
+use kvbridge_wire::{AuxBatch, AuxData, StateData};
 
 use super::Shared;
 use super::pipeline::Part;
@@ -123,9 +123,11 @@ pub(crate) fn ship_blocks(
     Ok(())
 }
 
-/// The aux slots over zmq (`AUX_DATA`), ahead of the status message on the
-/// same ordered socket. Every prefill aux buffer is sent, as the reference
-/// does; the decode drops indices it does not have.
+/// The aux slots over zmq, ahead of the status message on the same ordered
+/// socket: one `AuxBatch` to a decode rank that announced it takes them (a
+/// kvbridge decode), else one `AUX_DATA` per aux buffer as the reference
+/// sends. Every prefill aux buffer is sent, as the reference does; the
+/// decode drops indices it does not have.
 pub(crate) fn send_aux(
     shared: &Shared,
     room: u64,
@@ -138,8 +140,7 @@ pub(crate) fn send_aux(
         tracing::error!(room, "last chunk without a prefill aux index");
         return false;
     };
-    let endpoint = info.zmq_endpoint();
-    let key = shared.pair_key_of(&info.session);
+    let mut slots = Vec::with_capacity(layout.aux_data_ptrs.len());
     for i in 0..layout.aux_data_ptrs.len() {
         let (src, len) = match layout.aux_slot(i, src_index) {
             Ok(slot) => slot,
@@ -148,7 +149,7 @@ pub(crate) fn send_aux(
                 return false;
             }
         };
-        let Ok(len) = usize::try_from(len) else {
+        let (Ok(buffer), Ok(len)) = (u32::try_from(i), usize::try_from(len)) else {
             return false;
         };
         let mut data = vec![0u8; len];
@@ -156,20 +157,43 @@ pub(crate) fn send_aux(
             tracing::error!(room, error = %e, "cannot read aux slot");
             return false;
         }
-        let message = AuxData {
-            room,
-            buffer_index: i as u64,
-            aux_index: dst_aux_index,
-            data: data.into(),
-        };
-        let frames = crate::seal::seal(key.as_ref(), message.encode());
-        if let Err(e) = shared
+        slots.push((buffer, data));
+    }
+    let endpoint = info.zmq_endpoint();
+    let key = shared.pair_key_of(&info.session);
+    let send = |frames: kvbridge_wire::Frames<'_>, kind: &str| {
+        let frames = crate::seal::seal(key.as_ref(), frames);
+        match shared
             .push
             .send(&endpoint, frames.iter().map(|f| f.as_ref()))
         {
-            tracing::warn!(room, error = %e, "cannot send AUX_DATA");
-            return false;
+            Ok(()) => true,
+            Err(e) => {
+                tracing::warn!(room, error = %e, "cannot send {kind}");
+                false
+            }
         }
+    };
+    let batch = shared
+        .peers
+        .read()
+        .get(&info.session)
+        .is_some_and(|e| e.aux_batch);
+    if batch && !slots.is_empty() {
+        let refs: Vec<(u32, &[u8])> = slots.iter().map(|(b, d)| (*b, d.as_slice())).collect();
+        let Some(message) = AuxBatch::from_slots(room, dst_aux_index, &refs) else {
+            tracing::error!(room, "aux slots too large for one AUX_BATCH");
+            return false;
+        };
+        return send(message.encode(), "AUX_BATCH");
     }
-    true
+    slots.into_iter().all(|(buffer, data)| {
+        let message = AuxData {
+            room,
+            buffer_index: u64::from(buffer),
+            aux_index: dst_aux_index,
+            data: data.into(),
+        };
+        send(message.encode(), "AUX_DATA")
+    })
 }

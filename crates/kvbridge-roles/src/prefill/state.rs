@@ -80,6 +80,9 @@ pub(crate) struct PeerEntry {
     /// The key binding our staging messages with this decode rank (secret
     /// mode: from its registration).
     pub pair_key: Option<kvbridge_wire::PairKey>,
+    /// The decode rank takes a room's aux slots in one `AuxBatch` (it said
+    /// so in its registration); else one `AUX_DATA` per aux buffer.
+    pub aux_batch: bool,
     /// SHA-256 of the registration's frames: an identical one from the
     /// same incarnation is no restart.
     pub digest: [u8; 32],

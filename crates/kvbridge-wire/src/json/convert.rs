@@ -169,6 +169,7 @@ impl WireJson {
                         dst_kv_item_lens: PackedArray::from(j.dst_kv_item_lens.as_slice()),
                         incarnation: None,
                         pair_key: None,
+                        aux_batch: false,
                     }
                     .encode(),
                 )

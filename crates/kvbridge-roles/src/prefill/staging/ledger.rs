@@ -206,6 +206,7 @@ mod tests {
                 peer: Peer::Rejected("test".into()),
                 staging: None,
                 pair_key: None,
+                aux_batch: false,
                 digest: [0; 32],
                 control: (String::new(), 0),
             }),
